@@ -1,0 +1,52 @@
+"""inferprof: where each request's time goes, stage by stage, at the tail.
+
+The in-process half (``configure``, ``stage``, the FastAPI middleware, the
+batchers) emits OpenTelemetry spans per ``docs/span-contract.md``; the collector
+half (``inferprof collect`` / ``inferprof report``) folds them into per-stage
+quantiles, tail attribution and a bottleneck verdict.
+
+Heavy or optional pieces are imported on first use, so ``import inferprof`` stays
+cheap and works without the optional extras installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from inferprof import semconv
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it; resolved lazily by __getattr__.
+_LAZY = {
+    "configure": "inferprof._config",
+    "shutdown": "inferprof._config",
+    "stage": "inferprof.instrumentation.stage",
+    "request": "inferprof.instrumentation.stage",
+    "current_request": "inferprof.instrumentation.stage",
+    "DynamicBatcher": "inferprof.batching.dynamic",
+    "enqueue": "inferprof.batching.hooks",
+    "batch": "inferprof.batching.hooks",
+}
+
+__all__ = ["semconv", "__version__", *_LAZY]
+
+if TYPE_CHECKING:  # pragma: no cover
+    from inferprof._config import configure, shutdown
+    from inferprof.batching.dynamic import DynamicBatcher
+    from inferprof.batching.hooks import batch, enqueue
+    from inferprof.instrumentation.stage import current_request, request, stage
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'inferprof' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

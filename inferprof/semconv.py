@@ -1,0 +1,165 @@
+"""Every name on the wire, defined once.
+
+This module mirrors ``docs/span-contract.md`` (the wire contract between the
+instrumentation, the GPU samplers and the collector). Code anywhere in inferprof
+refers to these constants rather than to string literals, so a rename is a
+one-line change and a typo is an ``AttributeError`` instead of a silent miss.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Final
+
+# --- §1 Stages -------------------------------------------------------------
+
+STAGE_RECEIVE: Final = "receive"
+STAGE_TOKENIZE: Final = "tokenize"
+STAGE_QUEUE: Final = "queue"
+STAGE_BATCH_ASSEMBLY: Final = "batch_assembly"
+STAGE_H2D: Final = "h2d"
+STAGE_COMPUTE: Final = "compute"
+STAGE_PREFILL: Final = "prefill"
+STAGE_DECODE: Final = "decode"
+STAGE_D2H: Final = "d2h"
+STAGE_POSTPROCESS: Final = "postprocess"
+STAGE_SERIALIZE: Final = "serialize"
+STAGE_NETWORK: Final = "network"
+#: Pseudo-stage: the part of a request's end-to-end time no stage span covers.
+STAGE_UNATTRIBUTED: Final = "unattributed"
+
+#: Canonical stages in serving-path order.
+CANONICAL_STAGES: Final = (
+    STAGE_RECEIVE,
+    STAGE_TOKENIZE,
+    STAGE_QUEUE,
+    STAGE_BATCH_ASSEMBLY,
+    STAGE_H2D,
+    STAGE_COMPUTE,
+    STAGE_PREFILL,
+    STAGE_DECODE,
+    STAGE_D2H,
+    STAGE_POSTPROCESS,
+    STAGE_SERIALIZE,
+    STAGE_NETWORK,
+)
+
+#: Stages that run once per batch and carry ``inferprof.batch.*`` (§2).
+BATCH_STAGES: Final = frozenset(
+    {STAGE_BATCH_ASSEMBLY, STAGE_H2D, STAGE_COMPUTE, STAGE_PREFILL, STAGE_DECODE, STAGE_D2H}
+)
+#: Stages that run once per request (§2).
+REQUEST_STAGES: Final = frozenset(
+    {STAGE_RECEIVE, STAGE_TOKENIZE, STAGE_QUEUE, STAGE_POSTPROCESS, STAGE_SERIALIZE, STAGE_NETWORK}
+)
+
+# Stage groups the verdict reads (§6).
+BATCHING_STAGES: Final = frozenset({STAGE_QUEUE, STAGE_BATCH_ASSEMBLY})
+HOST_STAGES: Final = frozenset({STAGE_RECEIVE, STAGE_TOKENIZE, STAGE_POSTPROCESS, STAGE_SERIALIZE})
+TRANSFER_STAGES: Final = frozenset({STAGE_H2D, STAGE_D2H})
+NETWORK_STAGES: Final = frozenset({STAGE_NETWORK})
+COMPUTE_STAGES: Final = frozenset({STAGE_COMPUTE, STAGE_PREFILL, STAGE_DECODE})
+
+STAGE_NAME_PATTERN: Final = re.compile(r"^[a-z0-9_]+$")
+SPAN_NAME_PREFIX: Final = "inferprof."
+
+
+def span_name(stage: str) -> str:
+    """Span name for a stage: ``inferprof.<stage>``."""
+    return SPAN_NAME_PREFIX + stage
+
+
+def validate_stage(stage: str) -> str:
+    """Return ``stage`` if it is a valid stage value, else raise ``ValueError``."""
+    if not isinstance(stage, str) or not STAGE_NAME_PATTERN.match(stage):
+        raise ValueError(
+            f"invalid inferprof stage name {stage!r}: stage names are lower-case "
+            "letters, digits and underscores ([a-z0-9_]+)"
+        )
+    if stage == STAGE_UNATTRIBUTED:
+        raise ValueError(f"{STAGE_UNATTRIBUTED!r} is reserved for the collector's pseudo-stage")
+    return stage
+
+
+# --- §3 Attributes -----------------------------------------------------------
+
+ATTR_STAGE: Final = "inferprof.stage"
+ATTR_REQUEST: Final = "inferprof.request"
+ATTR_SAMPLE_WEIGHT: Final = "inferprof.sample.weight"
+ATTR_MODEL_NAME: Final = "inferprof.model.name"
+ATTR_MODEL_VERSION: Final = "inferprof.model.version"
+ATTR_BATCH_ID: Final = "inferprof.batch.id"
+ATTR_BATCH_SIZE: Final = "inferprof.batch.size"
+ATTR_BATCH_MAX_SIZE: Final = "inferprof.batch.max_size"
+ATTR_QUEUE_DEPTH: Final = "inferprof.queue.depth"
+ATTR_TOKENS_EFFECTIVE: Final = "inferprof.tokens.effective"
+ATTR_TOKENS_PADDED: Final = "inferprof.tokens.padded"
+ATTR_BYTES: Final = "inferprof.bytes"
+ATTR_GPU_ID: Final = "inferprof.gpu.id"
+
+# Resource attributes.
+RESOURCE_SERVICE_NAME: Final = "service.name"
+RESOURCE_SERVICE_INSTANCE_ID: Final = "service.instance.id"
+RESOURCE_HOST_NAME: Final = "host.name"
+
+#: tracestate key and sub-key of OpenTelemetry probability sampling (``ot=th:...``).
+TRACESTATE_OT_KEY: Final = "ot"
+TRACESTATE_THRESHOLD_KEY: Final = "th"
+
+# --- §4 GPU samples -----------------------------------------------------------
+
+METRIC_GPU_UTILIZATION: Final = "hw.gpu.utilization"
+METRIC_GPU_MEMORY_UTILIZATION: Final = "hw.gpu.memory.utilization"
+METRIC_GPU_MEMORY_USAGE: Final = "hw.gpu.memory.usage"
+METRIC_GPU_MEMORY_LIMIT: Final = "hw.gpu.memory.limit"
+METRIC_GPU_POWER_DRAW: Final = "hw.gpu.power.draw"
+METRIC_GPU_CLOCK_GRAPHICS: Final = "hw.gpu.clock.graphics"
+METRIC_GPU_TEMPERATURE: Final = "hw.gpu.temperature"
+METRIC_DCGM_PREFIX: Final = "inferprof.gpu.dcgm."
+METRIC_DCGM_SM_ACTIVE: Final = "inferprof.gpu.dcgm.sm_active"
+METRIC_DCGM_SM_OCCUPANCY: Final = "inferprof.gpu.dcgm.sm_occupancy"
+METRIC_DCGM_TENSOR_ACTIVE: Final = "inferprof.gpu.dcgm.tensor_active"
+METRIC_DCGM_DRAM_ACTIVE: Final = "inferprof.gpu.dcgm.dram_active"
+ATTR_HW_ID: Final = "hw.id"
+
+# --- §5 Collector outputs -------------------------------------------------------
+
+PROM_STAGE_DURATION: Final = "inferprof_stage_duration_seconds"
+PROM_REQUEST_DURATION: Final = "inferprof_request_duration_seconds"
+PROM_STAGE_QUANTILE: Final = "inferprof_stage_quantile_seconds"
+PROM_STAGE_SHARE_OF_P95: Final = "inferprof_stage_share_of_p95"
+PROM_BOTTLENECK: Final = "inferprof_bottleneck"
+PROM_SPANS_RECEIVED: Final = "inferprof_spans_received_total"
+PROM_SPANS_DROPPED: Final = "inferprof_spans_dropped_total"
+PROM_TRACES_INCOMPLETE: Final = "inferprof_traces_incomplete_total"
+PROM_LABEL_SERVICE: Final = "service"
+PROM_LABEL_MODEL: Final = "model"
+PROM_LABEL_STAGE: Final = "stage"
+PROM_LABEL_QUANTILE: Final = "quantile"
+PROM_LABEL_VERDICT: Final = "verdict"
+PROM_LABEL_REASON: Final = "reason"
+
+QUANTILES: Final = (0.5, 0.95, 0.99)
+
+# --- §6 Verdicts -------------------------------------------------------------------
+
+VERDICT_BATCHING: Final = "batching"
+VERDICT_HOST: Final = "host"
+VERDICT_TRANSFER: Final = "transfer"
+VERDICT_RUNTIME: Final = "runtime"
+VERDICT_KERNEL: Final = "kernel"
+VERDICT_HARDWARE: Final = "hardware"
+VERDICT_NETWORK: Final = "network"
+VERDICT_UNKNOWN: Final = "unknown"
+VERDICTS: Final = (
+    VERDICT_BATCHING,
+    VERDICT_HOST,
+    VERDICT_TRANSFER,
+    VERDICT_RUNTIME,
+    VERDICT_KERNEL,
+    VERDICT_HARDWARE,
+    VERDICT_NETWORK,
+    VERDICT_UNKNOWN,
+)
+
+__all__ = [name for name in dir() if name.isupper()] + ["span_name", "validate_stage"]
