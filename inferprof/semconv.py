@@ -139,6 +139,32 @@ PROM_LABEL_QUANTILE: Final = "quantile"
 PROM_LABEL_VERDICT: Final = "verdict"
 PROM_LABEL_REASON: Final = "reason"
 
+# Collector self-metrics of the transport (receivers, forwarding); not in the v1
+# contract's list but named under the same prefix.
+PROM_OTLP_REQUESTS: Final = "inferprof_otlp_requests_total"
+PROM_OTLP_REQUEST_BYTES: Final = "inferprof_otlp_request_body_bytes"
+PROM_OTLP_DECODE_ERRORS: Final = "inferprof_otlp_decode_errors_total"
+PROM_FORWARD_SENT: Final = "inferprof_forward_sent_total"
+PROM_FORWARD_DROPPED: Final = "inferprof_forward_dropped_total"
+PROM_FORWARD_QUEUE_LENGTH: Final = "inferprof_forward_queue_length"
+PROM_LABEL_TRANSPORT: Final = "transport"
+PROM_LABEL_SIGNAL: Final = "signal"
+PROM_LABEL_OUTCOME: Final = "outcome"
+PROM_LABEL_DESTINATION: Final = "destination"
+# Label values of the transport self-metrics.
+TRANSPORT_GRPC: Final = "grpc"
+TRANSPORT_HTTP: Final = "http"
+SIGNAL_TRACES: Final = "traces"
+SIGNAL_METRICS: Final = "metrics"
+OUTCOME_OK: Final = "ok"
+OUTCOME_PARTIAL: Final = "partial"
+OUTCOME_BAD_REQUEST: Final = "bad_request"
+OUTCOME_UNSUPPORTED: Final = "unsupported_media_type"
+OUTCOME_TOO_LARGE: Final = "too_large"
+OUTCOME_OVERLOADED: Final = "overloaded"
+OUTCOME_UNAUTHENTICATED: Final = "unauthenticated"
+OUTCOME_ERROR: Final = "error"
+
 QUANTILES: Final = (0.5, 0.95, 0.99)
 
 # --- §6 Verdicts -------------------------------------------------------------------
