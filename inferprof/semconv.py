@@ -165,6 +165,20 @@ OUTCOME_OVERLOADED: Final = "overloaded"
 OUTCOME_UNAUTHENTICATED: Final = "unauthenticated"
 OUTCOME_ERROR: Final = "error"
 
+# Reasons of ``inferprof_spans_dropped_total{reason}`` (collector engine).
+DROP_INVALID_ID: Final = "invalid_id"
+DROP_NEGATIVE_DURATION: Final = "negative_duration"
+DROP_ABSURD_DURATION: Final = "absurd_duration"
+DROP_DUPLICATE: Final = "duplicate_span"
+DROP_INVALID_STAGE: Final = "invalid_stage"
+DROP_TRACE_TOO_LARGE: Final = "trace_too_large"
+DROP_TOO_MANY_STAGES: Final = "too_many_stages"
+DROP_LATE: Final = "late"
+DROP_ORPHAN_STAGE: Final = "orphan_stage"
+DROP_INCOMPLETE_TRACE: Final = "incomplete_trace"
+#: Service label of the series that (service, model) pairs beyond the cardinality cap fold into.
+OVERFLOW_SERIES: Final = "__overflow__"
+
 QUANTILES: Final = (0.5, 0.95, 0.99)
 
 # --- §6 Verdicts -------------------------------------------------------------------
