@@ -202,4 +202,31 @@ VERDICTS: Final = (
     VERDICT_UNKNOWN,
 )
 
+# --- In-process instrumentation (extensions beyond the v1 contract) -----------
+
+#: Name of the request span opened by ``inferprof.request()`` when none is given.
+REQUEST_SPAN_NAME: Final = "inferprof.request"
+#: Instrumentation scope of every span inferprof's in-process half emits.
+INSTRUMENTATION_SCOPE: Final = "inferprof"
+#: Opt-in only (``record_content=True``): a prefix of the request / response body.
+ATTR_REQUEST_BODY: Final = "inferprof.request.body"
+ATTR_RESPONSE_BODY: Final = "inferprof.response.body"
+#: Set on a request span whose request was cancelled (client went away, task cancelled).
+ATTR_CANCELLED: Final = "inferprof.cancelled"
+#: Batch-stage encodings (§2): a copy under every member, or one span with links.
+BATCH_ENCODING_CHILDREN: Final = "children"
+BATCH_ENCODING_LINKS: Final = "links"
+BATCH_ENCODINGS: Final = (BATCH_ENCODING_CHILDREN, BATCH_ENCODING_LINKS)
+#: Instrumentation modes.
+MODE_FULL: Final = "full"
+MODE_PRODUCTION: Final = "production"
+MODE_OFF: Final = "off"
+MODES: Final = (MODE_FULL, MODE_PRODUCTION, MODE_OFF)
+#: Self-metrics of the in-process half (OTel instruments).
+METRIC_SPANS_DROPPED: Final = "inferprof.spans.dropped"
+METRIC_SPANS_EMITTED: Final = "inferprof.spans.emitted"
+ATTR_DROP_REASON: Final = "reason"
+DROP_REASON_QUEUE_FULL: Final = "queue_full"
+DROP_REASON_EXPORT_FAILED: Final = "export_failed"
+
 __all__ = [name for name in dir() if name.isupper()] + ["span_name", "validate_stage"]
