@@ -1,0 +1,173 @@
+"""The demo model: a small attention-free topic classifier in numpy.
+
+It is deliberately a real batched model rather than a ``sleep()``: token embeddings,
+then a few residual blocks that each apply a per-token MLP and mix in the batch
+row's masked mean (so every token sees its whole sequence, and padding *would*
+change the answer if the mask were wrong), then a masked mean-pool and a
+cosine-similarity head over the shipped topics. Batches are padded to their longest
+sequence; the mask keeps padding out of every pooled quantity, so a sequence's
+output is the same alone as in any padded batch (up to float rounding).
+
+The head is fitted at start-up, without a training loop: each topic's weight
+vector is the normalised mean pooled feature of that topic's paragraphs. With
+random embeddings this is a nearest-centroid classifier, which is enough to give
+sensible labels for prompts drawn from the shipped text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from inferprof.demo.tokenizer import PAD_ID
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    d_model: int
+    d_hidden: int
+    n_layers: int
+
+
+#: Named sizes; compute per token grows roughly with ``d_model * d_hidden * n_layers``.
+MODEL_SIZES: dict[str, ModelSize] = {
+    "tiny": ModelSize(32, 64, 1),
+    "small": ModelSize(128, 512, 2),
+    "medium": ModelSize(256, 1024, 2),
+    "large": ModelSize(384, 1536, 3),
+}
+DEFAULT_MODEL_SIZE = "small"
+
+
+@dataclass(frozen=True)
+class Batch:
+    """A collated batch: token ids padded to the longest row, and the matching mask."""
+
+    ids: np.ndarray  # (B, T) int32, PAD_ID where mask == 0
+    mask: np.ndarray  # (B, T) float32, 1 for real tokens
+    lengths: tuple[int, ...]
+
+    @property
+    def effective_tokens(self) -> int:
+        return int(sum(self.lengths))
+
+    @property
+    def padded_tokens(self) -> int:
+        return int(self.ids.shape[0] * self.ids.shape[1])
+
+
+def collate(sequences: Sequence[Sequence[int]]) -> Batch:
+    """Pad token-id sequences to the longest one and build the mask."""
+    if not sequences:
+        raise ValueError("cannot collate an empty batch")
+    lengths = tuple(len(s) for s in sequences)
+    if min(lengths) == 0:
+        raise ValueError("cannot collate an empty sequence")
+    width = max(lengths)
+    ids = np.full((len(sequences), width), PAD_ID, dtype=np.int32)
+    mask = np.zeros((len(sequences), width), dtype=np.float32)
+    for row, seq in enumerate(sequences):
+        ids[row, : len(seq)] = seq
+        mask[row, : len(seq)] = 1.0
+    return Batch(ids=ids, mask=mask, lengths=lengths)
+
+
+def _masked_mean(x: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    # x: (B, T, D), mask: (B, T) -> (B, D); rows are never empty (collate forbids it).
+    return np.einsum("btd,bt->bd", x, mask) / mask.sum(axis=1, keepdims=True)
+
+
+@dataclass(frozen=True)
+class Outputs:
+    logits: np.ndarray  # (B, n_topics) cosine similarities
+    token_scores: np.ndarray  # (B, T) each token's score for its row's best topic
+
+
+class TopicModel:
+    """Embedding + residual token-MLP blocks + masked pooling + topic head."""
+
+    def __init__(self, vocab_size: int, topics: Sequence[str], size: str = DEFAULT_MODEL_SIZE,
+                 seed: int = 0) -> None:
+        if size not in MODEL_SIZES:
+            raise ValueError(f"unknown model size {size!r}; choose one of {sorted(MODEL_SIZES)}")
+        if vocab_size <= PAD_ID:
+            raise ValueError(f"vocab_size must be > {PAD_ID}, got {vocab_size!r}")
+        if not topics:
+            raise ValueError("the model needs at least one topic")
+        self.size_name = size
+        self.size = dims = MODEL_SIZES[size]
+        self.topics = tuple(topics)
+        rng = np.random.default_rng(seed)
+        d, h = dims.d_model, dims.d_hidden
+        self.embed = rng.standard_normal((vocab_size, d)).astype(np.float32)
+        self.embed[PAD_ID] = 0.0
+        # Small residual branches keep activations in range without a normalisation layer.
+        self.blocks = [
+            (
+                (rng.standard_normal((d, h)) / np.sqrt(d)).astype(np.float32),
+                (rng.standard_normal(h) * 0.1).astype(np.float32),
+                (rng.standard_normal((h, d)) * (0.5 / np.sqrt(h))).astype(np.float32),
+                (rng.standard_normal((d, d)) * (0.5 / np.sqrt(d))).astype(np.float32),
+            )
+            for _ in range(dims.n_layers)
+        ]
+        self.head = np.zeros((d, len(self.topics)), dtype=np.float32)
+
+    def features(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        """Per-token features, shape (B, T, d_model); padded positions are zeroed."""
+        x = self.embed[ids]
+        m = mask[:, :, None]
+        for w1, b1, w2, u in self.blocks:
+            pooled = _masked_mean(x, mask)
+            hidden = np.maximum(x @ w1 + b1, 0.0)
+            x = x + hidden @ w2 + (pooled @ u)[:, None, :]
+            x *= m
+        return x
+
+    def forward(self, ids: np.ndarray, mask: np.ndarray) -> Outputs:
+        x = self.features(ids, mask)
+        pooled = _masked_mean(x, mask)
+        pooled /= np.linalg.norm(pooled, axis=1, keepdims=True) + 1e-6
+        logits = pooled @ self.head
+        best = logits.argmax(axis=1)
+        token_scores = np.einsum("btd,bd->bt", x, self.head.T[best])
+        token_scores[mask == 0] = -np.inf
+        return Outputs(logits=logits, token_scores=token_scores)
+
+    def fit_head(self, examples: dict[str, Sequence[Sequence[int]]]) -> None:
+        """Nearest-centroid head: each topic's vector is its examples' mean pooled feature."""
+        head = np.zeros_like(self.head)
+        for col, topic in enumerate(self.topics):
+            seqs = examples.get(topic)
+            if not seqs:
+                raise ValueError(f"no examples for topic {topic!r}")
+            batch = collate(seqs)
+            pooled = _masked_mean(self.features(batch.ids, batch.mask), batch.mask)
+            pooled /= np.linalg.norm(pooled, axis=1, keepdims=True) + 1e-6
+            centroid = pooled.mean(axis=0)
+            head[:, col] = centroid / (np.linalg.norm(centroid) + 1e-6)
+        # Centring removes the direction every topic shares, which would otherwise dominate.
+        head -= head.mean(axis=1, keepdims=True)
+        head /= np.linalg.norm(head, axis=0, keepdims=True) + 1e-6
+        self.head = head
+
+
+def build_model(tokenizer: Any, size: str = DEFAULT_MODEL_SIZE, seed: int = 0,
+                max_tokens: int = 512) -> TopicModel:
+    """A :class:`TopicModel` over the shipped topics, head fitted on their paragraphs."""
+    from inferprof.demo import corpus
+
+    docs = corpus.documents()
+    model = TopicModel(tokenizer.get_vocab_size(), [d.topic for d in docs], size=size, seed=seed)
+    examples = {
+        d.topic: [enc.ids[:max_tokens] for enc in tokenizer.encode_batch(list(d.paragraphs))]
+        for d in docs
+    }
+    model.fit_head(examples)
+    return model
+
+
+__all__ = ["Batch", "DEFAULT_MODEL_SIZE", "MODEL_SIZES", "ModelSize", "Outputs", "TopicModel",
+           "build_model", "collate"]

@@ -1,0 +1,76 @@
+import numpy as np
+import pytest
+
+from inferprof.demo import corpus
+from inferprof.demo.model import TopicModel, build_model, collate
+from inferprof.demo.tokenizer import PAD_ID, build_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return build_model(tokenizer, size="tiny")
+
+
+def test_collate_pads_to_the_longest_sequence():
+    batch = collate([[5, 6, 7], [8], [9, 10, 11, 12, 13]])
+    assert batch.ids.shape == (3, 5)
+    assert batch.ids[1].tolist() == [8, PAD_ID, PAD_ID, PAD_ID, PAD_ID]
+    assert batch.mask.sum(axis=1).tolist() == [3, 1, 5]
+    assert batch.effective_tokens == 9
+    assert batch.padded_tokens == 15
+
+
+def test_collate_rejects_empty_input():
+    with pytest.raises(ValueError):
+        collate([])
+    with pytest.raises(ValueError):
+        collate([[1], []])
+
+
+def test_padding_does_not_change_a_sequence_output(model, tokenizer):
+    short = tokenizer.encode("The tide came in.").ids
+    long = tokenizer.encode(corpus.documents()[0].paragraphs[0]).ids
+    alone = model.forward(*_arrays(collate([short])))
+    batched = model.forward(*_arrays(collate([long, short, long[:7]])))
+    assert batched.logits.shape[0] == 3
+    np.testing.assert_allclose(batched.logits[1], alone.logits[0], rtol=1e-4, atol=1e-5)
+    n = len(short)
+    np.testing.assert_allclose(batched.token_scores[1, :n], alone.token_scores[0], rtol=1e-4,
+                               atol=1e-4)
+    assert np.all(np.isneginf(batched.token_scores[1, n:]))
+
+
+def test_the_mask_is_what_keeps_padding_out(model, tokenizer):
+    # Same padded ids, but a mask that claims the padding is real: the answer changes.
+    # This is what makes the previous test meaningful.
+    short = tokenizer.encode("The tide came in.").ids
+    batch = collate([short + [PAD_ID] * 30])
+    honest = collate([short])
+    a = model.forward(batch.ids, batch.mask).logits[0]
+    b = model.forward(honest.ids, honest.mask).logits[0]
+    assert not np.allclose(a, b, atol=1e-4)
+
+
+def test_head_classifies_shipped_paragraphs_above_chance(tokenizer):
+    model = build_model(tokenizer, size="small")
+    hits = total = 0
+    for doc in corpus.documents():
+        batch = collate([e.ids for e in tokenizer.encode_batch(list(doc.paragraphs))])
+        best = model.forward(batch.ids, batch.mask).logits.argmax(axis=1)
+        hits += int((best == model.topics.index(doc.topic)).sum())
+        total += len(doc.paragraphs)
+    assert hits / total > 2 / len(model.topics)
+
+
+def test_unknown_size_is_a_value_error():
+    with pytest.raises(ValueError, match="model size"):
+        TopicModel(100, ["a"], size="huge")
+
+
+def _arrays(batch):
+    return batch.ids, batch.mask
