@@ -1,0 +1,382 @@
+"""``CollectorApp``: the running collector — receivers, API, forwarding, the engine's clock.
+
+``start()`` binds every listener (failing at once if a port is taken), starts the
+gRPC server, the HTTP servers and a background thread that advances the engine,
+and returns. ``stop()`` stops accepting, finalises what the engine holds, drains
+the forwarding queues (bounded by a timeout) and stops the API last.
+
+Guarantee on ingest: a 2xx / OK answer means the engine accepted the request
+(possibly with a partial rejection it reports); an overloaded engine answers 429 /
+``RESOURCE_EXHAUSTED`` before accepting anything, so the exporter retries and no
+span is silently lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import pathlib
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from google.protobuf.message import Message
+
+from inferprof import semconv
+from inferprof._optional import require
+from inferprof.collector.settings import CollectorSettings
+
+_log = logging.getLogger(__name__)
+
+_BODY_SIZE_BUCKETS = (1e3, 1e4, 1e5, 1e6, 4e6, 16e6, 64e6)
+
+
+class TransportMetrics:
+    """The transport's self-metrics, registered in the app's registry."""
+
+    def __init__(self, registry: Any) -> None:
+        prom = require("prometheus_client", "collector")
+        self.requests = prom.Counter(
+            semconv.PROM_OTLP_REQUESTS,
+            "OTLP export requests received, by transport, signal and outcome.",
+            [semconv.PROM_LABEL_TRANSPORT, semconv.PROM_LABEL_SIGNAL, semconv.PROM_LABEL_OUTCOME],
+            registry=registry,
+        )
+        self.body_bytes = prom.Histogram(
+            semconv.PROM_OTLP_REQUEST_BYTES,
+            "Size of OTLP export request bodies as received (compressed), in bytes.",
+            [semconv.PROM_LABEL_TRANSPORT, semconv.PROM_LABEL_SIGNAL],
+            buckets=_BODY_SIZE_BUCKETS,
+            registry=registry,
+        )
+        self.decode_errors = prom.Counter(
+            semconv.PROM_OTLP_DECODE_ERRORS,
+            "OTLP export requests whose body could not be decoded.",
+            [semconv.PROM_LABEL_TRANSPORT, semconv.PROM_LABEL_REASON],
+            registry=registry,
+        )
+        self.forward_sent = prom.Counter(
+            semconv.PROM_FORWARD_SENT,
+            "Export requests forwarded downstream.",
+            [semconv.PROM_LABEL_DESTINATION, semconv.PROM_LABEL_SIGNAL],
+            registry=registry,
+        )
+        self.forward_dropped = prom.Counter(
+            semconv.PROM_FORWARD_DROPPED,
+            "Export requests not forwarded (queue full, send failed, shutdown).",
+            [semconv.PROM_LABEL_DESTINATION, semconv.PROM_LABEL_REASON],
+            registry=registry,
+        )
+        self.forward_queue = prom.Gauge(
+            semconv.PROM_FORWARD_QUEUE_LENGTH,
+            "Export requests waiting to be forwarded.",
+            [semconv.PROM_LABEL_DESTINATION],
+            registry=registry,
+        )
+
+    # Metrics must never fail a request: every update is guarded.
+    def request(self, transport: str, signal: str, outcome: str) -> None:
+        _guard(lambda: self.requests.labels(transport, signal, outcome).inc())
+
+    def observe_body(self, transport: str, signal: str, size: int) -> None:
+        _guard(lambda: self.body_bytes.labels(transport, signal).observe(size))
+
+    def decode_error(self, transport: str, reason: str) -> None:
+        _guard(lambda: self.decode_errors.labels(transport, reason).inc())
+
+    def sent(self, destination: str, signal: str) -> None:
+        _guard(lambda: self.forward_sent.labels(destination, signal).inc())
+
+    def dropped(self, destination: str, reason: str, n: int) -> None:
+        _guard(lambda: self.forward_dropped.labels(destination, reason).inc(n))
+
+
+def _guard(fn: Any) -> None:
+    try:
+        fn()
+    except Exception:  # pragma: no cover - prometheus_client does not fail in practice
+        _log.debug("self-metric update failed", exc_info=True)
+
+
+@dataclass(frozen=True)
+class IngestOutcome:
+    """What happened to one export request, for the receiver to answer with."""
+
+    accepted: int = 0
+    rejected: int = 0
+    error_message: str = ""
+    overloaded: bool = False
+    failed: bool = False
+
+
+class Intake:
+    """The path every received request takes: engine, forwarding, self-metrics."""
+
+    def __init__(
+        self, engine: Any, metrics: TransportMetrics, forwarders: Any, retry_after_s: float
+    ) -> None:
+        from inferprof.collector.engine import Overloaded
+
+        self._engine = engine
+        self._overloaded = Overloaded
+        self.metrics = metrics
+        self._forwarders = forwarders
+        self.retry_after_s = retry_after_s
+
+    def ingest(
+        self, transport: str, signal: str, message: Message, payload: bytes | None
+    ) -> IngestOutcome:
+        try:
+            if signal == semconv.SIGNAL_TRACES:
+                result = self._engine.ingest_traces(message)
+            else:
+                result = self._engine.ingest_metrics(message)
+        except self._overloaded as exc:
+            self.metrics.request(transport, signal, semconv.OUTCOME_OVERLOADED)
+            return IngestOutcome(
+                overloaded=True, error_message=str(exc) or "collector overloaded; retry later"
+            )
+        except Exception:  # an engine bug must not take the receiver down
+            _log.exception("engine failed to ingest an OTLP %s request", signal)
+            self.metrics.request(transport, signal, semconv.OUTCOME_ERROR)
+            return IngestOutcome(failed=True, error_message="internal error while ingesting")
+        if self._forwarders:
+            try:
+                data = payload if payload is not None else message.SerializeToString()
+                self._forwarders.submit(signal, data)
+            except Exception:  # forwarding is best effort by design
+                _log.debug("forwarding submit failed", exc_info=True)
+        rejected = int(getattr(result, "rejected_spans", 0) or 0)
+        errors = tuple(getattr(result, "errors", ()) or ())
+        message_text = "; ".join(errors)[:1000] if (rejected or errors) else ""
+        outcome = semconv.OUTCOME_PARTIAL if rejected else semconv.OUTCOME_OK
+        self.metrics.request(transport, signal, outcome)
+        return IngestOutcome(
+            accepted=int(getattr(result, "accepted_spans", 0) or 0),
+            rejected=rejected,
+            error_message=message_text,
+        )
+
+
+def _url_host(host: str) -> str:
+    # A wildcard bind is reachable locally; name an address clients can dial.
+    if host in ("0.0.0.0", ""):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
+
+
+class CollectorApp:
+    """The collector as an object: tests and the demo start it on port 0 and read the ports.
+
+    ``settings`` defaults to :meth:`CollectorSettings.from_env`; ``engine`` defaults
+    to an :class:`~inferprof.collector.engine.Engine` built from the settings.
+    ``registry`` is the Prometheus registry ``/metrics`` serves (a fresh one by
+    default, so several apps in one process do not collide).
+    """
+
+    def __init__(
+        self,
+        settings: CollectorSettings | None = None,
+        engine: Any | None = None,
+        *,
+        registry: Any | None = None,
+    ) -> None:
+        self.settings = settings if settings is not None else CollectorSettings.from_env()
+        if engine is None:
+            from inferprof.collector.engine import Engine
+
+            engine = Engine(**self.settings.engine_kwargs())
+        self.engine = engine
+        prom = require("prometheus_client", "collector")
+        self.registry = registry if registry is not None else prom.CollectorRegistry()
+        self.metrics = TransportMetrics(self.registry)
+        self._started = False
+        self._stopped = False
+        self._lock = threading.Lock()
+        self._advance_stop = threading.Event()
+        self._advance_thread: threading.Thread | None = None
+        self._grpc: Any = None
+        self._http: Any = None
+        self._forwarders: Any = None
+        self._ports: dict[str, int] = {}
+
+    # --- lifecycle ---------------------------------------------------------------------
+    def start(self) -> CollectorApp:
+        """Bind and start everything; returns once every listener accepts connections."""
+        with self._lock:
+            if self._started:
+                raise RuntimeError("CollectorApp.start() called twice")
+            self._started = True
+        try:
+            self._start()
+        except BaseException:
+            self._shutdown(flush=False)
+            raise
+        return self
+
+    def _start(self) -> None:
+        from inferprof.collector.forward import Forwarder, ForwardSet
+        from inferprof.collector.grpc_server import GrpcReceiver
+        from inferprof.collector.http_server import HttpServers, api_app, otlp_app
+
+        s = self.settings
+        token = s.resolved_auth_token()
+        cert = key = None
+        if s.tls_enabled:
+            cert = pathlib.Path(s.tls_cert).read_bytes()  # type: ignore[arg-type]
+            key = pathlib.Path(s.tls_key).read_bytes()  # type: ignore[arg-type]
+
+        self._register_engine_collector()
+        forwarders = []
+        for url in s.forward:
+            f = Forwarder(
+                url,
+                queue_size=s.forward_queue_size,
+                timeout_s=s.forward_timeout_s,
+                headers=s.forward_headers,
+                ca_file=s.forward_ca,
+                on_sent=self.metrics.sent,
+                on_dropped=self.metrics.dropped,
+            )
+            self.metrics.forward_queue.labels(f.destination).set_function(f.queue_length)
+            forwarders.append(f)
+        self._forwarders = ForwardSet(forwarders)
+        intake = Intake(self.engine, self.metrics, self._forwarders, s.retry_after_s)
+
+        self._grpc = GrpcReceiver(
+            intake,
+            host=s.grpc_bind_host,
+            port=s.grpc_port,
+            workers=s.grpc_workers,
+            max_concurrent_requests=s.max_concurrent_requests,
+            max_message_bytes=s.max_body_bytes,
+            auth_token=token,
+            tls_cert=cert,
+            tls_key=key,
+        )
+        self._ports["grpc"] = self._grpc.port
+
+        self._http = HttpServers(tls_cert=s.tls_cert, tls_key=s.tls_key)
+        otlp = otlp_app(
+            intake,
+            max_body_bytes=s.max_body_bytes,
+            max_concurrent_requests=s.max_concurrent_requests,
+        )
+        api = api_app(self.engine, self.registry, default_window_s=s.metrics_window_s)
+        if token:
+            from inferprof.collector.auth import BearerAuthMiddleware
+
+            otlp = BearerAuthMiddleware(otlp, token=token, on_reject=self._http_rejected)
+            api = BearerAuthMiddleware(api, token=token)
+        self._ports["http"] = self._http.add(otlp, s.http_bind_host, s.http_port)
+        self._ports["api"] = self._http.add(api, s.api_bind_host, s.api_port)
+
+        self._forwarders.start()
+        self._grpc.start()
+        self._http.start()
+        self._advance_thread = threading.Thread(
+            target=self._advance_loop, name="inferprof-engine-advance", daemon=True
+        )
+        self._advance_thread.start()
+        _log.info(
+            "inferprof collector listening: OTLP/gRPC %s, OTLP/HTTP %s, API %s",
+            self.otlp_grpc_endpoint,
+            self.otlp_http_endpoint,
+            self.api_url,
+        )
+
+    def _register_engine_collector(self) -> None:
+        try:
+            from inferprof.collector.metrics import EngineCollector
+        except ImportError:  # pragma: no cover - ships with the engine
+            _log.warning("inferprof.collector.metrics is missing; /metrics has self-metrics only")
+            return
+        self.registry.register(
+            EngineCollector(
+                self.engine, window_s=self.settings.metrics_window_s, max_series=self.settings.max_series
+            )
+        )
+
+    def _http_rejected(self, path: str) -> None:
+        signal = semconv.SIGNAL_METRICS if path.endswith("metrics") else semconv.SIGNAL_TRACES
+        self.metrics.request(semconv.TRANSPORT_HTTP, signal, semconv.OUTCOME_UNAUTHENTICATED)
+
+    def _advance_loop(self) -> None:
+        interval = self.settings.advance_interval_s
+        while not self._advance_stop.wait(interval):
+            try:
+                self.engine.advance()
+            except Exception:  # keep the clock running; one bad fold must not stop all
+                _log.exception("engine.advance() failed")
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop receiving, flush the engine, drain forwarding, stop the API. Idempotent."""
+        with self._lock:
+            if not self._started or self._stopped:
+                return
+            self._stopped = True
+        self._shutdown(flush=True, timeout_s=timeout_s)
+
+    def _shutdown(self, *, flush: bool, timeout_s: float = 5.0) -> None:
+        if self._grpc is not None:
+            _quietly(lambda: self._grpc.stop(grace_s=min(2.0, timeout_s)), "gRPC receiver")
+        self._advance_stop.set()
+        if self._advance_thread is not None:
+            self._advance_thread.join(timeout_s)
+        if flush:
+            _quietly(self.engine.flush, "engine flush")
+        if self._forwarders is not None:
+            _quietly(lambda: self._forwarders.stop(timeout_s), "forwarders")
+        if self._http is not None:
+            _quietly(lambda: self._http.stop(timeout_s), "HTTP listeners")
+
+    def __enter__(self) -> CollectorApp:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    # --- addresses ------------------------------------------------------------------------
+    def _url(self, scheme_plain: str, host: str, key: str) -> str:
+        if key not in self._ports:
+            raise RuntimeError("CollectorApp is not started")
+        scheme = scheme_plain + ("s" if self.settings.tls_enabled else "")
+        return f"{scheme}://{_url_host(host)}:{self._ports[key]}"
+
+    @property
+    def otlp_grpc_port(self) -> int:
+        return self._ports["grpc"]
+
+    @property
+    def otlp_http_port(self) -> int:
+        return self._ports["http"]
+
+    @property
+    def api_port(self) -> int:
+        return self._ports["api"]
+
+    @property
+    def otlp_grpc_endpoint(self) -> str:
+        """``http(s)://host:port`` for an OTLP gRPC exporter's ``endpoint``."""
+        return self._url("http", self.settings.grpc_bind_host, "grpc")
+
+    @property
+    def otlp_http_endpoint(self) -> str:
+        """Base URL of the OTLP/HTTP receiver (append ``/v1/traces`` or ``/v1/metrics``)."""
+        return self._url("http", self.settings.http_bind_host, "http")
+
+    @property
+    def api_url(self) -> str:
+        """Base URL of ``/metrics``, ``/api/v1/*`` and ``/healthz``."""
+        return self._url("http", self.settings.api_bind_host, "api")
+
+
+def _quietly(fn: Any, what: str) -> None:
+    try:
+        fn()
+    except Exception:
+        _log.exception("stopping %s failed", what)
+
+
+__all__ = ["CollectorApp", "IngestOutcome", "Intake", "TransportMetrics"]

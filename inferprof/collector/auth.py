@@ -1,0 +1,116 @@
+"""Optional bearer-token authentication for every collector listener.
+
+One token, compared in constant time. gRPC calls without ``authorization: Bearer
+<token>`` metadata end with ``UNAUTHENTICATED``; HTTP requests without the header
+get 401 with ``WWW-Authenticate: Bearer``. ``/healthz`` stays open so liveness
+probes need no secret (it reveals nothing but "up").
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from typing import Any, Awaitable, Callable, Iterable
+
+import grpc
+
+
+AUTHORIZATION_HEADER = "authorization"
+BEARER_PREFIX = "bearer "
+#: HTTP paths served without a token.
+OPEN_PATHS = frozenset({"/healthz"})
+
+
+def token_matches(header_value: str | bytes | None, token: str) -> bool:
+    """Whether an ``Authorization`` value carries ``token`` (scheme case-insensitive)."""
+    if header_value is None:
+        return False
+    if isinstance(header_value, bytes):
+        header_value = header_value.decode("latin-1")
+    if header_value[: len(BEARER_PREFIX)].lower() != BEARER_PREFIX:
+        return False
+    given = header_value[len(BEARER_PREFIX) :].strip()
+    return hmac.compare_digest(given.encode("utf-8", "replace"), token.encode("utf-8"))
+
+
+class GrpcAuthInterceptor(grpc.ServerInterceptor):
+    """Rejects calls whose metadata lacks the bearer token, before the handler runs."""
+
+    def __init__(self, token: str, on_reject: Callable[[str], None] | None = None) -> None:
+        self._token = token
+        self._on_reject = on_reject
+
+        def deny(request: Any, context: grpc.ServicerContext) -> Any:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+
+        self._deny = grpc.unary_unary_rpc_method_handler(
+            deny, request_deserializer=lambda b: b, response_serializer=lambda b: b
+        )
+
+    def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
+        metadata: Iterable[tuple[str, Any]] = handler_call_details.invocation_metadata or ()
+        value = next((v for k, v in metadata if k.lower() == AUTHORIZATION_HEADER), None)
+        if token_matches(value, self._token):
+            return continuation(handler_call_details)
+        if self._on_reject is not None:
+            try:
+                self._on_reject(handler_call_details.method)
+            except Exception:  # a metrics hiccup must not change the answer
+                pass
+        return self._deny
+
+
+ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
+
+
+class BearerAuthMiddleware:
+    """Pure ASGI middleware: 401 unless ``Authorization: Bearer <token>``; passes
+    ``OPEN_PATHS`` and non-HTTP scopes through."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        token: str,
+        open_paths: Iterable[str] = OPEN_PATHS,
+        on_reject: Callable[[str], None] | None = None,
+    ) -> None:
+        self.app = app
+        self._token = token
+        self._open = frozenset(open_paths)
+        self._on_reject = on_reject
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope.get("path") in self._open:
+            await self.app(scope, receive, send)
+            return
+        value = None
+        for key, val in scope.get("headers") or ():
+            if key.lower() == AUTHORIZATION_HEADER.encode():
+                value = val
+                break
+        if token_matches(value, self._token):
+            await self.app(scope, receive, send)
+            return
+        if self._on_reject is not None:
+            try:
+                self._on_reject(scope.get("path", ""))
+            except Exception:
+                pass
+        body = json.dumps({"message": "missing or wrong bearer token"}).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 401,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"www-authenticate", b'Bearer realm="inferprof"'),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+
+
+__all__ = ["BearerAuthMiddleware", "GrpcAuthInterceptor", "OPEN_PATHS", "token_matches"]

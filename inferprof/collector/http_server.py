@@ -1,0 +1,307 @@
+"""HTTP listeners of the collector: the OTLP/HTTP receiver and the API/Prometheus endpoint.
+
+Both are Starlette apps served by uvicorn on one asyncio loop in a background
+thread, so :meth:`HttpServers.start` returns once the sockets accept connections.
+Sockets are bound in the caller's thread first: a port already in use fails
+``start()`` at once, and port 0 gives an ephemeral port known before serving.
+
+Decoding and folding are CPU work; they run in Starlette's thread pool so the
+loop keeps answering ``/healthz`` and ``/metrics`` while a large export is parsed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import socket
+import threading
+from typing import TYPE_CHECKING, Any, Callable
+
+from inferprof import semconv
+from inferprof._optional import require
+from inferprof.collector.decode import (
+    BodyError,
+    body_format,
+    decompress,
+    encode_response,
+    error_body,
+    parse_request,
+    too_large,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from prometheus_client import CollectorRegistry
+
+    from inferprof.collector.app import Intake
+
+_log = logging.getLogger(__name__)
+
+PATH_TRACES = "/v1/traces"
+PATH_METRICS = "/v1/metrics"
+PATH_HEALTHZ = "/healthz"
+PATH_METRICS_SCRAPE = "/metrics"
+PATH_BREAKDOWN = "/api/v1/breakdown"
+PATH_SERVICES = "/api/v1/services"
+
+
+def _json(status: int, doc: Any, headers: dict[str, str] | None = None) -> Any:
+    from starlette.responses import Response
+
+    return Response(
+        json.dumps(doc), status_code=status, media_type="application/json", headers=headers
+    )
+
+
+# --- OTLP/HTTP receiver ---------------------------------------------------------------
+
+
+def otlp_app(intake: Intake, *, max_body_bytes: int, max_concurrent_requests: int) -> Any:
+    """The ASGI app serving ``POST /v1/traces`` and ``POST /v1/metrics``."""
+    require("starlette", "collector")
+    from starlette.applications import Starlette
+    from starlette.concurrency import run_in_threadpool
+    from starlette.requests import ClientDisconnect, Request
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    in_flight = 0  # requests being decoded/ingested; bounded to keep memory bounded
+    transport = semconv.TRANSPORT_HTTP
+
+    def fail(signal: str, exc: BodyError, fmt: Any) -> Response:
+        intake.metrics.request(transport, signal, exc.outcome)
+        if exc.status == 400:
+            intake.metrics.decode_error(transport, fmt or "unknown")
+        body, ctype = error_body(exc.reason, fmt)
+        return Response(body, status_code=exc.status, media_type=ctype)
+
+    def overloaded(signal: str, message: str, fmt: Any, *, count: bool = True) -> Response:
+        if count:  # the intake has counted overloads the engine reported
+            intake.metrics.request(transport, signal, semconv.OUTCOME_OVERLOADED)
+        body, ctype = error_body(message, fmt)
+        retry = str(max(1, math.ceil(intake.retry_after_s)))
+        return Response(body, status_code=429, media_type=ctype, headers={"Retry-After": retry})
+
+    def decode_and_ingest(signal: str, raw: bytes, fmt: Any, encoding: str | None) -> Any:
+        data = decompress(raw, encoding, max_body_bytes)
+        message = parse_request(data, fmt, signal)
+        # Forward protobuf bytes: the decompressed body itself when it was protobuf.
+        payload = data if fmt == "protobuf" else None
+        return intake.ingest(transport, signal, message, payload)
+
+    def endpoint(signal: str) -> Callable[[Request], Any]:
+        async def handle(request: Request) -> Response:
+            nonlocal in_flight
+            fmt = None
+            try:
+                fmt = body_format(request.headers.get("content-type"))
+                length = request.headers.get("content-length")
+                if length is not None and length.isdigit() and int(length) > max_body_bytes:
+                    raise too_large(max_body_bytes)
+            except BodyError as exc:
+                return fail(signal, exc, fmt)
+            if in_flight >= max_concurrent_requests:
+                return overloaded(signal, "too many concurrent exports; retry later", fmt)
+            in_flight += 1
+            try:
+                chunks = bytearray()
+                try:
+                    async for chunk in request.stream():
+                        chunks += chunk
+                        if len(chunks) > max_body_bytes:
+                            raise too_large(max_body_bytes)
+                except ClientDisconnect:
+                    return Response(status_code=400)
+                intake.metrics.observe_body(transport, signal, len(chunks))
+                outcome = await run_in_threadpool(
+                    decode_and_ingest,
+                    signal,
+                    bytes(chunks),
+                    fmt,
+                    request.headers.get("content-encoding"),
+                )
+            except BodyError as exc:
+                return fail(signal, exc, fmt)
+            finally:
+                in_flight -= 1
+            if outcome.overloaded:
+                return overloaded(signal, outcome.error_message, fmt, count=False)
+            if outcome.failed:
+                body, ctype = error_body(outcome.error_message, fmt)
+                return Response(body, status_code=500, media_type=ctype)
+            body, ctype = encode_response(
+                signal, fmt, rejected=outcome.rejected, error_message=outcome.error_message
+            )
+            return Response(body, status_code=200, media_type=ctype)
+
+        return handle
+
+    async def healthz(request: Request) -> Response:
+        return _json(200, {"status": "ok"})
+
+    return Starlette(
+        routes=[
+            Route(PATH_TRACES, endpoint(semconv.SIGNAL_TRACES), methods=["POST"]),
+            Route(PATH_METRICS, endpoint(semconv.SIGNAL_METRICS), methods=["POST"]),
+            Route(PATH_HEALTHZ, healthz, methods=["GET"]),
+        ]
+    )
+
+
+# --- API and Prometheus endpoint -----------------------------------------------------------
+
+
+def api_app(engine: Any, registry: CollectorRegistry, *, default_window_s: float) -> Any:
+    """The ASGI app serving ``/metrics``, ``/api/v1/breakdown``, ``/api/v1/services``, ``/healthz``."""
+    require("starlette", "collector")
+    prometheus_client = require("prometheus_client", "collector")
+    from prometheus_client.exposition import choose_encoder
+    from starlette.applications import Starlette
+    from starlette.concurrency import run_in_threadpool
+    from starlette.requests import Request
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    del prometheus_client  # imported for its error message only
+
+    async def metrics(request: Request) -> Response:
+        encoder, content_type = choose_encoder(request.headers.get("accept", ""))
+        body = await run_in_threadpool(encoder, registry)
+        return Response(body, media_type=content_type)
+
+    async def breakdown(request: Request) -> Response:
+        params = request.query_params
+        service = params.get("service")
+        if not service:
+            return _json(400, {"error": "query parameter 'service' is required"})
+        model = params.get("model") or None
+        window_s: float | None = default_window_s
+        raw_window = params.get("window")
+        if raw_window is not None:
+            try:
+                window_s = float(raw_window)
+            except ValueError:
+                window_s = math.nan
+            if not math.isfinite(window_s) or window_s <= 0:
+                return _json(
+                    400, {"error": f"window must be a positive number of seconds, got {raw_window!r}"}
+                )
+        try:
+            doc = await run_in_threadpool(engine.breakdown, service, model, window_s)
+        except ValueError as exc:  # e.g. a window the engine does not keep
+            return _json(400, {"error": str(exc)})
+        if doc is None:
+            what = f"service {service!r}" + (f" model {model!r}" if model else "")
+            return _json(404, {"error": f"no data for {what} in the last {window_s:g} s"})
+        return _json(200, doc)
+
+    async def services(request: Request) -> Response:
+        return _json(200, {"services": await run_in_threadpool(engine.services)})
+
+    async def healthz(request: Request) -> Response:
+        return _json(200, {"status": "ok"})
+
+    return Starlette(
+        routes=[
+            Route(PATH_METRICS_SCRAPE, metrics, methods=["GET"]),
+            Route(PATH_BREAKDOWN, breakdown, methods=["GET"]),
+            Route(PATH_SERVICES, services, methods=["GET"]),
+            Route(PATH_HEALTHZ, healthz, methods=["GET"]),
+        ]
+    )
+
+
+# --- serving ---------------------------------------------------------------------------------
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (``OSError`` if the port is taken)."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, socktype, proto, _, addr = infos[0]
+    sock = socket.socket(family, socktype, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(addr)
+        sock.listen(512)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class HttpServers:
+    """Several uvicorn servers on one event loop in one daemon thread."""
+
+    def __init__(self, *, tls_cert: str | None = None, tls_key: str | None = None) -> None:
+        self._uvicorn = require("uvicorn", "collector")
+        self._tls = (tls_cert, tls_key)
+        self._servers: list[tuple[Any, socket.socket]] = []
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._error: BaseException | None = None
+
+    def add(self, app: Any, host: str, port: int) -> int:
+        """Bind ``app`` to ``host:port`` now; returns the bound port."""
+        sock = bind_socket(host, port)
+        config = self._uvicorn.Config(
+            app,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            ssl_certfile=self._tls[0],
+            ssl_keyfile=self._tls[1],
+            timeout_graceful_shutdown=2,
+            server_header=False,
+        )
+        self._servers.append((self._uvicorn.Server(config), sock))
+        return sock.getsockname()[1]
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        self._thread = threading.Thread(target=self._run, name="inferprof-http", daemon=True)
+        self._thread.start()
+        self._thread.join(0)
+        deadline = timeout_s
+        waited = 0.0
+        while waited < deadline:
+            if self._error is not None:
+                raise RuntimeError(f"HTTP listener failed to start: {self._error}") from self._error
+            if all(server.started for server, _ in self._servers):
+                return
+            if not self._thread.is_alive():
+                break
+            threading.Event().wait(0.01)
+            waited += 0.01
+        raise RuntimeError("HTTP listeners did not start in time")
+
+    def _run(self) -> None:
+        async def main() -> None:
+            self._loop = asyncio.get_running_loop()
+            await asyncio.gather(*(server.serve(sockets=[sock]) for server, sock in self._servers))
+
+        try:
+            asyncio.run(main())
+        except BaseException as exc:  # noqa: BLE001 - reported to start()/logged, never raised here
+            self._error = exc
+            _log.exception("inferprof HTTP listeners stopped with an error")
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        for server, _ in self._servers:
+            server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                for server, _ in self._servers:
+                    server.force_exit = True
+                self._thread.join(timeout_s)
+        for _, sock in self._servers:
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+
+__all__ = ["HttpServers", "api_app", "bind_socket", "otlp_app"]
