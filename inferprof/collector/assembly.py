@@ -1,0 +1,454 @@
+"""Trace assembly: from OTLP spans to finalised requests with their stage spans.
+
+Spans are grouped by trace id as they arrive, in any order and over any number of
+exports. One pass over each span pulls only what the breakdown needs (ids, times, kind,
+flags, trace state and a handful of ``inferprof.*`` attributes); everything else is
+left in the protobuf.
+
+Attribution (contract §2):
+
+* a **request span** is a SERVER or CONSUMER span whose parent is absent, remote
+  (OTLP span flags) or in another service, or any span with ``inferprof.request=true``;
+* a stage span without links belongs to the nearest request span among its ancestors;
+* a stage span *with* links (batch encoding (b)) belongs to every request span it links
+  to, whichever trace and export those arrive in, before or after the batch span;
+* batch encoding (a) (the stage span repeated under each member) needs nothing special.
+
+A request is final once its request span has arrived and ``settle_s`` has passed on the
+collector's clock (arrival time, not the span's own timestamps, so clock skew between a
+service and the collector does not matter). Traces that never see a request span, and
+linked batch spans whose members never arrive, are evicted after ``trace_timeout_s``.
+
+A request span with no stage span and no ``inferprof.*`` attribute (health checks,
+metric scrapes on an instrumented server) is not an inference request and is ignored.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from inferprof import semconv as sc
+from inferprof.collector.attribution import partition
+
+_DAY_NS = 86_400 * 1_000_000_000
+_ZERO_TRACE = bytes(16)
+_ZERO_SPAN = bytes(8)
+_KIND_SERVER = 2
+_KIND_CONSUMER = 5
+_FLAG_HAS_IS_REMOTE = 0x100
+_FLAG_IS_REMOTE = 0x200
+_DEFAULT_SERVICE = "unknown_service"
+_MAX_ERRORS = 5
+#: Batches already counted for padding are remembered this long (seconds).
+_BATCH_MEMORY_S = 120.0
+
+# Attributes read from span attributes; all others are skipped without decoding.
+_WANTED = frozenset(
+    {
+        sc.ATTR_STAGE,
+        sc.ATTR_REQUEST,
+        sc.ATTR_SAMPLE_WEIGHT,
+        sc.ATTR_MODEL_NAME,
+        sc.ATTR_BATCH_ID,
+        sc.ATTR_TOKENS_EFFECTIVE,
+        sc.ATTR_TOKENS_PADDED,
+        sc.ATTR_GPU_ID,
+    }
+)
+_PADDING_STAGES = frozenset({sc.STAGE_BATCH_ASSEMBLY, sc.STAGE_COMPUTE})
+
+
+def _any_value(v: Any) -> Any:
+    kind = v.WhichOneof("value")
+    return getattr(v, kind) if kind else None
+
+
+def trace_state_weight(trace_state: str) -> float | None:
+    """Adjusted count from an OpenTelemetry ``ot=th:<hex>`` tracestate, or None.
+
+    The threshold T is the hex string padded right with zeros to 14 digits; the
+    sampling probability is ``1 - T / 2**56`` and the adjusted count its inverse.
+    """
+    if not trace_state or "ot=" not in trace_state:
+        return None
+    for member in trace_state.split(","):
+        key, _, value = member.strip().partition("=")
+        if key != sc.TRACESTATE_OT_KEY:
+            continue
+        for sub in value.split(";"):
+            sk, _, sv = sub.partition(":")
+            if sk != sc.TRACESTATE_THRESHOLD_KEY:
+                continue
+            if not sv or len(sv) > 14:
+                return None
+            try:
+                threshold = int(sv.ljust(14, "0"), 16)
+            except ValueError:
+                return None
+            probability = 1.0 - threshold / float(1 << 56)
+            return 1.0 / probability if probability > 0 else None
+    return None
+
+
+@dataclass(frozen=True)
+class FinalRequest:
+    """A finalised request, ready to be folded into the sketches."""
+
+    service: str
+    model: str
+    weight: float
+    e2e: float
+    stage_time: dict[str, float]
+    exclusive: dict[str, float]
+    unattributed: float
+    #: (batch key, effective tokens, padded tokens) of batches seen first here.
+    batches: tuple[tuple[Any, int, int], ...]
+    #: (host, gpu id, start s, end s) of compute-stage spans, deduplicated per batch.
+    compute: tuple[tuple[str, str, float, float], ...]
+
+
+class _Trace:
+    __slots__ = ("spans", "candidates", "due", "created", "has_stage")
+
+    def __init__(self, created: float) -> None:
+        # span id -> (parent id, start, end, stage, resource, attrs, is_candidate, flags)
+        self.spans: dict[bytes, tuple] = {}
+        self.candidates: list[bytes] = []
+        self.due: float | None = None
+        self.created = created
+        self.has_stage = False
+
+
+class Assembler:
+    """Not thread-safe; the engine serialises calls."""
+
+    def __init__(
+        self,
+        *,
+        settle_s: float,
+        trace_timeout_s: float,
+        max_spans_per_trace: int,
+        clock: Callable[[], float],
+    ) -> None:
+        self.settle_s = settle_s
+        self.trace_timeout_s = trace_timeout_s
+        self.max_spans_per_trace = max_spans_per_trace
+        self.clock = clock
+        self.traces: dict[bytes, _Trace] = {}
+        # (trace id, span id) of a member request -> linked batch stage spans
+        self.links: dict[tuple[bytes, bytes], list[tuple]] = {}
+        self.link_created: dict[tuple[bytes, bytes], float] = {}
+        # linked span identity -> index entries still referring to it
+        self.link_refs: dict[tuple[bytes, bytes], int] = {}
+        self.recent_done: dict[bytes, float] = {}
+        self.seen_batches: dict[Any, float] = {}
+        self.pending = 0
+        self.valid_stages: set[str] = set()
+        self.dropped: dict[str, int] = {}
+        self.received = 0
+        self.accepted = 0
+        self.ignored = 0
+        self.incomplete = 0
+
+    # --- ingest ---------------------------------------------------------------------
+    def _drop(self, reason: str, n: int = 1) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + n
+
+    def ingest(self, request: Any) -> tuple[int, int, list[str]]:
+        now = self.clock()
+        traces = self.traces
+        links = self.links
+        valid_stages = self.valid_stages
+        wanted = _WANTED
+        max_spans = self.max_spans_per_trace
+        accepted = rejected = 0
+        errors: list[str] = []
+
+        def reject(reason: str, why: str) -> None:
+            nonlocal rejected
+            rejected += 1
+            self._drop(reason)
+            if len(errors) < _MAX_ERRORS:
+                errors.append(why)
+
+        for rs in request.resource_spans:
+            service = _DEFAULT_SERVICE
+            host = ""
+            instance = ""
+            for kv in rs.resource.attributes:
+                k = kv.key
+                if k == sc.RESOURCE_SERVICE_NAME:
+                    service = kv.value.string_value or _DEFAULT_SERVICE
+                elif k == sc.RESOURCE_HOST_NAME:
+                    host = kv.value.string_value
+                elif k == sc.RESOURCE_SERVICE_INSTANCE_ID:
+                    instance = kv.value.string_value
+            resource = (service, host, instance)
+            for ss in rs.scope_spans:
+                for span in ss.spans:
+                    tid = span.trace_id
+                    sid = span.span_id
+                    if len(tid) != 16 or len(sid) != 8 or tid == _ZERO_TRACE or sid == _ZERO_SPAN:
+                        reject(sc.DROP_INVALID_ID, f"span {sid.hex()!r} in trace {tid.hex()!r}: invalid trace or span id")
+                        continue
+                    start = span.start_time_unix_nano
+                    end = span.end_time_unix_nano
+                    if end < start:
+                        reject(sc.DROP_NEGATIVE_DURATION, f"span {sid.hex()}: end time before start time")
+                        continue
+                    if end - start > _DAY_NS:
+                        reject(sc.DROP_ABSURD_DURATION, f"span {sid.hex()}: duration over one day")
+                        continue
+                    attrs = None
+                    for kv in span.attributes:
+                        k = kv.key
+                        if k in wanted:
+                            if attrs is None:
+                                attrs = {}
+                            attrs[k] = _any_value(kv.value)
+                    stage = None
+                    if attrs is not None:
+                        stage = attrs.get(sc.ATTR_STAGE)
+                        if stage is not None and stage not in valid_stages:
+                            if (
+                                isinstance(stage, str)
+                                and sc.STAGE_NAME_PATTERN.match(stage)
+                                and stage != sc.STAGE_UNATTRIBUTED
+                            ):
+                                valid_stages.add(stage)
+                            else:
+                                reject(sc.DROP_INVALID_STAGE, f"span {sid.hex()}: invalid stage value {stage!r}")
+                                continue
+                    parent = span.parent_span_id
+                    if stage is not None and span.links:
+                        # Batch encoding (b): attributed through its links only.
+                        ident = (tid, sid)
+                        if ident in self.link_refs:
+                            reject(sc.DROP_DUPLICATE, f"span {sid.hex()}: duplicate span id in trace {tid.hex()}")
+                            continue
+                        record = (stage, start, end, resource, attrs, ident)
+                        self.link_refs[ident] = len(span.links)
+                        for link in span.links:
+                            lk = (link.trace_id, link.span_id)
+                            lst = links.get(lk)
+                            if lst is None:
+                                links[lk] = [record]
+                                self.link_created[lk] = now
+                            else:
+                                lst.append(record)
+                        accepted += 1
+                        self.pending += 1
+                        continue
+                    trace = traces.get(tid)
+                    if trace is None:
+                        trace = traces[tid] = _Trace(now)
+                    elif sid in trace.spans:
+                        reject(sc.DROP_DUPLICATE, f"span {sid.hex()}: duplicate span id in trace {tid.hex()}")
+                        continue
+                    if len(trace.spans) >= max_spans:
+                        reject(sc.DROP_TRACE_TOO_LARGE, f"trace {tid.hex()}: more than {max_spans} spans")
+                        continue
+                    kind = span.kind
+                    candidate = kind == _KIND_SERVER or kind == _KIND_CONSUMER or (
+                        attrs is not None and attrs.get(sc.ATTR_REQUEST) is True
+                    )
+                    if candidate:
+                        trace.candidates.append(sid)
+                        due = now + self.settle_s
+                        if trace.due is None or due > trace.due:
+                            trace.due = due
+                        trace_state = span.trace_state
+                    else:
+                        trace_state = None
+                    if stage is not None:
+                        trace.has_stage = True
+                    trace.spans[sid] = (parent, start, end, stage, resource, attrs, candidate, span.flags, trace_state)
+                    accepted += 1
+                    self.pending += 1
+        self.received += accepted + rejected
+        self.accepted += accepted
+        return accepted, rejected, errors
+
+    # --- finalisation ------------------------------------------------------------------
+    def advance(self, now: float, *, everything: bool = False) -> list[FinalRequest]:
+        out: list[FinalRequest] = []
+        done = []
+        expired = []
+        for tid, trace in self.traces.items():
+            if trace.due is not None and (everything or trace.due <= now):
+                done.append(tid)
+            elif trace.due is None and (everything or now - trace.created >= self.trace_timeout_s):
+                expired.append(tid)
+        for tid in done:
+            trace = self.traces.pop(tid)
+            self.pending -= len(trace.spans)
+            self._finalise_trace(tid, trace, out)
+            self.recent_done[tid] = now
+        for tid in expired:
+            trace = self.traces.pop(tid)
+            n = len(trace.spans)
+            self.pending -= n
+            if tid in self.recent_done:
+                self._drop(sc.DROP_LATE, n)
+            elif trace.has_stage:
+                self.incomplete += 1
+                self._drop(sc.DROP_INCOMPLETE_TRACE, n)
+            else:
+                self.ignored += n
+        # Linked batch spans whose member requests never came (or came and went).
+        stale = [
+            lk
+            for lk, created in self.link_created.items()
+            if everything or now - created >= self.trace_timeout_s
+        ]
+        for lk in stale:
+            del self.link_created[lk]
+            records = self.links.pop(lk, None)
+            if records:
+                # A linked span is pending once however many members it has; count it
+                # when its last reference goes.
+                self._release_linked(records)
+                reason = sc.DROP_LATE if lk[0] in self.recent_done else sc.DROP_ORPHAN_STAGE
+                self._drop(reason, len(records))
+        horizon = now - self.trace_timeout_s
+        if self.recent_done and not everything:
+            for tid in [t for t, ts in self.recent_done.items() if ts < horizon]:
+                del self.recent_done[tid]
+        for key in [k for k, ts in self.seen_batches.items() if ts < now - _BATCH_MEMORY_S]:
+            del self.seen_batches[key]
+        return out
+
+    def _release_linked(self, records: list[tuple]) -> None:
+        refs = self.link_refs
+        for rec in records:
+            ident = rec[5]
+            left = refs.get(ident, 1) - 1
+            if left <= 0:
+                refs.pop(ident, None)
+                self.pending -= 1
+            else:
+                refs[ident] = left
+
+    def _finalise_trace(self, tid: bytes, trace: _Trace, out: list[FinalRequest]) -> None:
+        spans = trace.spans
+        # Confirm local roots among the candidates.
+        requests: set[bytes] = set()
+        for sid in trace.candidates:
+            parent, _, _, _, resource, attrs, _, flags, _ = spans[sid]
+            if attrs is not None and attrs.get(sc.ATTR_REQUEST) is True:
+                requests.add(sid)
+                continue
+            if not parent or parent == _ZERO_SPAN:
+                requests.add(sid)
+                continue
+            if flags & _FLAG_HAS_IS_REMOTE and flags & _FLAG_IS_REMOTE:
+                requests.add(sid)
+                continue
+            p = spans.get(parent)
+            if p is None or p[4][0] != resource[0]:
+                requests.add(sid)
+        owned: dict[bytes, list[tuple]] = {r: [] for r in requests}
+        owner_of: dict[bytes, bytes | None] = {}
+        for sid, rec in spans.items():
+            if rec[3] is None:
+                if sid not in requests:
+                    self.ignored += 1
+                continue
+            owner = self._owner(sid, spans, requests, owner_of)
+            if owner is None:
+                self._drop(sc.DROP_ORPHAN_STAGE)
+            else:
+                owned[owner].append((rec[3], rec[1], rec[2], rec[4], rec[5], (tid, sid)))
+        for rid in requests:
+            linked = self.links.pop((tid, rid), None)
+            if linked is not None:
+                self.link_created.pop((tid, rid), None)
+                self._release_linked(linked)
+                owned[rid].extend(linked)
+            final = self._finalise_request(spans[rid], owned[rid])
+            if final is not None:
+                out.append(final)
+
+    @staticmethod
+    def _owner(sid: bytes, spans: dict, requests: set, memo: dict) -> bytes | None:
+        path = []
+        cur: bytes | None = spans[sid][0]
+        result = None
+        depth = 0
+        while cur:
+            if cur in memo:
+                result = memo[cur]
+                break
+            if cur in requests:
+                result = cur
+                break
+            path.append(cur)
+            rec = spans.get(cur)
+            depth += 1
+            if rec is None or depth > 10_000:
+                break
+            cur = rec[0]
+        for p in path:
+            memo[p] = result
+        return result
+
+    def _finalise_request(self, req: tuple, stage_spans: list[tuple]) -> FinalRequest | None:
+        _, start, end, _, resource, attrs, _, _, trace_state = req
+        if not stage_spans and not attrs:
+            self.ignored += 1
+            return None
+        service, host, instance = resource
+        model = attrs.get(sc.ATTR_MODEL_NAME) if attrs else None
+        weight = None
+        if attrs:
+            w = attrs.get(sc.ATTR_SAMPLE_WEIGHT)
+            if isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) and w >= 1:
+                weight = float(w)
+        if weight is None:
+            weight = trace_state_weight(trace_state) or 1.0
+        intervals = []
+        batches = []
+        compute = []
+        seen = self.seen_batches
+        now = self.clock()
+        for stage, s, e, res, sattrs, ident in stage_spans:
+            intervals.append((stage, s, e))
+            if sattrs is None:
+                continue
+            if model is None:
+                model = sattrs.get(sc.ATTR_MODEL_NAME)
+            batch_id = sattrs.get(sc.ATTR_BATCH_ID)
+            if stage in _PADDING_STAGES:
+                eff = sattrs.get(sc.ATTR_TOKENS_EFFECTIVE)
+                pad = sattrs.get(sc.ATTR_TOKENS_PADDED)
+                if isinstance(eff, int) and isinstance(pad, int) and pad > 0:
+                    # One count per batch: batch id within the service instance, or the
+                    # span itself when the batch carries no id.
+                    key = (res[0], res[2], "b", batch_id) if batch_id is not None else ident
+                    if key not in seen:
+                        seen[key] = now
+                        batches.append((key, eff, pad))
+            if stage in sc.COMPUTE_STAGES:
+                gpu = sattrs.get(sc.ATTR_GPU_ID)
+                if gpu:
+                    key = (res[0], res[2], "c", stage, batch_id) if batch_id is not None else ident
+                    if key not in seen:
+                        seen[key] = now
+                        compute.append((res[1], str(gpu), s * 1e-9, e * 1e-9))
+        stage_time, exclusive, unattributed = partition(start, end, intervals)
+        return FinalRequest(
+            service=service,
+            model=model if isinstance(model, str) else "",
+            weight=weight,
+            e2e=(end - start) * 1e-9,
+            stage_time=stage_time,
+            exclusive=exclusive,
+            unattributed=unattributed,
+            batches=tuple(batches),
+            compute=tuple(compute),
+        )
+
+
+__all__ = ["Assembler", "FinalRequest", "trace_state_weight"]

@@ -1,0 +1,170 @@
+"""Where a request's end-to-end time went, and the tail-attribution sketch.
+
+Two per-request figures per stage (times in seconds):
+
+* **stage time** — the summed duration of the stage's spans, each clipped to the
+  request span's ``[start, end]``. This is what per-stage quantiles are computed over:
+  it is what a user sees summing the bars of one stage in Jaeger. Clipping guards
+  against clock skew between the batcher and the request handler.
+* **exclusive time** — a partition of the request's end-to-end time. The request's
+  interval is cut at every stage-span boundary; each elementary segment goes to the
+  stages covering it (split equally when several distinct stages overlap) or to
+  ``unattributed`` when none does. Exclusive times of all stages plus ``unattributed``
+  therefore sum to the end-to-end time exactly. When stage spans do not overlap (the
+  normal serving path) exclusive time equals stage time.
+
+``share_of_p95`` (contract §6) is computed from exclusive times, so the shares of all
+stages including ``unattributed`` sum to 1.
+
+The tail-attribution sketch keeps, per time slice and per log-spaced end-to-end
+bucket (the quantile sketch's own mapping), the traced count, the weighted count, the
+weighted sum of end-to-end time and the weighted sum of each stage's exclusive time.
+``share_of_p95`` sums the buckets at and above the bucket holding the window's p95.
+Boundary error: the p95 bucket also holds requests up to a factor ``gamma`` (1% at the
+default accuracy) below p95; they are included in the tail set. Their weight is at most
+that bucket's weight, so the error on a share is bounded by the bucket's weight over the
+tail's weight times the difference of that bucket's share from the rest; on continuous
+latency distributions it is a fraction of a percentage point (tests check it against
+exact computation).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from inferprof.collector.sketch import KEY_BITS, KEY_MASK
+
+#: Columns of a tail-table row (``COL_STAGE0 + stage index`` for each stage).
+COL_TRACED = 0
+COL_WEIGHT = 1
+COL_E2E = 2
+COL_STAGE0 = 3
+COL_BITS = 10
+COL_MASK = (1 << COL_BITS) - 1
+#: Maximum number of distinct stage names (canonical + custom) the engine tracks.
+MAX_STAGE_COLUMNS = COL_MASK + 1 - COL_STAGE0
+
+_NS = 1e-9
+
+
+def partition(
+    req_start: int, req_end: int, spans: Iterable[tuple[str, int, int]]
+) -> tuple[dict[str, float], dict[str, float], float]:
+    """Stage times, exclusive times and unattributed time of one request (seconds).
+
+    ``spans`` are ``(stage, start_ns, end_ns)`` of the stage spans attributed to the
+    request. Stages whose spans lie entirely outside the request still appear, with 0.
+    """
+    clipped: list[tuple[int, int, str]] = []
+    stage_ns: dict[str, int] = {}
+    for stage, s, e in spans:
+        if s < req_start:
+            s = req_start
+        if e > req_end:
+            e = req_end
+        d = e - s
+        if d > 0:
+            clipped.append((s, e, stage))
+            stage_ns[stage] = stage_ns.get(stage, 0) + d
+        elif stage not in stage_ns:
+            stage_ns[stage] = 0
+    e2e_ns = req_end - req_start
+    stage_time = {k: v * _NS for k, v in stage_ns.items()}
+
+    clipped.sort()
+    overlap = False
+    last_end = req_start
+    for s, e, _ in clipped:
+        if s < last_end:
+            overlap = True
+            break
+        last_end = e
+    if not overlap:
+        covered = sum(stage_ns.values())
+        return stage_time, dict(stage_time), (e2e_ns - covered) * _NS
+
+    return stage_time, *_sweep(clipped, stage_ns, e2e_ns)
+
+
+def _sweep(
+    clipped: list[tuple[int, int, str]], stage_ns: dict[str, int], e2e_ns: int
+) -> tuple[dict[str, float], float]:
+    # Events: +1 at start, -1 at end; between consecutive boundaries the set of active
+    # stages (with multiplicity, so two spans of one stage count as one stage) is fixed.
+    events: list[tuple[int, int, str]] = []
+    for s, e, stage in clipped:
+        events.append((s, 1, stage))
+        events.append((e, -1, stage))
+    events.sort(key=lambda ev: (ev[0], ev[1]))
+    active: dict[str, int] = defaultdict(int)
+    exclusive = {k: 0.0 for k in stage_ns}
+    covered = 0
+    prev = events[0][0]
+    for t, delta, stage in events:
+        if t > prev and active:
+            seg = t - prev
+            share = seg / len(active)
+            for name in active:
+                exclusive[name] += share
+            covered += seg
+        prev = t
+        if delta > 0:
+            active[stage] += 1
+        else:
+            active[stage] -= 1
+            if active[stage] == 0:
+                del active[stage]
+    return {k: v * _NS for k, v in exclusive.items()}, (e2e_ns - covered) * _NS
+
+
+def tail_codes(series: np.ndarray, keys: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """Pack (series id, e2e bucket key, column) into one sortable int64 code."""
+    return (series << (KEY_BITS + COL_BITS)) | (keys << COL_BITS) | cols
+
+
+def series_range(series_id: int) -> tuple[int, int]:
+    lo = series_id << (KEY_BITS + COL_BITS)
+    return lo, lo + (1 << (KEY_BITS + COL_BITS))
+
+
+def tail_shares(
+    codes: np.ndarray, values: np.ndarray, p95_key: int, stage_names: Sequence[str]
+) -> tuple[dict[str, float], float, float]:
+    """Shares of the tail (e2e bucket key >= ``p95_key``) per stage.
+
+    ``codes``/``values`` are tail-table entries of the series of interest (merged or not;
+    the series bits are ignored). Returns ``(shares, traced_tail, weighted_tail)``;
+    shares include ``unattributed`` under the name ``stage_names[i]`` of its column.
+    """
+    keys = (codes >> COL_BITS) & KEY_MASK
+    mask = keys >= p95_key
+    cols = (codes[mask] & COL_MASK).astype(np.int64)
+    sums = np.bincount(cols, weights=values[mask], minlength=COL_STAGE0 + len(stage_names))
+    total_e2e = sums[COL_E2E]
+    shares: dict[str, float] = {}
+    if total_e2e > 0:
+        for i, name in enumerate(stage_names):
+            v = sums[COL_STAGE0 + i]
+            if v != 0.0:
+                shares[name] = float(v / total_e2e)
+    return shares, float(sums[COL_TRACED]), float(sums[COL_WEIGHT])
+
+
+def exact_tail_shares(
+    e2e: Sequence[float], weights: Sequence[float], exclusive: Sequence[dict[str, float]], p95: float
+) -> dict[str, float]:
+    """Exact §6 ``share_of_p95`` of per-request exclusive times (reference for tests)."""
+    num: dict[str, float] = defaultdict(float)
+    den = 0.0
+    for x, w, ex in zip(e2e, weights, exclusive):
+        if x >= p95:
+            den += w * x
+            for k, v in ex.items():
+                num[k] += w * v
+    return {k: v / den for k, v in num.items()} if den > 0 else {}
+
+
+__all__ = ["partition", "tail_codes", "tail_shares", "exact_tail_shares", "series_range"]

@@ -1,0 +1,535 @@
+"""The collector's folding engine: OTLP in, per-stage breakdowns out.
+
+Receivers hand decoded OTLP exports to ``Engine.ingest_traces`` /
+``Engine.ingest_metrics`` (from any thread). Spans are assembled into requests
+(``assembly``); a finalised request is folded, in batches with numpy, into
+
+* relative-error quantile sketches per (service, model, stage) and for end-to-end
+  latency (``sketch``), one set per time slice of ``slice_s`` seconds;
+* the tail-attribution sketch (``attribution``), per slice as well;
+* cumulative Prometheus histograms, padding totals and compute-span windows for the GPU
+  join (``verdict``).
+
+Readers (``breakdown``, ``services``, ``EngineCollector``) merge the slices inside the
+window they ask for. A request lands in the slice of the collector-clock time it was
+finalised at, so windows are "what the collector finalised in the last N seconds" and
+do not depend on the services' clocks.
+
+Memory is bounded: spans pending in unfinished traces by ``max_pending_spans`` (an
+export that would exceed it raises ``Overloaded`` before anything of it is accepted),
+slices by the largest window, (service, model) series by ``max_series`` (the rest fold
+into ``service="__overflow__"``), stage names by ``attribution.MAX_STAGE_COLUMNS``.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import defaultdict
+from typing import Any, Callable
+
+import numpy as np
+
+from inferprof import semconv as sc
+from inferprof.collector.assembly import Assembler, FinalRequest
+from inferprof.collector.attribution import (
+    COL_E2E,
+    COL_STAGE0,
+    COL_TRACED,
+    COL_WEIGHT,
+    MAX_STAGE_COLUMNS,
+    series_range,
+    tail_codes,
+    tail_shares,
+)
+from inferprof.collector.records import EngineStats, IngestResult
+from inferprof.collector.sketch import KEY_BITS, KEY_MASK, KeyMapping, concat_reduce, rank_index, reduce_codes
+from inferprof.collector.verdict import GpuSamples, decide, gpu_evidence, is_gpu_metric
+
+#: Upper bounds (seconds) of the Prometheus histogram buckets: 0.5 ms .. 60 s, the
+#: range of serving latencies from a single small-model stage to a long generation.
+HISTOGRAM_BOUNDS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)
+_BOUNDS = np.asarray(HISTOGRAM_BOUNDS)
+_NB = len(HISTOGRAM_BOUNDS) + 1
+STAGE_BITS = 10
+_STAGE_MASK = (1 << STAGE_BITS) - 1
+_Q_LOCAL = KEY_BITS + STAGE_BITS
+#: Stage index 0 is end-to-end latency in the quantile store, 1 is ``unattributed``.
+_E2E = 0
+_UNATTRIBUTED = 1
+#: Compute windows kept per (slice, series) for the GPU join.
+_MAX_COMPUTE_WINDOWS = 5_000
+
+
+class Overloaded(Exception):
+    """Raised by ``ingest_traces`` when accepting the export would exceed
+    ``max_pending_spans``. Nothing of that export was accepted: the receiver should
+    answer with back-pressure (HTTP 429 / gRPC RESOURCE_EXHAUSTED) and let the client
+    retry."""
+
+    def __init__(self, pending: int, incoming: int, limit: int) -> None:
+        super().__init__(
+            f"collector overloaded: {pending} spans pending + {incoming} incoming exceeds "
+            f"max_pending_spans={limit}"
+        )
+        self.pending = pending
+        self.incoming = incoming
+        self.limit = limit
+
+
+class _Slice:
+    __slots__ = ("q_chunks", "t_chunks", "padding", "compute")
+
+    def __init__(self) -> None:
+        self.q_chunks: list[tuple[np.ndarray, np.ndarray]] = []
+        self.t_chunks: list[tuple[np.ndarray, np.ndarray]] = []
+        self.padding: dict[int, list[int]] = {}
+        self.compute: dict[int, list[tuple[str, str, float, float]]] = defaultdict(list)
+
+    def quantile_store(self) -> tuple[np.ndarray, np.ndarray]:
+        if len(self.q_chunks) > 1:
+            self.q_chunks = [concat_reduce(self.q_chunks)]
+        return self.q_chunks[0] if self.q_chunks else (np.empty(0, np.int64), np.empty(0))
+
+    def tail_store(self) -> tuple[np.ndarray, np.ndarray]:
+        if len(self.t_chunks) > 1:
+            self.t_chunks = [concat_reduce(self.t_chunks)]
+        return self.t_chunks[0] if self.t_chunks else (np.empty(0, np.int64), np.empty(0))
+
+
+def _positive(name: str, value: float) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0 or not math.isfinite(value):
+        raise ValueError(f"{name} must be a positive number, got {value!r}")
+    return float(value)
+
+
+class Engine:
+    """Assembles spans into requests and folds them into windowed sketches.
+
+    Thread-safe: every public method takes the engine's lock.
+    """
+
+    def __init__(
+        self,
+        *,
+        settle_s: float = 2.0,
+        trace_timeout_s: float = 60.0,
+        windows_s: tuple[float, ...] = (60.0, 300.0, 900.0),
+        slice_s: float = 10.0,
+        relative_accuracy: float = 0.005,
+        max_series: int = 1000,
+        max_spans_per_trace: int = 10_000,
+        max_pending_spans: int = 1_000_000,
+        retention_s: float | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if not isinstance(settle_s, (int, float)) or settle_s < 0:
+            raise ValueError(f"settle_s must be >= 0, got {settle_s!r}")
+        self.settle_s = float(settle_s)
+        self.trace_timeout_s = _positive("trace_timeout_s", trace_timeout_s)
+        self.slice_s = _positive("slice_s", slice_s)
+        if not windows_s:
+            raise ValueError("windows_s must name at least one window")
+        self.windows_s = tuple(_positive("windows_s", w) for w in windows_s)
+        self.retention_s = (
+            max(self.windows_s) if retention_s is None else _positive("retention_s", retention_s)
+        )
+        for name, value in (("max_series", max_series), ("max_spans_per_trace", max_spans_per_trace),
+                            ("max_pending_spans", max_pending_spans)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.max_series = max_series
+        self.max_pending_spans = max_pending_spans
+        self.mapping = KeyMapping(relative_accuracy)
+        self.clock = clock
+        self._lock = threading.RLock()
+        self._asm = Assembler(
+            settle_s=self.settle_s,
+            trace_timeout_s=self.trace_timeout_s,
+            max_spans_per_trace=max_spans_per_trace,
+            clock=clock,
+        )
+        self._stage_names: list[str] = ["", sc.STAGE_UNATTRIBUTED, *sc.CANONICAL_STAGES]
+        self._stage_index = {name: i for i, name in enumerate(self._stage_names) if name}
+        self._series: dict[tuple[str, str], int] = {}
+        self._series_keys: list[tuple[str, str]] = []
+        self._series_requests: list[float] = []
+        self._slices: dict[int, _Slice] = {}
+        self._hist: dict[tuple[int, int], np.ndarray] = {}
+        self._hist_sum: dict[tuple[int, int], float] = {}
+        self._gpu = GpuSamples()
+        self._finalised = 0
+        self._overflow = 0
+        self._next_advance = 0.0
+
+    # --- ingest --------------------------------------------------------------------
+    def ingest_traces(self, request: Any) -> IngestResult:
+        incoming = sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+        with self._lock:
+            pending = self._asm.pending
+            if pending + incoming > self.max_pending_spans:
+                # Finalise what is due first: the pressure may be only apparent.
+                self._advance(self.clock())
+                pending = self._asm.pending
+                if pending + incoming > self.max_pending_spans:
+                    raise Overloaded(pending, incoming, self.max_pending_spans)
+            accepted, rejected, errors = self._asm.ingest(request)
+            now = self.clock()
+            if now >= self._next_advance:
+                self._advance(now)
+        return IngestResult(accepted, rejected, tuple(errors))
+
+    def ingest_metrics(self, request: Any) -> IngestResult:
+        accepted = ignored = 0
+        with self._lock:
+            for rm in request.resource_metrics:
+                host = ""
+                for kv in rm.resource.attributes:
+                    if kv.key == sc.RESOURCE_HOST_NAME:
+                        host = kv.value.string_value
+                for sm in rm.scope_metrics:
+                    for metric in sm.metrics:
+                        if not is_gpu_metric(metric.name):
+                            ignored += 1
+                            continue
+                        kind = metric.WhichOneof("data")
+                        if kind not in ("gauge", "sum"):
+                            ignored += 1
+                            continue
+                        for dp in getattr(metric, kind).data_points:
+                            hw_id = ""
+                            for kv in dp.attributes:
+                                if kv.key == sc.ATTR_HW_ID:
+                                    hw_id = kv.value.string_value
+                            v = dp.as_double if dp.WhichOneof("value") == "as_double" else float(dp.as_int)
+                            if not math.isfinite(v):
+                                continue
+                            self._gpu.add(host, hw_id, metric.name, dp.time_unix_nano * 1e-9, v)
+                            accepted += 1
+        return IngestResult(accepted, 0, ())
+
+    # --- finalisation ----------------------------------------------------------------
+    def advance(self, now: float | None = None) -> None:
+        with self._lock:
+            self._advance(self.clock() if now is None else now)
+
+    def flush(self) -> None:
+        with self._lock:
+            now = self.clock()
+            self._fold(self._asm.advance(now, everything=True), now)
+
+    def _advance(self, now: float) -> None:
+        self._next_advance = now + min(1.0, self.settle_s / 2 or 1.0)
+        self._fold(self._asm.advance(now), now)
+        if math.isfinite(self.retention_s):
+            oldest = math.floor((now - self.retention_s) / self.slice_s)
+            for idx in [i for i in self._slices if i < oldest]:
+                del self._slices[idx]
+            self._gpu.prune(now - self.retention_s)
+
+    def _series_id(self, service: str, model: str) -> int:
+        key = (service, model)
+        sid = self._series.get(key)
+        if sid is None:
+            if len(self._series) >= self.max_series:
+                key = (sc.OVERFLOW_SERIES, "")
+                sid = self._series.get(key)
+                if sid is not None:
+                    return sid
+            sid = len(self._series_keys)
+            self._series[key] = sid
+            self._series_keys.append(key)
+            self._series_requests.append(0.0)
+        return sid
+
+    def _stage_id(self, stage: str) -> int | None:
+        idx = self._stage_index.get(stage)
+        if idx is None:
+            if len(self._stage_names) >= MAX_STAGE_COLUMNS:
+                return None
+            idx = len(self._stage_names)
+            self._stage_names.append(stage)
+            self._stage_index[stage] = idx
+        return idx
+
+    def _fold(self, finals: list[FinalRequest], now: float) -> None:
+        if not finals:
+            return
+        slice_ = self._slices.get(int(now // self.slice_s))
+        if slice_ is None:
+            slice_ = self._slices[int(now // self.slice_s)] = _Slice()
+        n = len(finals)
+        req_series = np.empty(n, np.int64)
+        req_e2e = np.empty(n)
+        req_w = np.empty(n)
+        p_req: list[int] = []
+        p_stage: list[int] = []
+        p_time: list[float] = []
+        p_excl: list[float] = []
+        overflow_key = (sc.OVERFLOW_SERIES, "")
+        for i, f in enumerate(finals):
+            sid = self._series_id(f.service, f.model)
+            if self._series_keys[sid] == overflow_key and (f.service, f.model) != overflow_key:
+                self._overflow += 1
+            req_series[i] = sid
+            req_e2e[i] = f.e2e
+            req_w[i] = f.weight
+            self._series_requests[sid] += f.weight
+            p_req.append(i)
+            p_stage.append(_UNATTRIBUTED)
+            p_time.append(f.unattributed)
+            p_excl.append(f.unattributed)
+            excl = f.exclusive
+            for stage, t in f.stage_time.items():
+                idx = self._stage_id(stage)
+                if idx is None:
+                    self._asm._drop(sc.DROP_TOO_MANY_STAGES)
+                    continue
+                p_req.append(i)
+                p_stage.append(idx)
+                p_time.append(t)
+                p_excl.append(excl.get(stage, 0.0))
+            for _, eff, pad in f.batches:
+                acc = slice_.padding.setdefault(sid, [0, 0, 0])
+                acc[0] += eff
+                acc[1] += pad
+                acc[2] += 1
+            if f.compute:
+                windows = slice_.compute[sid]
+                if len(windows) < _MAX_COMPUTE_WINDOWS:
+                    windows.extend(f.compute)
+        self._finalised += n
+        mapping = self.mapping
+        pr = np.asarray(p_req, np.int64)
+        ps = np.asarray(p_stage, np.int64)
+        pt = np.asarray(p_time)
+        pe = np.asarray(p_excl)
+
+        # Quantile sketches: end-to-end (stage 0) and per stage.
+        q_series = np.concatenate([req_series, req_series[pr]])
+        q_stage = np.concatenate([np.zeros(n, np.int64), ps])
+        q_val = np.concatenate([req_e2e, pt])
+        q_w = np.concatenate([req_w, req_w[pr]])
+        q_codes = (q_series << _Q_LOCAL) | (q_stage << KEY_BITS) | mapping.key(q_val)
+        slice_.q_chunks.append(reduce_codes(q_codes, q_w))
+
+        # Tail attribution: per request traced/weight/e2e columns, per stage exclusive time.
+        e2e_key = mapping.key(req_e2e)
+        t_series = np.concatenate([req_series] * 3 + [req_series[pr]])
+        t_key = np.concatenate([e2e_key] * 3 + [e2e_key[pr]])
+        t_cols = np.concatenate(
+            [
+                np.full(n, COL_TRACED, np.int64),
+                np.full(n, COL_WEIGHT, np.int64),
+                np.full(n, COL_E2E, np.int64),
+                COL_STAGE0 + ps,
+            ]
+        )
+        t_vals = np.concatenate([np.ones(n), req_w, req_w * req_e2e, req_w[pr] * pe])
+        slice_.t_chunks.append(reduce_codes(tail_codes(t_series, t_key, t_cols), t_vals))
+        if len(slice_.q_chunks) > 16:
+            slice_.quantile_store()
+            slice_.tail_store()
+
+        # Cumulative Prometheus histograms (no unattributed pseudo-stage there).
+        keep = q_stage != _UNATTRIBUTED
+        hs, hst, hv, hw = q_series[keep], q_stage[keep], q_val[keep], q_w[keep]
+        pair = (hs << STAGE_BITS) | hst
+        h_codes = pair * _NB + np.searchsorted(_BOUNDS, hv, side="left")
+        uniq, sums = reduce_codes(h_codes, hw)
+        for code, w in zip(uniq.tolist(), sums.tolist()):
+            p, bucket = divmod(code, _NB)
+            key = (p >> STAGE_BITS, p & _STAGE_MASK)
+            arr = self._hist.get(key)
+            if arr is None:
+                arr = self._hist[key] = np.zeros(_NB)
+                self._hist_sum[key] = 0.0
+            arr[bucket] += w
+        uniq, sums = reduce_codes(pair, hw * hv)
+        for p, s in zip(uniq.tolist(), sums.tolist()):
+            self._hist_sum[(p >> STAGE_BITS, p & _STAGE_MASK)] += s
+
+    # --- readers -------------------------------------------------------------------------
+    def pending_spans(self) -> int:
+        with self._lock:
+            return self._asm.pending
+
+    @property
+    def stats(self) -> EngineStats:
+        with self._lock:
+            asm = self._asm
+            return EngineStats(
+                spans_received=asm.received,
+                spans_accepted=asm.accepted,
+                spans_dropped=dict(asm.dropped),
+                spans_ignored=asm.ignored,
+                traces_incomplete=asm.incomplete,
+                requests_finalised=self._finalised,
+                series_overflow=self._overflow,
+                series=len(self._series),
+                gpu_samples_received=self._gpu.received,
+                gpu_samples_dropped=self._gpu.dropped,
+                pending_spans=asm.pending,
+                pending_traces=len(asm.traces),
+            )
+
+    def services(self) -> list[dict]:
+        with self._lock:
+            self._advance(self.clock())
+            by_service: dict[str, dict] = {}
+            for (service, model), sid in self._series.items():
+                entry = by_service.setdefault(service, {"service": service, "models": [], "requests": 0.0})
+                entry["models"].append(model)
+                entry["requests"] += self._series_requests[sid]
+            out = []
+            for service in sorted(by_service):
+                entry = by_service[service]
+                entry["models"].sort()
+                entry["requests"] = int(round(entry["requests"]))
+                out.append(entry)
+            return out
+
+    def series(self) -> list[tuple[str, str]]:
+        """Every (service, model) seen, in order of first appearance."""
+        with self._lock:
+            return list(self._series_keys)
+
+    def histograms(self) -> list[tuple[str, str, str | None, np.ndarray, float]]:
+        """Cumulative histograms: (service, model, stage or None for e2e, bucket counts, sum).
+
+        Bucket counts are per bucket (not cumulative), for ``HISTOGRAM_BOUNDS`` + ``+Inf``.
+        """
+        with self._lock:
+            out = []
+            for (sid, stage), arr in self._hist.items():
+                service, model = self._series_keys[sid]
+                name = None if stage == _E2E else self._stage_names[stage]
+                out.append((service, model, name, arr.copy(), self._hist_sum[(sid, stage)]))
+            return out
+
+    def breakdown(self, service: str, model: str | None = None, window_s: float | None = 300.0) -> dict | None:
+        """Contract §5 document for ``service`` (all its models when ``model`` is None)
+        over the last ``window_s`` seconds (all retained data when None); None when the
+        service (or that model of it) was never seen."""
+        if window_s is not None:
+            _positive("window_s", window_s)
+        with self._lock:
+            now = self.clock()
+            self._advance(now)
+            sids = [
+                sid
+                for (s, m), sid in self._series.items()
+                if s == service and (model is None or m == model)
+            ]
+            if not sids:
+                return None
+            models = {self._series_keys[sid][1] for sid in sids}
+            if window_s is None:
+                slices = list(self._slices.values())
+                since = None
+            else:
+                first = math.floor((now - window_s) / self.slice_s) + 1
+                slices = [sl for idx, sl in self._slices.items() if idx >= first]
+                since = now - window_s
+            return self._document(service, model if model is not None else (
+                next(iter(models)) if len(models) == 1 else None), window_s, sids, slices, since)
+
+    def _gather(self, store: tuple[np.ndarray, np.ndarray], sids: list[int], shift: int):
+        codes, weights = store
+        out = []
+        for sid in sids:
+            lo = np.searchsorted(codes, sid << shift, side="left")
+            hi = np.searchsorted(codes, (sid + 1) << shift, side="left")
+            if hi > lo:
+                out.append((codes[lo:hi] & ((1 << shift) - 1), weights[lo:hi]))
+        return out
+
+    def _document(self, service, model, window_s, sids, slices, since) -> dict:
+        from inferprof.collector.attribution import COL_BITS
+
+        q_parts = []
+        t_parts = []
+        padding = [0, 0, 0]
+        compute: list[tuple[str, str, float, float]] = []
+        for sl in slices:
+            q_parts.extend(self._gather(sl.quantile_store(), sids, _Q_LOCAL))
+            t_parts.extend(self._gather(sl.tail_store(), sids, KEY_BITS + COL_BITS))
+            for sid in sids:
+                acc = sl.padding.get(sid)
+                if acc:
+                    for i in range(3):
+                        padding[i] += acc[i]
+                compute.extend(sl.compute.get(sid, ()))
+        q_codes, q_w = concat_reduce(q_parts)
+        stage_of = q_codes >> KEY_BITS
+        keys = q_codes & KEY_MASK
+        bounds = np.flatnonzero(np.diff(stage_of)) + 1
+        starts = np.concatenate([[0], bounds]) if q_codes.size else np.empty(0, np.int64)
+        ends = np.concatenate([bounds, [q_codes.size]]) if q_codes.size else np.empty(0, np.int64)
+        per_stage: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        for a, b in zip(starts.tolist(), ends.tolist()):
+            per_stage[int(stage_of[a])] = (keys[a:b], q_w[a:b])
+
+        def quantiles(stage: int) -> tuple[float, dict[str, float | None], int | None]:
+            if stage not in per_stage:
+                return 0.0, {"p50": None, "p95": None, "p99": None}, None
+            k, w = per_stage[stage]
+            cum = np.cumsum(w)
+            values = self.mapping.value(k)
+            idx = [rank_index(cum, q) for q in sc.QUANTILES]
+            return (
+                float(cum[-1]),
+                {name: float(values[i]) for name, i in zip(("p50", "p95", "p99"), idx)},
+                int(k[idx[1]]),
+            )
+
+        requests, latency, p95_key = quantiles(_E2E)
+        if t_parts:
+            t_codes = np.concatenate([p[0] for p in t_parts])
+            t_vals = np.concatenate([p[1] for p in t_parts])
+        else:
+            t_codes, t_vals = np.empty(0, np.int64), np.empty(0)
+        names = self._stage_names
+        shares, tail_traced, _ = tail_shares(t_codes, t_vals, p95_key or 0, names)
+        shares.pop("", None)
+        _, traced, _ = tail_shares(t_codes, t_vals, 0, ())
+
+        order = {name: i for i, name in enumerate(sc.CANONICAL_STAGES)}
+        present = [names[i] for i in per_stage if i not in (_E2E, _UNATTRIBUTED)]
+        present.sort(key=lambda s: (order.get(s, len(order)), s))
+        stages = []
+        for name in [*present, sc.STAGE_UNATTRIBUTED]:
+            idx = self._stage_index[name]
+            count, qs, _ = quantiles(idx)
+            if name == sc.STAGE_UNATTRIBUTED and idx not in per_stage:
+                continue
+            stages.append(
+                {"stage": name, "count": int(round(count)), **qs,
+                 "share_of_p95": float(shares.get(name, 0.0))}
+            )
+        gpu = gpu_evidence(self._gpu, compute, since)
+        eff, pad, batches = padding
+        doc = {
+            "service": service,
+            "model": model,
+            "window_s": window_s,
+            "requests": int(round(requests)),
+            "traced_requests": int(traced),
+            "latency": latency,
+            "stages": stages,
+            "gpu": gpu,
+            "padding": {
+                "effective_tokens": eff,
+                "padded_tokens": pad,
+                "waste_ratio": (1.0 - eff / pad) if pad else None,
+                "batches": batches,
+            },
+        }
+        doc["verdict"] = decide(shares, int(traced), int(tail_traced), gpu)
+        return doc
+
+
+__all__ = ["Engine", "Overloaded", "IngestResult", "EngineStats", "HISTOGRAM_BOUNDS"]

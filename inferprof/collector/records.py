@@ -1,0 +1,68 @@
+"""Immutable records the collector engine hands out.
+
+Everything a reader (HTTP API, Prometheus collector, ``inferprof report``) gets from the
+engine is a frozen snapshot, so it can be used outside the engine's lock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping
+
+
+@dataclass(frozen=True)
+class IngestResult:
+    """Outcome of one OTLP export handed to the engine.
+
+    ``rejected_spans`` were dropped and counted (invalid ids, negative or absurd
+    durations, duplicates, invalid stage names, oversize traces); ``errors`` holds the
+    first few reasons in words, for OTLP ``partial_success.error_message``.
+    """
+
+    accepted_spans: int
+    rejected_spans: int
+    errors: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Counters of the engine since it started (a snapshot)."""
+
+    spans_received: int = 0
+    spans_accepted: int = 0
+    #: reason (``semconv.DROP_*``) -> spans dropped for it.
+    spans_dropped: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    #: spans that are neither request nor stage spans: accepted, kept for the parent
+    #: chain while their trace is open, not part of any breakdown.
+    spans_ignored: int = 0
+    traces_incomplete: int = 0
+    requests_finalised: int = 0
+    #: requests folded into the overflow series because of the (service, model) cap.
+    series_overflow: int = 0
+    series: int = 0
+    gpu_samples_received: int = 0
+    gpu_samples_dropped: int = 0
+    pending_spans: int = 0
+    pending_traces: int = 0
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One finalised request: what the engine folds into its sketches.
+
+    ``stage_time`` is the summed (clipped) duration of each stage's spans; ``exclusive``
+    partitions the request's end-to-end time between stages and ``unattributed`` so that
+    it sums to ``e2e`` exactly (see ``attribution.partition``).
+    """
+
+    service: str
+    model: str
+    e2e: float
+    weight: float
+    stage_time: Mapping[str, float]
+    exclusive: Mapping[str, float]
+    end_unix: float
+
+
+__all__ = ["IngestResult", "EngineStats", "RequestRecord"]

@@ -1,0 +1,274 @@
+"""The bottleneck verdict (contract §6) and the GPU evidence it reads.
+
+The rules read the layers top-down, cheapest explanation first. Stage shares of p95 are
+grouped (``semconv.BATCHING_STAGES``, ``HOST_STAGES``, ``TRANSFER_STAGES``,
+``NETWORK_STAGES``, ``COMPUTE_STAGES``); the group holding the largest share names the
+verdict. ``unattributed`` time and custom stages are groups too: when one of them is the
+largest, the verdict is ``unknown`` and the evidence says what to instrument.
+
+Compute-bound cases are split by the GPU samples that fall inside the compute spans'
+windows: median ``hw.gpu.utilization`` below ``LOW_UTILIZATION`` -> ``runtime`` (the GPU
+idles between launches); otherwise, with DCGM profiling figures, median SM activity
+below ``LOW_SM_ACTIVE`` or SM occupancy below ``LOW_SM_OCCUPANCY`` -> ``kernel``, else
+``hardware``; without them (NVML only) -> ``kernel``, naming the missing evidence.
+
+``confidence`` (0..1) is the product of
+* a sample-size factor ``min(1, tail_requests / FULL_CONFIDENCE_TAIL)`` — how many
+  traced requests the tail (>= p95) rests on;
+* a margin factor ``0.5 + 0.5 * (top - runner_up) / top`` of the group shares — 1 when
+  one group holds all of the tail, 0.5 when two groups tie;
+* for compute-derived verdicts, a GPU factor ``min(1, samples / FULL_CONFIDENCE_SAMPLES)``,
+  times 0.7 when ``kernel`` is said for want of occupancy figures.
+``unknown`` has confidence 0.
+
+GPU samples (contract §4) are kept per GPU (``hw.id``) and metric with their timestamps.
+A utilisation sample taken at ``t`` describes the sampling period before it, so it is
+joined to a compute span ``[s, e]`` when ``s < t < e + period`` (``period`` = the median
+gap between that GPU's samples): compute spans are often shorter than the sampling
+period and a strict "inside" rule would match nothing.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Iterable, Mapping
+
+import numpy as np
+
+from inferprof import semconv as sc
+
+MIN_TRACED_REQUESTS = 100
+FULL_CONFIDENCE_TAIL = 20
+FULL_CONFIDENCE_SAMPLES = 10
+LOW_UTILIZATION = 0.5
+LOW_SM_ACTIVE = 0.5
+LOW_SM_OCCUPANCY = 0.25
+#: GPU samples kept per (GPU, metric) at most; the oldest go first.
+MAX_SAMPLES_PER_SERIES = 200_000
+
+GPU_METRICS = frozenset(
+    {
+        sc.METRIC_GPU_UTILIZATION,
+        sc.METRIC_GPU_MEMORY_UTILIZATION,
+        sc.METRIC_GPU_MEMORY_USAGE,
+        sc.METRIC_GPU_MEMORY_LIMIT,
+        sc.METRIC_GPU_POWER_DRAW,
+        sc.METRIC_GPU_CLOCK_GRAPHICS,
+        sc.METRIC_GPU_TEMPERATURE,
+    }
+)
+
+_GROUPS = (
+    (sc.VERDICT_BATCHING, sc.BATCHING_STAGES, "pre-batch queuing and batch assembly"),
+    (sc.VERDICT_HOST, sc.HOST_STAGES, "host-side processing"),
+    (sc.VERDICT_TRANSFER, sc.TRANSFER_STAGES, "host-device copies"),
+    (sc.VERDICT_NETWORK, sc.NETWORK_STAGES, "the network and remote front ends"),
+    ("compute", sc.COMPUTE_STAGES, "model execution on the GPU"),
+)
+_GROUP_OF = {stage: name for name, stages, _ in _GROUPS for stage in stages}
+_WORDS = {name: words for name, _, words in _GROUPS}
+
+
+def is_gpu_metric(name: str) -> bool:
+    return name in GPU_METRICS or name.startswith(sc.METRIC_DCGM_PREFIX)
+
+
+class GpuSamples:
+    """GPU samples by (host, hw.id, metric); not thread-safe (the engine locks)."""
+
+    def __init__(self) -> None:
+        self._data: dict[tuple[str, str, str], tuple[list[float], list[float]]] = {}
+        self.received = 0
+        self.dropped = 0
+
+    def add(self, host: str, hw_id: str, metric: str, t: float, value: float) -> None:
+        key = (host, hw_id, metric)
+        series = self._data.get(key)
+        if series is None:
+            series = self._data[key] = ([], [])
+        if len(series[0]) >= MAX_SAMPLES_PER_SERIES:
+            del series[0][: MAX_SAMPLES_PER_SERIES // 10]
+            del series[1][: MAX_SAMPLES_PER_SERIES // 10]
+            self.dropped += MAX_SAMPLES_PER_SERIES // 10
+        series[0].append(t)
+        series[1].append(value)
+        self.received += 1
+
+    def prune(self, oldest: float) -> None:
+        for key, (ts, vs) in list(self._data.items()):
+            if ts and min(ts[0], ts[-1]) < oldest:
+                keep = [i for i, t in enumerate(ts) if t >= oldest]
+                if not keep:
+                    del self._data[key]
+                    continue
+                self._data[key] = ([ts[i] for i in keep], [vs[i] for i in keep])
+
+    def count(self, since: float | None = None) -> int:
+        if since is None:
+            return sum(len(ts) for ts, _ in self._data.values())
+        return sum(int(np.count_nonzero(np.asarray(ts) >= since)) for ts, _ in self._data.values())
+
+    def during(self, metric: str, intervals: Iterable[tuple[str, str, float, float]]) -> np.ndarray:
+        """Values of ``metric`` joined to compute ``intervals`` (host, gpu, start, end)."""
+        by_gpu: dict[tuple[str, str], list[tuple[float, float]]] = defaultdict(list)
+        for host, gpu, s, e in intervals:
+            by_gpu[(host, gpu)].append((s, e))
+        out = []
+        for (host, gpu), spans in by_gpu.items():
+            for (shost, sgpu, smetric), (ts, vs) in self._data.items():
+                if smetric != metric or sgpu != gpu or (host and shost and host != shost):
+                    continue
+                t = np.asarray(ts)
+                v = np.asarray(vs)
+                order = np.argsort(t, kind="stable")
+                t, v = t[order], v[order]
+                period = float(np.median(np.diff(t))) if t.size > 1 else 0.0
+                iv = np.asarray(spans)
+                lo = np.searchsorted(t, iv[:, 0], side="right")
+                hi = np.searchsorted(t, iv[:, 1] + period, side="left")
+                diff = np.zeros(t.size + 1, dtype=np.int64)
+                np.add.at(diff, lo, 1)
+                np.add.at(diff, hi, -1)
+                mask = np.cumsum(diff[:-1]) > 0
+                out.append(v[mask])
+        return np.concatenate(out) if out else np.empty(0)
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.0f}%"
+
+
+def _summary(values: np.ndarray) -> dict | None:
+    if values.size == 0:
+        return None
+    return {"p50": float(np.median(values)), "mean": float(values.mean())}
+
+
+def gpu_evidence(samples: GpuSamples, intervals: list[tuple[str, str, float, float]], since: float | None) -> dict:
+    """The breakdown's ``gpu`` section."""
+    util = samples.during(sc.METRIC_GPU_UTILIZATION, intervals)
+    section: dict = {
+        "utilization_during_compute": _summary(util),
+        "samples": int(util.size),
+        "samples_received": samples.count(since),
+    }
+    for name, metric in (("sm_active_during_compute", sc.METRIC_DCGM_SM_ACTIVE),
+                         ("sm_occupancy_during_compute", sc.METRIC_DCGM_SM_OCCUPANCY)):
+        summary = _summary(samples.during(metric, intervals))
+        if summary is not None:
+            section[name] = summary
+    return section
+
+
+def decide(
+    shares: Mapping[str, float], traced: int, tail_traced: int, gpu: Mapping
+) -> dict:
+    """The ``verdict`` section from stage shares of p95 and the ``gpu`` section."""
+    if traced < MIN_TRACED_REQUESTS:
+        return _unknown(
+            f"not enough data: a verdict needs at least {MIN_TRACED_REQUESTS} traced "
+            f"requests in the window, there are {traced}"
+        )
+    groups: dict[str, float] = defaultdict(float)
+    members: dict[str, list[tuple[str, float]]] = defaultdict(list)
+    for stage, share in shares.items():
+        if stage == sc.STAGE_UNATTRIBUTED:
+            group = sc.STAGE_UNATTRIBUTED
+        else:
+            group = _GROUP_OF.get(stage, "other:" + stage)
+        groups[group] += share
+        members[group].append((stage, share))
+    if not groups:
+        return _unknown("no request in the window has any latency to attribute")
+    ranked = sorted(groups.items(), key=lambda kv: kv[1], reverse=True)
+    top, top_share = ranked[0]
+    runner_up = ranked[1][1] if len(ranked) > 1 else 0.0
+    margin = (top_share - runner_up) / top_share if top_share > 0 else 0.0
+    confidence = min(1.0, tail_traced / FULL_CONFIDENCE_TAIL) * (0.5 + 0.5 * margin)
+    parts = ", ".join(f"{s} {_pct(v)}" for s, v in sorted(members[top], key=lambda kv: -kv[1]))
+    ranked_words = "; ".join(
+        f"{g.removeprefix('other:')} {_pct(v)}" for g, v in ranked[1:4] if v > 0
+    )
+    rest = [f"next: {ranked_words}"] if ranked_words else []
+
+    if top == sc.STAGE_UNATTRIBUTED:
+        return _unknown(
+            f"{_pct(top_share)} of p95 latency is covered by no stage span; instrument the "
+            "missing stages (spans with inferprof.stage) to attribute it",
+            *rest,
+        )
+    if top.startswith("other:"):
+        return _unknown(
+            f"{_pct(top_share)} of p95 latency is in custom stage {top[6:]!r}, which the "
+            "verdict rules do not classify",
+            *rest,
+        )
+    headline = f"{_pct(top_share)} of p95 latency is spent in {_WORDS[top]} ({parts})"
+    util = gpu.get("utilization_during_compute")
+    util_words = (
+        f"GPU utilisation during compute: median {_pct(util['p50'])}, mean {_pct(util['mean'])} "
+        f"over {gpu.get('samples', 0)} samples"
+        if util
+        else None
+    )
+    if top != "compute":
+        evidence = [headline, *rest]
+        if util_words:
+            evidence.append(util_words)
+        return _verdict(top, confidence, evidence)
+
+    if not util:
+        received = gpu.get("samples_received", 0)
+        why = (
+            f"compute holds {_pct(top_share)} of p95 but no GPU samples were received"
+            if not received
+            else f"compute holds {_pct(top_share)} of p95 but none of the {received} GPU "
+            "samples received overlaps its compute spans (they join on host.name and "
+            "hw.id = inferprof.gpu.id)"
+        )
+        return _unknown(why, headline, *rest)
+    gpu_factor = min(1.0, gpu.get("samples", 0) / FULL_CONFIDENCE_SAMPLES)
+    evidence = [headline, util_words]
+    if util["p50"] < LOW_UTILIZATION:
+        evidence.append(
+            f"utilisation below {_pct(LOW_UTILIZATION)}: the GPU idles between kernel "
+            "launches (look at fusion, CUDA graphs, host synchronisation)"
+        )
+        return _verdict(sc.VERDICT_RUNTIME, confidence * gpu_factor, evidence + rest)
+    sm = gpu.get("sm_active_during_compute")
+    occ = gpu.get("sm_occupancy_during_compute")
+    if sm is None and occ is None:
+        evidence.append(
+            "no SM activity or occupancy figures (DCGM profiling) were received, so a "
+            "hardware limit cannot be told apart from inefficient kernels"
+        )
+        return _verdict(sc.VERDICT_KERNEL, confidence * gpu_factor * 0.7, evidence + rest)
+    low = []
+    if sm is not None:
+        evidence.append(f"SM activity during compute: median {_pct(sm['p50'])}")
+        if sm["p50"] < LOW_SM_ACTIVE:
+            low.append("SM activity")
+    if occ is not None:
+        evidence.append(f"SM occupancy during compute: median {_pct(occ['p50'])}")
+        if occ["p50"] < LOW_SM_OCCUPANCY:
+            low.append("occupancy")
+    if low:
+        evidence.append(f"the GPU is busy but with low {' and '.join(low)}: the kernels use it poorly")
+        return _verdict(sc.VERDICT_KERNEL, confidence * gpu_factor, evidence + rest)
+    evidence.append("high utilisation, SM activity and occupancy: the GPU itself is the limit")
+    return _verdict(sc.VERDICT_HARDWARE, confidence * gpu_factor, evidence + rest)
+
+
+def _verdict(bottleneck: str, confidence: float, evidence: list[str]) -> dict:
+    return {
+        "bottleneck": bottleneck,
+        "confidence": round(max(0.0, min(1.0, confidence)), 3),
+        "evidence": evidence,
+    }
+
+
+def _unknown(*evidence: str) -> dict:
+    return _verdict(sc.VERDICT_UNKNOWN, 0.0, list(evidence))
+
+
+__all__ = ["GpuSamples", "decide", "gpu_evidence", "is_gpu_metric", "MIN_TRACED_REQUESTS"]
