@@ -1,0 +1,165 @@
+"""The demo model-serving service: FastAPI + a dynamic batcher + a real tokenizer and model.
+
+``create_app()`` builds a service in which every stage of the span contract happens
+for real: the middleware reads the body (``receive``) and writes the response
+(``serialize``); the handler tokenizes (``tokenize``); the batcher holds the request
+until a batch leaves (``queue``) and pads it (``batch_assembly``); the batch is copied
+into preallocated buffers (``h2d``), run through the model (``compute``) and copied
+back (``d2h``); the handler turns the scores into a label and top tokens
+(``postprocess``). How much of that is traced depends on ``instrumentation``:
+
+- ``none``: no telemetry code runs at all (a plain batcher; the overhead baseline);
+- ``otel``: only ``opentelemetry-instrumentation-fastapi``, exporting its server spans;
+- ``full`` / ``production`` / ``off``: inferprof, configured in that mode.
+
+Run it with ``uvicorn --factory inferprof.demo.service:create_app`` (options from
+``INFERPROF_DEMO_*`` env vars, see ``settings.py``) or let ``inferprof demo`` do it.
+"""
+
+# No ``from __future__ import annotations`` here: FastAPI reads the handler's annotations
+# at runtime, and the request model is local to create_app().
+import contextlib
+import logging
+from typing import Any, AsyncIterator, Callable, Optional
+
+from inferprof import semconv
+from inferprof._optional import require
+from inferprof.demo.pipeline import DemoPipeline, RowOutput, no_stage
+from inferprof.demo.settings import (
+    INSTRUMENTATION_NONE,
+    INSTRUMENTATION_OTEL,
+    DemoSettings,
+)
+
+_log = logging.getLogger(__name__)
+
+CLASSIFY_PATH = "/v1/classify"
+HEALTH_PATH = "/healthz"
+#: Longest accepted prompt, in characters; longer bodies get a 422, not a slow batch.
+MAX_TEXT_CHARS = 20_000
+
+
+def create_app(settings: Optional[DemoSettings] = None, **overrides: Any) -> Any:
+    """Build the demo FastAPI app. With no arguments, settings come from the environment."""
+    if settings is None:
+        settings = DemoSettings.from_env(**overrides)
+    elif overrides:
+        raise ValueError("pass either settings or keyword overrides, not both")
+    fastapi = require("fastapi", "demo")
+    pydantic = require("pydantic", "demo")
+
+    telemetry = _Telemetry(settings)
+    pipeline = DemoPipeline(settings, stage=telemetry.stage)
+    batcher = telemetry.batcher(pipeline)
+
+    class ClassifyRequest(pydantic.BaseModel):
+        text: str = pydantic.Field(min_length=1, max_length=MAX_TEXT_CHARS)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Any) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            close = getattr(batcher, "close", None) or getattr(batcher, "aclose", None)
+            if close is not None:
+                result = close()
+                if hasattr(result, "__await__"):
+                    await result
+            telemetry.shutdown()
+
+    app = fastapi.FastAPI(title="inferprof demo", lifespan=lifespan)
+
+    @app.get(HEALTH_PATH)
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok", "instrumentation": settings.instrumentation}
+
+    @app.post(CLASSIFY_PATH)
+    async def classify(request: ClassifyRequest) -> dict[str, Any]:
+        try:
+            ids = pipeline.tokenize(request.text)
+        except ValueError as exc:
+            raise fastapi.HTTPException(status_code=422, detail=str(exc)) from None
+        out: RowOutput = await batcher.submit(ids, tokens=len(ids))
+        return pipeline.postprocess(ids, out)
+
+    telemetry.instrument(app)
+    app.state.settings = settings
+    app.state.pipeline = pipeline
+    return app
+
+
+class _Telemetry:
+    """The one place that knows how each instrumentation choice is wired."""
+
+    def __init__(self, settings: DemoSettings) -> None:
+        self.settings = settings
+        self._provider: Any = None
+        self.stage: Callable[..., Any]
+        choice = settings.instrumentation
+        self.inferprof = choice not in (INSTRUMENTATION_NONE, INSTRUMENTATION_OTEL)
+        if self.inferprof:
+            import inferprof
+
+            kwargs: dict[str, Any] = {"service_name": settings.service_name, "mode": choice}
+            if settings.endpoint:
+                kwargs["endpoint"] = settings.endpoint
+            inferprof.configure(**kwargs)
+            self.stage = inferprof.stage
+        else:
+            self.stage = no_stage
+            if choice == INSTRUMENTATION_OTEL:
+                self._provider = _otel_provider(settings)
+
+    def batcher(self, pipeline: DemoPipeline) -> Any:
+        s = self.settings
+        if self.inferprof:
+            import inferprof
+
+            return inferprof.DynamicBatcher(
+                pipeline.run_batch, max_batch_size=s.max_batch_size, max_delay_ms=s.max_delay_ms,
+                collate=pipeline.collate, model_name=s.model_name,
+            )
+        from inferprof.demo.plain_batcher import PlainBatcher
+
+        return PlainBatcher(pipeline.run_batch, max_batch_size=s.max_batch_size,
+                            max_delay_ms=s.max_delay_ms, collate=pipeline.collate)
+
+    def instrument(self, app: Any) -> None:
+        if self.inferprof:
+            from inferprof.fastapi import instrument
+
+            instrument(app, excluded_paths=(HEALTH_PATH,), model_name=self.settings.model_name)
+        elif self._provider is not None:
+            instrumentor = require("opentelemetry.instrumentation.fastapi", "dev")
+            instrumentor.FastAPIInstrumentor.instrument_app(
+                app, tracer_provider=self._provider, excluded_urls=HEALTH_PATH
+            )
+
+    def shutdown(self) -> None:
+        try:
+            if self.inferprof:
+                import inferprof
+
+                inferprof.shutdown()
+            elif self._provider is not None:
+                self._provider.shutdown()
+        except Exception:  # telemetry never stops a clean shutdown
+            _log.exception("telemetry shutdown failed")
+
+
+def _otel_provider(settings: DemoSettings) -> Any:
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    provider = TracerProvider(
+        resource=Resource.create({semconv.RESOURCE_SERVICE_NAME: settings.service_name})
+    )
+    exporter = (OTLPSpanExporter(endpoint=settings.endpoint, insecure=True)
+                if settings.endpoint else OTLPSpanExporter())
+    provider.add_span_processor(BatchSpanProcessor(exporter))
+    return provider
+
+
+__all__ = ["CLASSIFY_PATH", "HEALTH_PATH", "MAX_TEXT_CHARS", "create_app"]

@@ -1,0 +1,124 @@
+"""Options of the demo service: keyword argument -> ``INFERPROF_DEMO_*`` env var -> default.
+
+The env vars exist so the service can be started by plain ``uvicorn`` (which can only
+pass an import string). A bad argument raises ``ValueError``; a bad env value is
+logged and replaced by the default, so a typo never stops a service from starting.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, fields, replace
+from typing import Any, Callable, Mapping
+
+from inferprof import semconv
+from inferprof.demo.model import DEFAULT_MODEL_SIZE, MODEL_SIZES
+
+_log = logging.getLogger(__name__)
+
+#: No telemetry at all (the baseline).
+INSTRUMENTATION_NONE = "none"
+#: opentelemetry-instrumentation-fastapi alone: one server span per request, no stages.
+INSTRUMENTATION_OTEL = "otel"
+INSTRUMENTATIONS = (INSTRUMENTATION_NONE, INSTRUMENTATION_OTEL, *semconv.MODES)
+
+ENV_INSTRUMENTATION = "INFERPROF_DEMO_INSTRUMENTATION"
+ENV_MODEL_SIZE = "INFERPROF_DEMO_MODEL_SIZE"
+ENV_MAX_BATCH_SIZE = "INFERPROF_DEMO_MAX_BATCH_SIZE"
+ENV_MAX_DELAY_MS = "INFERPROF_DEMO_MAX_DELAY_MS"
+ENV_MAX_TOKENS = "INFERPROF_DEMO_MAX_TOKENS"
+ENV_SERVICE_NAME = "INFERPROF_DEMO_SERVICE_NAME"
+ENV_ENDPOINT = "INFERPROF_DEMO_OTLP_ENDPOINT"
+
+_DEFAULT_INSTRUMENTATION = semconv.MODE_FULL
+_DEFAULT_MAX_BATCH_SIZE = 16
+_DEFAULT_MAX_DELAY_MS = 5.0
+_DEFAULT_MAX_TOKENS = 256
+_DEFAULT_SERVICE_NAME = "inferprof-demo"
+DEFAULT_MODEL_NAME = "demo-topic"
+
+
+@dataclass(frozen=True)
+class DemoSettings:
+    """How the demo service is built. Every field has a matching env var (see above)."""
+
+    instrumentation: str = _DEFAULT_INSTRUMENTATION
+    model_size: str = DEFAULT_MODEL_SIZE
+    max_batch_size: int = _DEFAULT_MAX_BATCH_SIZE
+    max_delay_ms: float = _DEFAULT_MAX_DELAY_MS
+    max_tokens: int = _DEFAULT_MAX_TOKENS
+    service_name: str = _DEFAULT_SERVICE_NAME
+    #: OTLP endpoint; None leaves it to inferprof's / OpenTelemetry's own env vars.
+    endpoint: str | None = None
+    model_name: str = DEFAULT_MODEL_NAME
+
+    def __post_init__(self) -> None:
+        for name, value in ((f.name, getattr(self, f.name)) for f in fields(self)):
+            error = _CHECKS.get(name, lambda v: None)(value)
+            if error:
+                raise ValueError(f"{name}: {error}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "DemoSettings":
+        """Settings from ``INFERPROF_DEMO_*``; keyword arguments win over the environment."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for field_name, var, parse in _ENV:
+            raw = env.get(var)
+            if raw is None or raw == "":
+                continue
+            try:
+                value = parse(raw)
+                error = _CHECKS.get(field_name, lambda v: None)(value)
+            except ValueError as exc:
+                error = str(exc)
+            if error:
+                _log.warning("ignoring %s=%r (%s); using the default", var, raw, error)
+                continue
+            values[field_name] = value
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return replace(cls(), **values)
+
+
+def _one_of(choices: tuple[str, ...] | list[str]) -> Callable[[Any], str | None]:
+    return lambda v: None if v in choices else f"must be one of {', '.join(choices)}; got {v!r}"
+
+
+def _positive(v: Any) -> str | None:
+    return None if isinstance(v, (int, float)) and v > 0 else f"must be > 0, got {v!r}"
+
+
+def _non_negative(v: Any) -> str | None:
+    return None if isinstance(v, (int, float)) and v >= 0 else f"must be >= 0, got {v!r}"
+
+
+def _non_empty(v: Any) -> str | None:
+    return None if isinstance(v, str) and v else f"must be a non-empty string, got {v!r}"
+
+
+_CHECKS: dict[str, Callable[[Any], str | None]] = {
+    "instrumentation": _one_of(INSTRUMENTATIONS),
+    "model_size": _one_of(sorted(MODEL_SIZES)),
+    "max_batch_size": _positive,
+    "max_delay_ms": _non_negative,
+    "max_tokens": _positive,
+    "service_name": _non_empty,
+    "model_name": _non_empty,
+}
+
+_ENV: tuple[tuple[str, str, Callable[[str], Any]], ...] = (
+    ("instrumentation", ENV_INSTRUMENTATION, str.strip),
+    ("model_size", ENV_MODEL_SIZE, str.strip),
+    ("max_batch_size", ENV_MAX_BATCH_SIZE, int),
+    ("max_delay_ms", ENV_MAX_DELAY_MS, float),
+    ("max_tokens", ENV_MAX_TOKENS, int),
+    ("service_name", ENV_SERVICE_NAME, str.strip),
+    ("endpoint", ENV_ENDPOINT, str.strip),
+)
+
+__all__ = [
+    "DEFAULT_MODEL_NAME", "DemoSettings", "ENV_ENDPOINT", "ENV_INSTRUMENTATION", "ENV_MAX_BATCH_SIZE",
+    "ENV_MAX_DELAY_MS", "ENV_MAX_TOKENS", "ENV_MODEL_SIZE", "ENV_SERVICE_NAME", "INSTRUMENTATIONS",
+    "INSTRUMENTATION_NONE", "INSTRUMENTATION_OTEL",
+]
