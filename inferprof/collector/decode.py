@@ -120,12 +120,13 @@ def decompress(body: bytes, content_encoding: str | None, max_bytes: int) -> byt
 
 def parse_request(data: bytes, fmt: Format, signal: str) -> Message:
     """Parse an Export{Trace,Metrics}ServiceRequest from protobuf or OTLP/JSON bytes."""
+    if fmt == FORMAT_JSON:
+        # Imported outside the try: a missing module is a server fault, not a bad body.
+        from inferprof.collector import otlp_json
     try:
         if fmt == FORMAT_PROTOBUF:
             return _REQUEST_TYPES[signal].FromString(data)
         doc = json.loads(data)
-        from inferprof.collector import otlp_json
-
         if signal == semconv.SIGNAL_TRACES:
             return otlp_json.parse_trace_request_json(doc)
         return otlp_json.parse_metrics_request_json(doc)

@@ -192,8 +192,8 @@ def api_app(engine: Any, registry: CollectorRegistry, *, default_window_s: float
         except ValueError as exc:  # e.g. a window the engine does not keep
             return _json(400, {"error": str(exc)})
         if doc is None:
-            what = f"service {service!r}" + (f" model {model!r}" if model else "")
-            return _json(404, {"error": f"no data for {what} in the last {window_s:g} s"})
+            what = f"service {service!r}" + (f" with model {model!r}" if model else "")
+            return _json(404, {"error": f"unknown {what}: the collector has seen no request of it"})
         return _json(200, doc)
 
     async def services(request: Request) -> Response:

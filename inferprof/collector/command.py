@@ -1,0 +1,118 @@
+"""``inferprof collect``: run the collector in the foreground until SIGINT/SIGTERM.
+
+Each flag overrides its ``INFERPROF_*`` variable, which overrides ``--config``,
+which overrides the built-in default (see ``docs/collector.md``).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from typing import Any
+
+import click
+
+from inferprof.collector import settings as _settings
+
+
+def _header(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> Any:
+    try:
+        return tuple(_settings._split_header(v) for v in values) or None
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def _windows(ctx: click.Context, param: click.Parameter, value: str | None) -> Any:
+    if value is None:
+        return None
+    try:
+        return _settings._parse_floats(value)
+    except ValueError as exc:
+        raise click.BadParameter(f"expected comma-separated seconds: {exc}") from None
+
+
+@click.command("collect")
+@click.option("--config", "config", type=click.Path(dir_okay=False), help="TOML or YAML settings file.")
+@click.option("--host", help="Address every listener binds (default 127.0.0.1).")
+@click.option("--grpc-host", help="Address of the OTLP/gRPC listener (default: --host).")
+@click.option("--grpc-port", type=int, help="OTLP/gRPC port (default 4317; 0: ephemeral).")
+@click.option("--http-host", help="Address of the OTLP/HTTP listener (default: --host).")
+@click.option("--http-port", type=int, help="OTLP/HTTP port (default 4318; 0: ephemeral).")
+@click.option("--api-host", help="Address of the API and /metrics listener (default: --host).")
+@click.option("--api-port", type=int, help="API and /metrics port (default 9464; 0: ephemeral).")
+@click.option("--max-body-bytes", type=int, help="Largest request body, before and after gzip.")
+@click.option("--max-concurrent-requests", type=int, help="Exports processed at once per transport.")
+@click.option("--grpc-workers", type=int, help="Threads serving OTLP/gRPC.")
+@click.option("--retry-after-s", type=float, help="Delay clients are told to wait when overloaded.")
+@click.option("--auth-token", help="Bearer token required on every listener (prefer the env var).")
+@click.option("--auth-token-file", type=click.Path(dir_okay=False), help="File holding the bearer token.")
+@click.option("--tls-cert", type=click.Path(dir_okay=False), help="PEM certificate (chain) for TLS.")
+@click.option("--tls-key", type=click.Path(dir_okay=False), help="PEM private key for TLS.")
+@click.option(
+    "--forward",
+    multiple=True,
+    help="Re-export everything received to this OTLP endpoint (repeatable): "
+    "otlp-grpc://host:port, otlp-grpcs://host:port, http(s)://host:port[/prefix].",
+)
+@click.option(
+    "--forward-header",
+    "forward_headers",
+    multiple=True,
+    callback=_header,
+    help="key=value header/metadata sent with forwarded exports (repeatable).",
+)
+@click.option("--forward-ca", type=click.Path(dir_okay=False), help="CA bundle for TLS forwarding.")
+@click.option("--forward-queue-size", type=int, help="Exports queued per destination before dropping.")
+@click.option("--forward-timeout-s", type=float, help="Timeout of one forwarded export.")
+@click.option("--settle-s", type=float, help="Quiet time after which a trace is folded.")
+@click.option("--trace-timeout-s", type=float, help="Longest a trace is held before it is folded.")
+@click.option("--windows-s", callback=_windows, help="Sliding windows kept, comma-separated seconds.")
+@click.option("--slice-s", type=float, help="Granularity of the sliding windows.")
+@click.option("--relative-accuracy", type=float, help="Relative accuracy of the quantile sketches.")
+@click.option("--max-series", type=int, help="Most (service, model, stage) series kept.")
+@click.option("--max-spans-per-trace", type=int, help="Spans kept per trace.")
+@click.option("--max-pending-spans", type=int, help="Spans held unfolded before answering 429.")
+@click.option("--metrics-window-s", type=float, help="Window of the /metrics gauges.")
+@click.option("--advance-interval-s", type=float, help="How often settled traces are folded.")
+@click.option("--log-level", default="INFO", show_default=True, help="Python logging level.")
+def collect(config: str | None, log_level: str, **options: Any) -> None:
+    """Receive OTLP traces and GPU metrics; serve per-stage breakdowns and /metrics."""
+    logging.basicConfig(
+        level=getattr(logging, log_level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    options["forward"] = tuple(options.get("forward") or ()) or None
+    try:
+        settings = _settings.CollectorSettings.from_env(config=config, **options)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+
+    from inferprof.collector.app import CollectorApp
+
+    app = CollectorApp(settings)
+    done = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        done.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        try:
+            app.start()
+        except (OSError, ValueError) as exc:
+            raise click.ClickException(f"cannot start the collector: {exc}") from None
+        click.echo(f"OTLP/gRPC  {app.otlp_grpc_endpoint}")
+        click.echo(f"OTLP/HTTP  {app.otlp_http_endpoint}")
+        click.echo(f"API        {app.api_url}  (/metrics, /api/v1/breakdown, /api/v1/services)")
+        click.echo("Ctrl-C to stop.")
+        while not done.wait(1.0):
+            pass
+        click.echo("stopping: flushing the engine and forwarding queues")
+    finally:
+        app.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+__all__ = ["collect"]
