@@ -1,0 +1,449 @@
+"""``inferprof.configure()``: the one place inferprof touches global state.
+
+Settings flow keyword argument -> environment variable -> ``_DEFAULT_*`` constant, as in the
+OpenTelemetry SDK: a bad argument raises ``ValueError``, a bad environment value is logged
+and replaced by the default. Standard ``OTEL_*`` variables keep their OpenTelemetry meaning
+(the SDK and the OTLP exporters read most of them themselves); ``INFERPROF_*`` variables
+hold inferprof's own settings.
+
+Nothing is installed at import time. Until ``configure()`` runs, every inferprof API is a
+cheap no-op — unless the application has already installed an SDK ``TracerProvider`` as the
+global provider, in which case inferprof uses it (mode ``full``) without installing anything.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from opentelemetry import metrics as metrics_api
+from opentelemetry import trace as trace_api
+
+from inferprof import semconv
+
+_logger = logging.getLogger(__name__)
+
+# --- environment variables ------------------------------------------------------------
+
+ENV_MODE = "INFERPROF_MODE"
+ENV_SAMPLE_RATE = "INFERPROF_SAMPLE_RATE"
+ENV_TAIL_QUANTILE = "INFERPROF_TAIL_QUANTILE"
+ENV_BATCH_ENCODING = "INFERPROF_BATCH_ENCODING"
+ENV_RECORD_CONTENT = "INFERPROF_RECORD_CONTENT"
+ENV_CONTENT_MAX_BYTES = "INFERPROF_CONTENT_MAX_BYTES"
+ENV_EXCLUDED_PATHS = "INFERPROF_EXCLUDED_PATHS"
+# Standard OpenTelemetry variables inferprof reads itself (the SDK reads the rest).
+ENV_OTEL_SDK_DISABLED = "OTEL_SDK_DISABLED"
+ENV_OTEL_SERVICE_NAME = "OTEL_SERVICE_NAME"
+ENV_OTEL_EXPORTER_OTLP_ENDPOINT = "OTEL_EXPORTER_OTLP_ENDPOINT"
+ENV_OTEL_EXPORTER_OTLP_PROTOCOL = "OTEL_EXPORTER_OTLP_PROTOCOL"
+ENV_OTEL_EXPORTER_OTLP_TRACES_PROTOCOL = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
+
+# --- defaults -----------------------------------------------------------------------------
+
+_DEFAULT_MODE = semconv.MODE_FULL
+_DEFAULT_SAMPLE_RATE = 0.05
+_DEFAULT_TAIL_QUANTILE = 0.9
+_DEFAULT_BATCH_ENCODING = semconv.BATCH_ENCODING_CHILDREN
+_DEFAULT_PROTOCOL = "grpc"
+_DEFAULT_CONTENT_MAX_BYTES = 1024
+_DEFAULT_EXCLUDED_PATHS = ("/healthz", "/health", "/livez", "/readyz", "/metrics", "/favicon.ico")
+_DEFAULT_METRIC_EXPORT_INTERVAL_MS = 15000
+PROTOCOL_GRPC = "grpc"
+PROTOCOL_HTTP = "http/protobuf"
+PROTOCOLS = (PROTOCOL_GRPC, PROTOCOL_HTTP)
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+
+
+@dataclass(frozen=True)
+class Config:
+    """What ``configure()`` settled on (after arguments, environment and defaults)."""
+
+    mode: str
+    service_name: str | None
+    endpoint: str | None
+    protocol: str
+    sample_rate: float
+    tail_quantile: float
+    batch_encoding: str
+    record_content: bool
+    content_max_bytes: int
+    excluded_paths: tuple[str, ...]
+    #: True when inferprof created the providers (``shutdown()`` then shuts them down).
+    owns_providers: bool
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != semconv.MODE_OFF
+
+
+# --- parsing helpers -------------------------------------------------------------------------
+
+
+def _env(name: str) -> str | None:
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    value = value.strip()
+    return value or None
+
+
+def _choice(arg: Any, env: str, allowed: tuple[str, ...], default: str, what: str) -> str:
+    if arg is not None:
+        if arg not in allowed:
+            raise ValueError(f"{what} must be one of {allowed}, got {arg!r}")
+        return arg
+    raw = _env(env)
+    if raw is None:
+        return default
+    if raw.lower() in allowed:
+        return raw.lower()
+    _logger.warning("ignoring %s=%r: expected one of %s; using %r", env, raw, allowed, default)
+    return default
+
+
+def _fraction(arg: Any, env: str, default: float, what: str, *, open_low: bool) -> float:
+    def ok(v: float) -> bool:
+        return (0.0 < v if open_low else 0.0 <= v) and v <= 1.0
+
+    if arg is not None:
+        if isinstance(arg, bool) or not isinstance(arg, (int, float)) or not ok(float(arg)):
+            raise ValueError(f"{what} must be a number in {'(0, 1]' if open_low else '[0, 1]'}, got {arg!r}")
+        return float(arg)
+    raw = _env(env)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+        if ok(value):
+            return value
+    except ValueError:
+        pass
+    _logger.warning("ignoring %s=%r: not a number in (0, 1]; using %r", env, raw, default)
+    return default
+
+
+def _flag(arg: Any, env: str, default: bool) -> bool:
+    if arg is not None:
+        if not isinstance(arg, bool):
+            raise ValueError(f"expected a bool, got {arg!r}")
+        return arg
+    raw = os.environ.get(env)
+    if raw is None:
+        return default
+    if raw.strip().lower() in _TRUE:
+        return True
+    if raw.strip().lower() in _FALSE:
+        return False
+    _logger.warning("ignoring %s=%r: not a boolean; using %r", env, raw, default)
+    return default
+
+
+def _positive_int(arg: Any, env: str, default: int, what: str) -> int:
+    if arg is not None:
+        if isinstance(arg, bool) or not isinstance(arg, int) or arg <= 0:
+            raise ValueError(f"{what} must be a positive int, got {arg!r}")
+        return arg
+    raw = _env(env)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+        if value > 0:
+            return value
+    except ValueError:
+        pass
+    _logger.warning("ignoring %s=%r: not a positive integer; using %r", env, raw, default)
+    return default
+
+
+def excluded_paths_setting(arg: Any) -> tuple[str, ...]:
+    """``excluded_paths`` argument -> ``INFERPROF_EXCLUDED_PATHS`` (comma separated) -> default."""
+    if arg is not None:
+        if isinstance(arg, str) or not all(isinstance(p, str) for p in arg):
+            raise ValueError(f"excluded_paths must be a sequence of path strings, got {arg!r}")
+        return tuple(arg)
+    raw = os.environ.get(ENV_EXCLUDED_PATHS)
+    if raw is None:
+        return _DEFAULT_EXCLUDED_PATHS
+    return tuple(p.strip() for p in raw.split(",") if p.strip())
+
+
+def batch_encoding_setting(arg: Any) -> str:
+    return _choice(
+        arg, ENV_BATCH_ENCODING, semconv.BATCH_ENCODINGS, _DEFAULT_BATCH_ENCODING, "batch_encoding"
+    )
+
+
+# --- global state ---------------------------------------------------------------------------
+
+_lock = threading.Lock()
+_runtime: Any = None  # inferprof.instrumentation.runtime.Runtime | None
+_auto: tuple[Any, Any] | None = None  # (global SDK provider, Runtime built on it)
+_installed_providers: set[int] = set()  # ids of providers inferprof itself created
+
+
+def active_runtime() -> Any:
+    """The runtime stage/request/middleware record into, or None (no-op).
+
+    Hot path: one global read when ``configure()`` ran. Otherwise checks whether the
+    application installed an SDK TracerProvider globally, and if so builds (once) a full-mode
+    runtime on it.
+    """
+    rt = _runtime
+    if rt is not None:
+        return rt if rt.enabled else None
+    return _auto_runtime()
+
+
+def _auto_runtime() -> Any:
+    global _auto
+    from opentelemetry.sdk.trace import TracerProvider
+
+    provider = trace_api.get_tracer_provider()
+    if not isinstance(provider, TracerProvider) or id(provider) in _installed_providers:
+        return None
+    auto = _auto
+    if auto is not None and auto[0] is provider:
+        return auto[1]
+    from inferprof.instrumentation.runtime import Runtime
+
+    config = _resolve(
+        mode=None, service_name=None, endpoint=None, protocol=None, sample_rate=None,
+        tail_quantile=None, batch_encoding=None, record_content=None, content_max_bytes=None,
+        excluded_paths=None, owns=False,
+    )
+    if not config.enabled:
+        return None
+    rt = Runtime(config, provider, metrics_api.get_meter_provider())
+    _auto = (provider, rt)
+    return rt
+
+
+def _resolve(*, mode, service_name, endpoint, protocol, sample_rate, tail_quantile,
+             batch_encoding, record_content, content_max_bytes, excluded_paths, owns) -> Config:
+    resolved_mode = _choice(mode, ENV_MODE, semconv.MODES, _DEFAULT_MODE, "mode")
+    if mode is None and _flag(None, ENV_OTEL_SDK_DISABLED, False):
+        resolved_mode = semconv.MODE_OFF
+    if service_name is not None and (not isinstance(service_name, str) or not service_name):
+        raise ValueError(f"service_name must be a non-empty string, got {service_name!r}")
+    if endpoint is not None and (not isinstance(endpoint, str) or "://" not in endpoint):
+        raise ValueError(f"endpoint must be a URL such as 'http://127.0.0.1:4317', got {endpoint!r}")
+    proto_env = (
+        ENV_OTEL_EXPORTER_OTLP_TRACES_PROTOCOL
+        if _env(ENV_OTEL_EXPORTER_OTLP_TRACES_PROTOCOL)
+        else ENV_OTEL_EXPORTER_OTLP_PROTOCOL
+    )
+    return Config(
+        mode=resolved_mode,
+        service_name=service_name or _env(ENV_OTEL_SERVICE_NAME),
+        endpoint=endpoint or _env(ENV_OTEL_EXPORTER_OTLP_ENDPOINT),
+        protocol=_choice(protocol, proto_env, PROTOCOLS, _DEFAULT_PROTOCOL, "protocol"),
+        sample_rate=_fraction(sample_rate, ENV_SAMPLE_RATE, _DEFAULT_SAMPLE_RATE, "sample_rate",
+                              open_low=True),
+        tail_quantile=_fraction(tail_quantile, ENV_TAIL_QUANTILE, _DEFAULT_TAIL_QUANTILE,
+                                "tail_quantile", open_low=True),
+        batch_encoding=batch_encoding_setting(batch_encoding),
+        record_content=_flag(record_content, ENV_RECORD_CONTENT, False),
+        content_max_bytes=_positive_int(content_max_bytes, ENV_CONTENT_MAX_BYTES,
+                                        _DEFAULT_CONTENT_MAX_BYTES, "content_max_bytes"),
+        excluded_paths=excluded_paths_setting(excluded_paths),
+        owns_providers=owns,
+    )
+
+
+def _resource(service_name: str | None, extra: Mapping[str, Any] | None):
+    from opentelemetry.sdk.resources import Resource
+
+    base = Resource(
+        {
+            semconv.RESOURCE_SERVICE_INSTANCE_ID: str(uuid.uuid4()),
+            semconv.RESOURCE_HOST_NAME: socket.gethostname(),
+        }
+    )
+    attrs: dict[str, Any] = dict(extra or {})
+    if service_name:
+        attrs[semconv.RESOURCE_SERVICE_NAME] = service_name
+    # Resource.create folds in OTEL_RESOURCE_ATTRIBUTES / OTEL_SERVICE_NAME; explicit
+    # arguments win over those, and both win over the generated instance id / host name.
+    return base.merge(Resource.create(attrs))
+
+
+def _span_exporter(config: Config):
+    if config.protocol == PROTOCOL_HTTP:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        endpoint = config.endpoint
+        if endpoint and not endpoint.rstrip("/").endswith("/v1/traces"):
+            endpoint = endpoint.rstrip("/") + "/v1/traces"
+        return OTLPSpanExporter(endpoint=endpoint)
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+    return OTLPSpanExporter(endpoint=config.endpoint)
+
+
+def _metric_exporter(config: Config):
+    if config.protocol == PROTOCOL_HTTP:
+        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+
+        endpoint = config.endpoint
+        if endpoint and not endpoint.rstrip("/").endswith("/v1/metrics"):
+            endpoint = endpoint.rstrip("/") + "/v1/metrics"
+        return OTLPMetricExporter(endpoint=endpoint)
+    from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+
+    return OTLPMetricExporter(endpoint=config.endpoint)
+
+
+def configure(
+    *,
+    service_name: str | None = None,
+    endpoint: str | None = None,
+    protocol: str | None = None,
+    mode: str | None = None,
+    sample_rate: float | None = None,
+    tail_quantile: float | None = None,
+    batch_encoding: str | None = None,
+    record_content: bool | None = None,
+    content_max_bytes: int | None = None,
+    excluded_paths: Any = None,
+    tracer_provider: Any = None,
+    meter_provider: Any = None,
+    resource_attributes: Mapping[str, Any] | None = None,
+    span_exporter: Any = None,
+    metric_readers: Any = None,
+    set_global: bool = True,
+) -> Config:
+    """Set inferprof up; returns the settled :class:`Config`.
+
+    Providers, in order: ``tracer_provider``/``meter_provider`` arguments; else the global
+    ones if the application already installed SDK providers (inferprof installs nothing);
+    else inferprof creates SDK providers exporting OTLP (``protocol`` ``grpc`` or
+    ``http/protobuf``) to ``endpoint`` through a bounded ``BatchSpanProcessor``, and makes
+    them global when ``set_global`` is true. ``span_exporter`` / ``metric_readers`` replace
+    the OTLP exporters (tests, custom backends). Calling ``configure()`` again replaces the
+    previous configuration (shutting down what the previous call created).
+    """
+    global _runtime
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.trace import TracerProvider
+
+    if resource_attributes is not None and not isinstance(resource_attributes, Mapping):
+        raise ValueError(f"resource_attributes must be a mapping, got {resource_attributes!r}")
+    if tracer_provider is not None and not hasattr(tracer_provider, "get_tracer"):
+        raise ValueError(f"tracer_provider must be a TracerProvider, got {tracer_provider!r}")
+
+    existing = trace_api.get_tracer_provider()
+    adopt_global = (
+        tracer_provider is None
+        and isinstance(existing, TracerProvider)
+        and id(existing) not in _installed_providers
+    )
+    owns = tracer_provider is None and not adopt_global
+    config = _resolve(
+        mode=mode, service_name=service_name, endpoint=endpoint, protocol=protocol,
+        sample_rate=sample_rate, tail_quantile=tail_quantile, batch_encoding=batch_encoding,
+        record_content=record_content, content_max_bytes=content_max_bytes,
+        excluded_paths=excluded_paths, owns=owns,
+    )
+
+    from inferprof.instrumentation.runtime import Runtime
+    from inferprof.instrumentation.stats import CountingBatchSpanProcessor, CountingSpanExporter
+
+    shutdown()
+    if not config.enabled:
+        config = _replace_owns(config, False)
+        with _lock:
+            _runtime = Runtime(config, None, None)
+        return config
+
+    if tracer_provider is not None:
+        tp = tracer_provider
+        mp = meter_provider if meter_provider is not None else metrics_api.get_meter_provider()
+    elif adopt_global:
+        tp = existing
+        mp = meter_provider if meter_provider is not None else metrics_api.get_meter_provider()
+    else:
+        resource = _resource(config.service_name, resource_attributes)
+        from inferprof.instrumentation.stats import Stats
+
+        stats = Stats()
+        tp = TracerProvider(resource=resource)
+        exporter = span_exporter if span_exporter is not None else _span_exporter(config)
+        tp.add_span_processor(
+            CountingBatchSpanProcessor(CountingSpanExporter(exporter, stats), stats)
+        )
+        if meter_provider is not None:
+            mp = meter_provider
+        else:
+            if metric_readers is None:
+                from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+                metric_readers = [
+                    PeriodicExportingMetricReader(
+                        _metric_exporter(config),
+                        export_interval_millis=_DEFAULT_METRIC_EXPORT_INTERVAL_MS,
+                    )
+                ]
+            mp = MeterProvider(resource=resource, metric_readers=list(metric_readers))
+        _installed_providers.add(id(tp))
+        if set_global:
+            _set_global(tp, mp)
+        with _lock:
+            _runtime = Runtime(config, tp, mp, stats=stats)
+        return config
+
+    with _lock:
+        _runtime = Runtime(config, tp, mp)
+    return config
+
+
+def _replace_owns(config: Config, owns: bool) -> Config:
+    from dataclasses import replace
+
+    return replace(config, owns_providers=owns)
+
+
+def _set_global(tp: Any, mp: Any) -> None:
+    # OpenTelemetry allows the global providers to be set once per process; a second
+    # configure() keeps working through its own providers even when this is refused.
+    if not isinstance(trace_api.get_tracer_provider(), trace_api.ProxyTracerProvider):
+        _logger.info("a global TracerProvider is already set; inferprof uses its own directly")
+    else:
+        trace_api.set_tracer_provider(tp)
+    if isinstance(metrics_api.get_meter_provider(), metrics_api._internal._ProxyMeterProvider):
+        metrics_api.set_meter_provider(mp)
+
+
+def current_config() -> Config | None:
+    """The configuration in force, or None when ``configure()`` has not run."""
+    rt = _runtime
+    return rt.config if rt is not None else None
+
+
+def shutdown(timeout_millis: int = 30000) -> None:
+    """Flush and shut down what ``configure()`` created; inferprof becomes a no-op again.
+
+    Providers inferprof did not create (passed in, or the application's globals) are
+    flushed but left running: they belong to the application.
+    """
+    global _runtime, _auto
+    with _lock:
+        rt, _runtime = _runtime, None
+        _auto = None
+    if rt is None:
+        return
+    try:
+        rt.close(timeout_millis=timeout_millis)
+    except Exception:  # telemetry never raises into the application
+        _logger.exception("inferprof shutdown failed")
+
+
+__all__ = ["Config", "configure", "shutdown", "current_config"]

@@ -1,0 +1,284 @@
+"""``DynamicBatcher``: an asyncio dynamic batcher (the Triton / BentoML / Ray Serve pattern).
+
+Requests call ``await batcher.submit(item)``; a background task forms a batch when
+``max_batch_size`` items wait or the oldest has waited ``max_delay_ms``, runs
+``collate(items)`` then ``fn(batch)`` and hands result ``i`` back to request ``i``. At most
+``max_concurrent_batches`` batches run at once; while they run, new requests keep queueing,
+so the next batch forms as soon as a slot frees.
+
+A sync ``fn`` (and its ``collate``) runs on the batcher's own worker threads, so the event
+loop keeps admitting requests while the model runs; an async ``fn`` runs on the loop.
+
+Telemetry comes from the hooks in ``inferprof.batching.hooks``: per request a ``queue``
+stage with ``inferprof.queue.depth``; per batch ``batch_assembly`` around ``collate`` (with
+``inferprof.tokens.*``) and whatever stages ``fn`` marks with ``inferprof.stage`` (``h2d``,
+``compute``, ``d2h``...), which see the batch as current. The batcher works the same with
+inferprof off.
+
+Failure semantics: a request cancelled while waiting leaves the queue (its ``queue`` stage
+ends with ``inferprof.cancelled``); a request cancelled after its batch formed just stops
+waiting. An exception from ``collate``/``fn`` fails that batch's requests only, with the
+error on their spans; the batcher keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextvars
+import inspect
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Sequence
+
+from inferprof import semconv
+from inferprof._config import batch_encoding_setting
+from inferprof.batching.hooks import Batch, QueueHandle, batch, enqueue
+
+_logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Collated:
+    """What ``collate`` may return to report token counts alongside the batch."""
+
+    batch: Any
+    tokens_effective: int | None = None
+    tokens_padded: int | None = None
+
+
+class _Entry:
+    __slots__ = ("item", "tokens", "handle", "future", "taken")
+
+    def __init__(self, item: Any, tokens: int | None, handle: QueueHandle, future: asyncio.Future) -> None:
+        self.item = item
+        self.tokens = tokens
+        self.handle = handle
+        self.future = future
+        self.taken = False
+
+
+class DynamicBatcher:
+    """Batch concurrent ``submit()`` calls into calls of ``fn(batch) -> sequence of results``."""
+
+    def __init__(
+        self,
+        fn: Callable[[Any], Sequence[Any]] | Callable[[Any], Awaitable[Sequence[Any]]],
+        *,
+        max_batch_size: int,
+        max_delay_ms: float,
+        collate: Callable[[list], Any] | None = None,
+        model_name: str | None = None,
+        batch_encoding: str | None = None,
+        max_queue_size: int | None = None,
+        max_concurrent_batches: int = 1,
+    ) -> None:
+        if not callable(fn):
+            raise ValueError(f"fn must be callable, got {fn!r}")
+        if collate is not None and not callable(collate):
+            raise ValueError(f"collate must be callable, got {collate!r}")
+        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be a positive int, got {max_batch_size!r}")
+        if isinstance(max_delay_ms, bool) or not isinstance(max_delay_ms, (int, float)) or max_delay_ms < 0:
+            raise ValueError(f"max_delay_ms must be a number >= 0, got {max_delay_ms!r}")
+        if max_queue_size is not None and (
+            isinstance(max_queue_size, bool) or not isinstance(max_queue_size, int) or max_queue_size < 1
+        ):
+            raise ValueError(f"max_queue_size must be a positive int, got {max_queue_size!r}")
+        if (isinstance(max_concurrent_batches, bool) or not isinstance(max_concurrent_batches, int)
+                or max_concurrent_batches < 1):
+            raise ValueError(f"max_concurrent_batches must be a positive int, got {max_concurrent_batches!r}")
+        if model_name is not None and not isinstance(model_name, str):
+            raise ValueError(f"model_name must be a string, got {model_name!r}")
+        self.fn = fn
+        self.collate = collate
+        self.max_batch_size = max_batch_size
+        self.max_delay_s = max_delay_ms / 1000.0
+        self.model_name = model_name
+        self.batch_encoding = batch_encoding_setting(batch_encoding) if batch_encoding is not None else None
+        self.max_queue_size = max_queue_size
+        self.max_concurrent_batches = max_concurrent_batches
+        self._is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+            getattr(fn, "__call__", None)
+        )
+        self._queue: collections.deque[_Entry] = collections.deque()
+        self._wakeup: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._slots: asyncio.Semaphore | None = None
+        self._inflight: set[asyncio.Task] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # --- lifecycle ---------------------------------------------------------------------
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    def start(self) -> None:
+        """Start the batching task on the running event loop (``submit`` does it if needed)."""
+        if self.running:
+            return
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        self._wakeup = asyncio.Event()
+        self._slots = asyncio.Semaphore(self.max_concurrent_batches)
+        if not self._is_async and self._executor is None:
+            self._executor = ThreadPoolExecutor(
+                max_workers=self.max_concurrent_batches, thread_name_prefix="inferprof-batcher"
+            )
+        # A fresh context: the loop must not inherit the request that happened to start it.
+        self._task = contextvars.Context().run(loop.create_task, self._run_loop())
+
+    async def stop(self) -> None:
+        """Stop batching: wait for running batches, fail requests still queued."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        if self._inflight:
+            await asyncio.gather(*self._inflight, return_exceptions=True)
+        while self._queue:
+            entry = self._queue.popleft()
+            entry.handle.cancel()
+            if not entry.future.done():
+                entry.future.set_exception(RuntimeError("DynamicBatcher stopped before this request was batched"))
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+            self._executor = None
+
+    async def __aenter__(self) -> "DynamicBatcher":
+        self.start()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.stop()
+
+    # --- requests ----------------------------------------------------------------------
+    async def submit(self, item: Any, *, tokens: int | None = None) -> Any:
+        """Queue ``item`` for the next batch and wait for its result.
+
+        ``tokens``: the item's real token count; when ``collate`` reports none, the batch's
+        ``inferprof.tokens.effective`` is their sum and ``inferprof.tokens.padded`` is
+        ``max * batch size`` (padding to the longest).
+        """
+        if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0):
+            raise ValueError(f"tokens must be a non-negative int, got {tokens!r}")
+        if not self.running:
+            self.start()
+        if self.max_queue_size is not None and len(self._queue) >= self.max_queue_size:
+            raise asyncio.QueueFull(f"DynamicBatcher queue is full ({self.max_queue_size} waiting)")
+        handle = enqueue(depth=len(self._queue))
+        entry = _Entry(item, tokens, handle, self._loop.create_future())
+        self._queue.append(entry)
+        self._wakeup.set()
+        try:
+            return await entry.future
+        except asyncio.CancelledError:
+            if not entry.taken:
+                try:
+                    self._queue.remove(entry)
+                except ValueError:
+                    pass
+                handle.cancel()
+            raise
+
+    # --- the batching loop -------------------------------------------------------------
+    async def _run_loop(self) -> None:
+        queue, wakeup, slots = self._queue, self._wakeup, self._slots
+        while True:
+            await slots.acquire()
+            try:
+                while not queue:
+                    wakeup.clear()
+                    await wakeup.wait()
+                deadline = time.monotonic() + self.max_delay_s
+                while len(queue) < self.max_batch_size:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    wakeup.clear()
+                    try:
+                        await asyncio.wait_for(wakeup.wait(), remaining)
+                    except asyncio.TimeoutError:
+                        break
+                entries = []
+                while queue and len(entries) < self.max_batch_size:
+                    entry = queue.popleft()
+                    if entry.future.done():  # cancelled while we were waiting
+                        continue
+                    entry.taken = True
+                    entries.append(entry)
+            except BaseException:
+                slots.release()
+                raise
+            if not entries:
+                slots.release()
+                continue
+            task = asyncio.get_running_loop().create_task(self._run_batch(entries))
+            self._inflight.add(task)
+            task.add_done_callback(self._batch_done)
+
+    def _batch_done(self, task: asyncio.Task) -> None:
+        self._inflight.discard(task)
+        self._slots.release()
+
+    async def _run_batch(self, entries: list[_Entry]) -> None:
+        try:
+            if self._is_async:
+                results = await self._process_async(entries)
+            else:
+                ctx = contextvars.Context()
+                results = await self._loop.run_in_executor(self._executor, ctx.run, self._process_sync, entries)
+            results = list(results)
+            if len(results) != len(entries):
+                raise ValueError(
+                    f"batch function returned {len(results)} results for {len(entries)} inputs"
+                )
+        except BaseException as exc:  # noqa: BLE001 - delivered to the batch's requests
+            for entry in entries:
+                if not entry.future.done():
+                    entry.future.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        for entry, result in zip(entries, results):
+            if not entry.future.done():
+                entry.future.set_result(result)
+
+    def _open_batch(self, entries: list[_Entry]) -> Batch:
+        return batch([e.handle for e in entries], max_size=self.max_batch_size,
+                     model=self.model_name, batch_encoding=self.batch_encoding)
+
+    def _assemble(self, b: Batch, entries: list[_Entry]) -> Any:
+        with b.stage(semconv.STAGE_BATCH_ASSEMBLY):
+            items = [e.item for e in entries]
+            collated = self.collate(items) if self.collate is not None else items
+            if isinstance(collated, Collated):
+                b.set_tokens(effective=collated.tokens_effective, padded=collated.tokens_padded)
+                collated = collated.batch
+            record = b.record
+            if record is not None and not record.tokens:
+                counts = [e.tokens for e in entries]
+                if counts and all(c is not None for c in counts):
+                    b.set_tokens(effective=sum(counts), padded=max(counts) * len(counts))
+        return collated
+
+    def _process_sync(self, entries: list[_Entry]) -> Sequence[Any]:
+        with self._open_batch(entries) as b:
+            return self.fn(self._assemble(b, entries))
+
+    async def _process_async(self, entries: list[_Entry]) -> Sequence[Any]:
+        with self._open_batch(entries) as b:
+            return await self.fn(self._assemble(b, entries))
+
+
+__all__ = ["DynamicBatcher", "Collated"]

@@ -1,0 +1,239 @@
+"""Hooks for batchers applications already have: ``inferprof.enqueue()`` and ``inferprof.batch()``.
+
+For a custom batching loop, Ray Serve's ``@serve.batch`` or a Triton Python backend::
+
+    handle = inferprof.enqueue()                 # in the request's context: `queue` starts
+    ...                                          # hand (item, handle) to the batching loop
+    with inferprof.batch(handles, max_size=8) as b:   # the batch is formed: each `queue` ends
+        with b.stage("batch_assembly"):
+            x = pad_and_stack(items)
+            b.set_tokens(effective=real, padded=total)
+        with inferprof.stage("compute"):         # a batch stage (the batch is current)
+            y = model(x)
+
+``DynamicBatcher`` is built on these hooks, so both produce the same spans: per request a
+``queue`` stage (``inferprof.queue.depth`` when given), per batch the stages recorded inside
+``batch()``, carrying ``inferprof.batch.id/size/max_size`` and ``inferprof.model.name``,
+encoded as ``children`` (a copy under every member request) or ``links`` (one span linked
+to every member) — see ``docs/batching.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Iterable
+
+from inferprof import semconv
+from inferprof._config import active_runtime, batch_encoding_setting
+from inferprof.instrumentation.records import SCOPE, BatchRecord, RequestRecord, StageRecord
+from inferprof.instrumentation.runtime import new_span_id
+from inferprof.instrumentation.stage import Stage, _check_stage
+
+_logger = logging.getLogger(__name__)
+_time_ns = time.time_ns
+
+
+class QueueHandle:
+    """A request waiting for a batch (what ``enqueue()`` returns). Pass it to ``batch()``."""
+
+    __slots__ = ("request", "stage")
+
+    def __init__(self, request: RequestRecord | None, stage: StageRecord | None) -> None:
+        self.request = request
+        self.stage = stage
+
+    def cancel(self) -> None:
+        """The request left the queue without being batched (cancelled, timed out)."""
+        st = self.stage
+        if st is not None and st.end is None:
+            st.end = _time_ns()
+            st.attrs[semconv.ATTR_CANCELLED] = True
+
+
+def enqueue(*, depth: int | None = None, **attributes: Any) -> QueueHandle:
+    """Mark "this request was enqueued for batching": starts its ``queue`` stage.
+
+    ``depth``: queue length at enqueue time (``inferprof.queue.depth``). Outside a request,
+    or when inferprof is off, returns a handle that records nothing.
+    """
+    if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 0):
+        raise ValueError(f"depth must be a non-negative int, got {depth!r}")
+    scope = SCOPE.get()
+    if scope is None or not isinstance(scope[0], RequestRecord):
+        return QueueHandle(None, None)
+    rec, parent = scope
+    if depth is not None:
+        attributes[semconv.ATTR_QUEUE_DEPTH] = depth
+    st = StageRecord(semconv.STAGE_QUEUE, new_span_id(), parent, _time_ns(), attributes)
+    rec.stages.append(st)
+    return QueueHandle(rec, st)
+
+
+class _BoundStage(Stage):
+    """A stage of a given batch, whatever the current context (``Batch.stage``)."""
+
+    __slots__ = ("_owner", "_outer")
+
+    def __init__(self, owner: BatchRecord, name: str, device: Any, attrs: dict) -> None:
+        super().__init__(name, device, attrs)
+        self._owner = owner
+
+    def __enter__(self) -> "Stage":
+        self._outer = SCOPE.set((self._owner, None))
+        return super().__enter__()
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        try:
+            return super().__exit__(exc_type, exc, tb)
+        finally:
+            try:
+                SCOPE.reset(self._outer)
+            except ValueError:
+                pass
+
+
+class Batch:
+    """A batch being processed (what ``with inferprof.batch(...)`` yields)."""
+
+    __slots__ = ("handles", "max_size", "model", "encoding", "attrs", "record", "_token", "_rt")
+
+    def __init__(self, handles: list, max_size: int | None, model: str | None,
+                 encoding: str | None, attrs: dict) -> None:
+        self.handles = handles
+        self.max_size = max_size
+        self.model = model
+        self.encoding = encoding
+        self.attrs = attrs
+        self.record: BatchRecord | None = None
+        self._token = None
+
+    @property
+    def id(self) -> str | None:
+        """``inferprof.batch.id`` (None when inferprof is off)."""
+        return self.record.batch_id if self.record is not None else None
+
+    @property
+    def size(self) -> int:
+        return len(self.handles)
+
+    def stage(self, name: str, *, device: Any = None, **attributes: Any) -> Stage:
+        """A stage of this batch, usable from any thread or task."""
+        _check_stage(name)
+        if self.record is None:
+            return Stage(name, device, attributes)  # off: no batch scope, a no-op stage
+        return _BoundStage(self.record, name, device, attributes)
+
+    def set_tokens(self, *, effective: int | None = None, padded: int | None = None) -> None:
+        """Real and padded token counts of the batch (``inferprof.tokens.*``)."""
+        _set_tokens(self.record, effective, padded)
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        if self.record is not None:
+            self.record.attrs[key] = value
+
+    def __enter__(self) -> "Batch":
+        now = _time_ns()
+        for h in self.handles:
+            st = h.stage
+            if st is not None and st.end is None:
+                st.end = now
+        members = [h.request for h in self.handles if h.request is not None]
+        rt = members[0].runtime if members else active_runtime()
+        if rt is None:
+            return self
+        try:
+            model = self.model
+            if model is None and members:
+                model = members[0].model
+            attrs = {
+                semconv.ATTR_BATCH_SIZE: len(self.handles),
+            }
+            if self.max_size is not None:
+                attrs[semconv.ATTR_BATCH_MAX_SIZE] = self.max_size
+            if model is not None:
+                attrs[semconv.ATTR_MODEL_NAME] = model
+            attrs.update(self.attrs)
+            encoding = self.encoding or rt.batch_encoding
+            record = BatchRecord(rt, rt.new_batch_id(), attrs, members, encoding)
+            attrs[semconv.ATTR_BATCH_ID] = record.batch_id
+            for m in members:
+                m.batches.append(record)
+        except Exception:
+            _logger.exception("inferprof could not open a batch")
+            return self
+        self.record = record
+        self._rt = rt
+        self._token = SCOPE.set((record, None))
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        record = self.record
+        if record is None:
+            return False
+        try:
+            SCOPE.reset(self._token)
+        except ValueError:
+            SCOPE.set(None)
+        if exc is not None:
+            for m in record.members:
+                if m.error is None:
+                    m.error = exc
+        self._rt.close_batch(record)
+        return False
+
+    async def __aenter__(self) -> "Batch":
+        return self.__enter__()
+
+    async def __aexit__(self, exc_type, exc, tb) -> bool:
+        return self.__exit__(exc_type, exc, tb)
+
+
+def _set_tokens(record: BatchRecord | None, effective: int | None, padded: int | None) -> None:
+    for name, value in (("effective", effective), ("padded", padded)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(f"{name} tokens must be a non-negative int, got {value!r}")
+    if effective is not None and padded is not None and padded < effective:
+        raise ValueError(f"padded tokens ({padded}) must be >= effective tokens ({effective})")
+    if record is None:
+        return
+    if effective is not None:
+        record.tokens[semconv.ATTR_TOKENS_EFFECTIVE] = effective
+    if padded is not None:
+        record.tokens[semconv.ATTR_TOKENS_PADDED] = padded
+
+
+def batch(handles: Iterable[QueueHandle], *, max_size: int | None = None, model: str | None = None,
+          batch_encoding: str | None = None, **attributes: Any) -> Batch:
+    """Mark "a batch was formed from these requests" (``with`` / ``async with``).
+
+    Entering ends every member's ``queue`` stage; stages recorded inside (through
+    ``inferprof.stage`` in this context, or ``b.stage`` anywhere) are this batch's stages.
+    An exception escaping the block is recorded on every member request.
+    """
+    handles = list(handles)
+    for h in handles:
+        if not isinstance(h, QueueHandle):
+            raise ValueError(f"batch() takes the handles inferprof.enqueue() returned, got {h!r}")
+    if max_size is not None and (isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 1):
+        raise ValueError(f"max_size must be a positive int, got {max_size!r}")
+    if model is not None and not isinstance(model, str):
+        raise ValueError(f"model must be a string, got {model!r}")
+    encoding = batch_encoding_setting(batch_encoding) if batch_encoding is not None else None
+    return Batch(handles, max_size, model, encoding, attributes)
+
+
+def current_batch() -> BatchRecord | None:
+    """The batch being processed in this context (e.g. from inside ``collate``), or None."""
+    scope = SCOPE.get()
+    if scope is None or not isinstance(scope[0], BatchRecord):
+        return None
+    return scope[0]
+
+
+def set_tokens(*, effective: int | None = None, padded: int | None = None) -> None:
+    """Token counts for the current batch (no-op outside one)."""
+    _set_tokens(current_batch(), effective, padded)
+
+
+__all__ = ["enqueue", "batch", "Batch", "QueueHandle", "current_batch", "set_tokens"]

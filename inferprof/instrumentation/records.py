@@ -1,0 +1,153 @@
+"""Per-request and per-batch records: what the hot path writes instead of spans.
+
+A stage costs two ``time.time_ns()`` calls, one small object and one context-variable
+set/reset; no OpenTelemetry span exists until the request ends, when the runtime turns the
+record into spans in one go (or throws it away, in ``production`` mode, for a fast request
+that was not sampled). The request's ids are fixed when it starts, so ``traceparent`` can be
+propagated downstream while it runs.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextvars import ContextVar
+from typing import Any
+
+from opentelemetry import trace as trace_api
+
+from inferprof import semconv
+
+
+class StageRecord:
+    """One timed stage. ``parent_id`` is the enclosing stage's span id (None: the owner's root)."""
+
+    __slots__ = ("name", "span_id", "parent_id", "start", "end", "attrs", "error", "device")
+
+    def __init__(self, name: str, span_id: int, parent_id: int | None, start: int, attrs: dict) -> None:
+        self.name = name
+        self.span_id = span_id
+        self.parent_id = parent_id
+        self.start = start
+        self.end: int | None = None
+        self.attrs = attrs
+        self.error: BaseException | None = None
+        # Pending device timing (inferprof.batching.device), resolved before emission.
+        self.device: Any = None
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        self.attrs[key] = value
+
+
+class RequestRecord:
+    """The handle of one request (what ``inferprof.current_request()`` returns).
+
+    Public surface: ``trace_id``, ``span_id``, ``span_context``, ``model``,
+    ``set_attribute()``, ``set_attributes()``. Everything else is internal.
+    """
+
+    __slots__ = (
+        "name", "kind", "trace_id", "span_id", "parent", "start", "end", "attrs", "stages",
+        "batches", "error", "head", "weight_hint", "live_span", "emit_request_span", "runtime",
+        "finished", "kept",
+    )
+
+    def __init__(self, runtime: Any, name: str, kind: trace_api.SpanKind, trace_id: int,
+                 span_id: int, parent: trace_api.SpanContext | None, start: int, attrs: dict,
+                 head: bool, weight_hint: float = 1.0) -> None:
+        self.runtime = runtime
+        self.name = name
+        self.kind = kind
+        self.trace_id = trace_id
+        self.span_id = span_id
+        self.parent = parent
+        self.start = start
+        self.end: int | None = None
+        self.attrs = attrs
+        self.stages: list[StageRecord] = []
+        self.batches: list[BatchRecord] = []
+        self.error: BaseException | None = None
+        #: head sampling decision (full mode: the OTel sampler's; production: the coin flip).
+        self.head = head
+        #: weight implied by the OTel sampler in full mode (1/ratio), else 1.
+        self.weight_hint = weight_hint
+        #: an existing SDK span (opentelemetry-instrumentation-fastapi's) we enrich instead
+        #: of emitting our own request span.
+        self.live_span: Any = None
+        self.emit_request_span = True
+        self.finished = False
+        self.kept = False
+
+    # --- public -----------------------------------------------------------------------
+    @property
+    def span_context(self) -> trace_api.SpanContext:
+        flags = trace_api.TraceFlags(trace_api.TraceFlags.SAMPLED if self.head else 0)
+        return trace_api.SpanContext(self.trace_id, self.span_id, False, flags)
+
+    @property
+    def model(self) -> str | None:
+        return self.attrs.get(semconv.ATTR_MODEL_NAME)
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        self.attrs[key] = value
+        live = self.live_span
+        if live is not None:
+            live.set_attribute(key, value)
+
+    def set_attributes(self, attributes: dict) -> None:
+        for key, value in attributes.items():
+            self.set_attribute(key, value)
+
+    def __repr__(self) -> str:
+        return f"<inferprof request {self.name!r} trace_id={self.trace_id:032x}>"
+
+
+class BatchRecord:
+    """One batch: its stages, attributes and member requests.
+
+    Members hold a reference to it; in the ``children`` encoding each member copies the
+    batch stages under its own request span when it ends. In the ``links`` encoding the
+    batch emits its stages once, after it has closed and every member has ended (so the
+    links name only members whose traces were kept).
+    """
+
+    __slots__ = (
+        "batch_id", "attrs", "stages", "members", "encoding", "runtime", "closed", "pending",
+        "kept_members", "lock", "emitted", "tokens",
+    )
+
+    def __init__(self, runtime: Any, batch_id: str, attrs: dict, members: list, encoding: str) -> None:
+        self.runtime = runtime
+        self.batch_id = batch_id
+        self.attrs = attrs
+        self.stages: list[StageRecord] = []
+        self.members = members
+        self.encoding = encoding
+        self.closed = False
+        self.pending = len(members)
+        self.kept_members: list[trace_api.SpanContext] = []
+        self.lock = threading.Lock()
+        self.emitted = False
+        #: token counts, put on batch_assembly and compute-type stages only (contract §3).
+        self.tokens: dict[str, int] = {}
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        self.attrs[key] = value
+
+    def set_tokens(self, *, effective: int | None = None, padded: int | None = None) -> None:
+        """Real and padded token counts of the batch (``inferprof.tokens.*``)."""
+        from inferprof.batching.hooks import _set_tokens
+
+        _set_tokens(self, effective, padded)
+
+
+#: The innermost open scope of this context: (owner, parent span id). The owner is a
+#: RequestRecord (request stages) or a BatchRecord (inside ``inferprof.batch``/the batcher).
+SCOPE: ContextVar[tuple[Any, int | None] | None] = ContextVar("inferprof_scope", default=None)
+
+
+def current_owner() -> Any:
+    scope = SCOPE.get()
+    return scope[0] if scope is not None else None
+
+
+__all__ = ["StageRecord", "RequestRecord", "BatchRecord", "SCOPE", "current_owner"]

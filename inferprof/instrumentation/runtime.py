@@ -1,0 +1,374 @@
+"""The runtime behind ``configure()``: turns finished request records into spans.
+
+Why not one OpenTelemetry span per stage as it happens: on the SDK a span costs about 15 µs
+of CPU to create and end (sampler, bounded attribute dicts, locks, context attach/detach),
+and a request has ~9 stages. Here a stage is recorded as two timestamps in a per-request
+record, and the spans are built once, at request end, as ``ReadableSpan`` objects handed
+straight to the provider's span processor (the same objects the SDK hands its processors),
+with ids inferprof generated when the request started. For a provider that is not the SDK's
+the public tracer API is used instead (slower, and its ids are its own).
+
+Telemetry never breaks serving: every entry point used from request code catches and logs
+its own failures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import random
+import traceback
+from typing import Any, Iterable
+
+from opentelemetry import trace as trace_api
+from opentelemetry.sdk.trace import Event, ReadableSpan
+from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import Link, SpanKind, Status, StatusCode
+
+from inferprof import __version__, semconv
+from inferprof.batching.device import resolve_stages
+from inferprof.instrumentation.records import BatchRecord, RequestRecord, StageRecord
+from inferprof.instrumentation.sampling import TailSampler
+from inferprof.instrumentation.stats import Stats, StatsSnapshot
+
+_logger = logging.getLogger(__name__)
+
+_SAMPLED = trace_api.TraceFlags(trace_api.TraceFlags.SAMPLED)
+_NOT_SAMPLED = trace_api.TraceFlags(trace_api.TraceFlags.DEFAULT)
+_UNSET = Status(StatusCode.UNSET)
+_getrandbits = random.getrandbits
+_TOKEN_STAGES = frozenset({semconv.STAGE_BATCH_ASSEMBLY}) | semconv.COMPUTE_STAGES
+
+
+def new_span_id() -> int:
+    # getrandbits(64) is 0 with probability 2**-64; an invalid id would only make one span
+    # unexportable, but the check is nearly free.
+    return _getrandbits(64) or 1
+
+
+def new_trace_id() -> int:
+    return _getrandbits(128) or 1
+
+
+def _error_parts(error: BaseException, when: int) -> tuple[Status, tuple, dict]:
+    """Status, events and extra attributes for a span that ended with ``error``."""
+    if isinstance(error, str):  # an error without an exception (e.g. an HTTP 5xx response)
+        return Status(StatusCode.ERROR, error), (), {}
+    if isinstance(error, asyncio.CancelledError):
+        return _UNSET, (), {semconv.ATTR_CANCELLED: True}
+    etype = type(error)
+    name = etype.__qualname__ if etype.__module__ == "builtins" else f"{etype.__module__}.{etype.__qualname__}"
+    event = Event(
+        "exception",
+        {
+            "exception.type": name,
+            "exception.message": str(error),
+            "exception.stacktrace": "".join(traceback.format_exception(etype, error, error.__traceback__)),
+            "exception.escaped": "True",
+        },
+        timestamp=when,
+    )
+    return Status(StatusCode.ERROR, f"{etype.__name__}: {error}"), (event,), {}
+
+
+def _sampler_ratio(sampler: Any, parent: trace_api.SpanContext | None) -> float:
+    """Probability the OTel sampler keeps a trace, when it says (ratio samplers); else 1."""
+    from opentelemetry.sdk.trace import sampling
+
+    if isinstance(sampler, sampling.ParentBased):
+        if parent is not None and parent.is_valid:
+            return 1.0
+        sampler = sampler._root  # the SDK exposes no public accessor
+    if isinstance(sampler, sampling.TraceIdRatioBased):
+        return sampler.rate if sampler.rate > 0 else 1.0
+    return 1.0
+
+
+class Runtime:
+    """Configured state: providers, the span sink, the sampler and the counters."""
+
+    def __init__(self, config: Any, tracer_provider: Any, meter_provider: Any,
+                 stats: Stats | None = None) -> None:
+        self.config = config
+        self.enabled = config.enabled and tracer_provider is not None
+        self.mode = config.mode
+        self.production = config.mode == semconv.MODE_PRODUCTION
+        self.batch_encoding = config.batch_encoding
+        self.tracer_provider = tracer_provider
+        self.meter_provider = meter_provider
+        self.stats = stats if stats is not None else Stats()
+        self.tail_sampler = (
+            TailSampler(config.sample_rate, config.tail_quantile) if self.production else None
+        )
+        self._scope = InstrumentationScope(semconv.INSTRUMENTATION_SCOPE, __version__)
+        self._batch_ids = itertools.count(1)
+        self._batch_prefix = f"{_getrandbits(32):08x}"
+        self._processor = None
+        self._resource = None
+        self._sampler = None
+        self.tracer = None
+        if not self.enabled:
+            return
+        self.tracer = tracer_provider.get_tracer(semconv.INSTRUMENTATION_SCOPE, __version__)
+        if isinstance(tracer_provider, SdkTracerProvider):
+            self._processor = tracer_provider._active_span_processor  # see module docstring
+            self._resource = tracer_provider.resource
+            self._sampler = tracer_provider.sampler
+        self._register_metrics()
+
+    # --- self metrics ----------------------------------------------------------------
+    def _register_metrics(self) -> None:
+        if self.meter_provider is None:
+            return
+        from opentelemetry.metrics import Observation
+
+        stats = self.stats
+        try:
+            meter = self.meter_provider.get_meter(semconv.INSTRUMENTATION_SCOPE, __version__)
+
+            def dropped(_options):
+                yield Observation(stats.queue_full, {semconv.ATTR_DROP_REASON: semconv.DROP_REASON_QUEUE_FULL})
+                yield Observation(stats.export_failed, {semconv.ATTR_DROP_REASON: semconv.DROP_REASON_EXPORT_FAILED})
+
+            def emitted(_options):
+                yield Observation(stats.emitted)
+
+            meter.create_observable_counter(
+                semconv.METRIC_SPANS_DROPPED, callbacks=[dropped], unit="{span}",
+                description="Spans inferprof produced that never reached the exporter's backend",
+            )
+            meter.create_observable_counter(
+                semconv.METRIC_SPANS_EMITTED, callbacks=[emitted], unit="{span}",
+                description="Spans inferprof handed to the span processor",
+            )
+        except Exception:
+            _logger.exception("inferprof could not register its self-metrics")
+
+    def snapshot(self) -> StatsSnapshot:
+        return self.stats.snapshot()
+
+    # --- requests ----------------------------------------------------------------------
+    def start_request(self, name: str, kind: SpanKind, attrs: dict,
+                      parent: trace_api.SpanContext | None, start: int) -> RequestRecord:
+        if parent is not None and parent.is_valid:
+            trace_id = parent.trace_id
+        else:
+            parent = None
+            trace_id = new_trace_id()
+        span_id = new_span_id()
+        weight_hint = 1.0
+        if self.production:
+            head = random.random() < self.config.sample_rate
+        elif self._sampler is not None:
+            head, weight_hint = self._consult_sampler(trace_id, name, kind, attrs, parent)
+        else:
+            head = True
+        return RequestRecord(self, name, kind, trace_id, span_id, parent, start, attrs, head, weight_hint)
+
+    def _consult_sampler(self, trace_id, name, kind, attrs, parent) -> tuple[bool, float]:
+        from opentelemetry.sdk.trace.sampling import Decision
+
+        ctx = trace_api.set_span_in_context(trace_api.NonRecordingSpan(parent)) if parent else None
+        try:
+            result = self._sampler.should_sample(ctx, trace_id, name, kind, attrs)
+        except Exception:
+            _logger.exception("the OpenTelemetry sampler failed; keeping the trace")
+            return True, 1.0
+        if result.decision is not Decision.RECORD_AND_SAMPLE:
+            return False, 1.0
+        return True, 1.0 / _sampler_ratio(self._sampler, parent)
+
+    def finish_request(self, rec: RequestRecord) -> None:
+        """Decide, build and emit the request's spans. Never raises."""
+        if rec.finished:
+            return
+        rec.finished = True
+        try:
+            self._finish(rec)
+        except Exception:
+            _logger.exception("inferprof failed to emit the spans of a request")
+
+    def _finish(self, rec: RequestRecord) -> None:
+        resolve_stages(rec.stages)
+        end = rec.end
+        if rec.live_span is not None:
+            kept, weight = rec.head, rec.weight_hint
+            if kept and weight != 1.0:
+                rec.live_span.set_attribute(semconv.ATTR_SAMPLE_WEIGHT, weight)
+        elif self.tail_sampler is not None:
+            weight = self.tail_sampler.decide(end - rec.start, rec.head, (rec.name, rec.model))
+            kept = weight is not None
+        else:
+            kept, weight = rec.head, rec.weight_hint
+        rec.kept = kept
+        if kept:
+            self.stats.kept += 1
+            self._emit_request(rec, weight)
+        else:
+            self.stats.discarded += 1
+        for batch in rec.batches:
+            if batch.encoding == semconv.BATCH_ENCODING_LINKS:
+                self.member_done(batch, rec)
+
+    def _emit_request(self, rec: RequestRecord, weight: float | None) -> None:
+        trace_id = rec.trace_id
+        end = rec.end
+        specs: list[tuple] = []
+        if rec.emit_request_span and rec.live_span is None:
+            attrs = dict(rec.attrs)
+            if rec.kind is not SpanKind.SERVER and rec.kind is not SpanKind.CONSUMER:
+                attrs[semconv.ATTR_REQUEST] = True
+            if weight is not None and weight != 1.0:
+                attrs[semconv.ATTR_SAMPLE_WEIGHT] = float(weight)
+            parent = rec.parent
+            specs.append((rec.name, rec.span_id, parent, rec.kind, rec.start, end, attrs, rec.error, ()))
+        root = rec.span_id
+        for st in rec.stages:
+            attrs = {semconv.ATTR_STAGE: st.name}
+            attrs.update(st.attrs)
+            specs.append((semconv.span_name(st.name), st.span_id, st.parent_id or root,
+                          SpanKind.INTERNAL, st.start, st.end or end, attrs, st.error, ()))
+        for batch in rec.batches:
+            if batch.encoding != semconv.BATCH_ENCODING_CHILDREN:
+                continue
+            mapping: dict[int, int] = {}
+            for st in batch.stages:
+                if st.end is None:
+                    continue  # the batch outlived the request: only finished stages are copied
+                copy_id = new_span_id()
+                mapping[st.span_id] = copy_id
+                specs.append((semconv.span_name(st.name), copy_id,
+                              mapping.get(st.parent_id, root) if st.parent_id else root,
+                              SpanKind.INTERNAL, st.start, st.end, self._batch_attrs(batch, st),
+                              st.error, ()))
+        self._emit(trace_id, specs)
+
+    @staticmethod
+    def _batch_attrs(batch: BatchRecord, st: StageRecord) -> dict:
+        attrs = {semconv.ATTR_STAGE: st.name}
+        attrs.update(batch.attrs)
+        if st.name in _TOKEN_STAGES:
+            attrs.update(batch.tokens)
+        attrs.update(st.attrs)
+        return attrs
+
+    # --- batches -----------------------------------------------------------------------
+    def new_batch_id(self) -> str:
+        return f"{self._batch_prefix}-{next(self._batch_ids)}"
+
+    def close_batch(self, batch: BatchRecord) -> None:
+        """The batch's last stage ended. Never raises."""
+        try:
+            resolve_stages(batch.stages)
+            with batch.lock:
+                batch.closed = True
+                ready = batch.pending == 0
+            if ready and batch.encoding == semconv.BATCH_ENCODING_LINKS:
+                self._emit_linked_batch(batch)
+        except Exception:
+            _logger.exception("inferprof failed to close a batch")
+
+    def member_done(self, batch: BatchRecord, rec: RequestRecord) -> None:
+        with batch.lock:
+            batch.pending -= 1
+            if rec.kept:
+                batch.kept_members.append(
+                    trace_api.SpanContext(rec.trace_id, rec.span_id, False, _SAMPLED)
+                )
+            ready = batch.closed and batch.pending == 0
+        if ready:
+            self._emit_linked_batch(batch)
+
+    def _emit_linked_batch(self, batch: BatchRecord) -> None:
+        with batch.lock:
+            if batch.emitted or not batch.kept_members:
+                batch.emitted = True
+                return
+            batch.emitted = True
+        links = tuple(Link(ctx) for ctx in batch.kept_members)
+        end = max((st.end or 0 for st in batch.stages), default=0)
+        specs = []
+        for st in batch.stages:
+            specs.append((semconv.span_name(st.name), st.span_id, st.parent_id, SpanKind.INTERNAL,
+                          st.start, st.end or end, self._batch_attrs(batch, st), st.error, links))
+        self._emit(new_trace_id(), specs)
+
+    # --- the sink ----------------------------------------------------------------------
+    def _emit(self, trace_id: int, specs: Iterable[tuple]) -> None:
+        processor = self._processor
+        if processor is None:
+            self._emit_via_api(trace_id, specs)
+            return
+        resource, scope = self._resource, self._scope
+        n = 0
+        parents: dict[int, trace_api.SpanContext] = {}
+        for name, span_id, parent, kind, start, end, attrs, error, links in specs:
+            if parent is None or isinstance(parent, trace_api.SpanContext):
+                parent_ctx = parent
+            else:
+                parent_ctx = parents.get(parent)
+                if parent_ctx is None:
+                    parent_ctx = parents[parent] = trace_api.SpanContext(trace_id, parent, False, _SAMPLED)
+            status, events = _UNSET, ()
+            if error is not None:
+                status, events, extra = _error_parts(error, end)
+                if extra:
+                    attrs.update(extra)
+            span = ReadableSpan(
+                name=name,
+                context=trace_api.SpanContext(trace_id, span_id, False, _SAMPLED),
+                parent=parent_ctx,
+                resource=resource,
+                attributes=attrs,
+                events=events,
+                links=links,
+                kind=kind,
+                status=status,
+                start_time=start,
+                end_time=end,
+                instrumentation_scope=scope,
+            )
+            processor.on_end(span)
+            n += 1
+        self.stats.emitted += n
+
+    def _emit_via_api(self, trace_id: int, specs: Iterable[tuple]) -> None:
+        # A non-SDK provider chooses its own ids: map ours to the contexts it produced.
+        actual: dict[int, trace_api.SpanContext] = {}
+        n = 0
+        for name, span_id, parent, kind, start, end, attrs, error, links in specs:
+            if parent is None or isinstance(parent, trace_api.SpanContext):
+                parent_ctx = parent
+            else:
+                parent_ctx = actual.get(parent)
+            ctx = trace_api.set_span_in_context(trace_api.NonRecordingSpan(parent_ctx)) if parent_ctx else None
+            span = self.tracer.start_span(name, context=ctx, kind=kind, attributes=attrs,
+                                          links=links, start_time=start)
+            if error is not None:
+                status, events, extra = _error_parts(error, end)
+                if extra:
+                    span.set_attributes(extra)
+                for event in events:
+                    span.add_event(event.name, event.attributes, event.timestamp)
+                span.set_status(status)
+            span.end(end_time=end)
+            actual[span_id] = span.get_span_context()
+            n += 1
+        self.stats.emitted += n
+
+    # --- lifecycle ---------------------------------------------------------------------
+    def close(self, timeout_millis: int = 30000) -> None:
+        tp, mp = self.tracer_provider, self.meter_provider
+        if tp is None:
+            return
+        if self.config.owns_providers:
+            tp.shutdown()
+            if mp is not None and hasattr(mp, "shutdown"):
+                mp.shutdown(timeout_millis=timeout_millis)
+        elif hasattr(tp, "force_flush"):
+            tp.force_flush(timeout_millis)
+
+
+__all__ = ["Runtime", "new_span_id", "new_trace_id"]

@@ -1,0 +1,330 @@
+"""The stage API: ``inferprof.stage()``, ``inferprof.request()``, ``inferprof.current_request()``.
+
+``stage(name, **attrs)`` is a context manager (``with`` / ``async with``) and a decorator
+(sync and async functions). Inside a request (opened by the FastAPI middleware or by
+``inferprof.request()``) it records a stage of that request; inside a batch
+(``inferprof.batch()`` or a ``DynamicBatcher``'s function) a stage of that batch. Outside
+both, it becomes an ordinary OpenTelemetry span — a child of whatever span is current — when
+inferprof is configured, and does nothing when it is not.
+
+Exceptions are recorded on the stage (status ERROR, an ``exception`` event) and re-raised
+unchanged. ``asyncio.CancelledError`` is recorded as ``inferprof.cancelled = true``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import time
+from typing import Any, Callable, Mapping
+
+from opentelemetry import context as context_api
+from opentelemetry import propagate
+from opentelemetry import trace as trace_api
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from inferprof import semconv
+from inferprof._config import active_runtime
+from inferprof.instrumentation.records import SCOPE, RequestRecord, StageRecord
+from inferprof.instrumentation.runtime import new_span_id
+
+_logger = logging.getLogger(__name__)
+_time_ns = time.time_ns
+_VALID: set[str] = set()
+_VALID_MAX = 4096
+
+
+def _check_stage(name: str) -> None:
+    if name in _VALID:
+        return
+    semconv.validate_stage(name)
+    if len(_VALID) < _VALID_MAX:
+        _VALID.add(name)
+
+
+class Stage:
+    """One use of ``inferprof.stage()``. ``set_attribute()`` adds to the stage's span."""
+
+    __slots__ = ("name", "attrs", "device", "_rec", "_token", "_prev", "_span", "_otel_token", "_timing")
+
+    def __init__(self, name: str, device: Any, attrs: dict) -> None:
+        self.name = name
+        self.attrs = attrs
+        self.device = device
+        self._rec: StageRecord | None = None
+        self._span: Any = None
+        self._timing: Any = None
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        if self._rec is not None:
+            self._rec.attrs[key] = value
+        elif self._span is not None:
+            self._span.set_attribute(key, value)
+
+    # --- context manager -------------------------------------------------------------
+    def __enter__(self) -> "Stage":
+        scope = SCOPE.get()
+        if scope is None:
+            self._enter_standalone()
+            return self
+        owner, parent = scope
+        rec = StageRecord(self.name, new_span_id(), parent, 0, self.attrs)
+        owner.stages.append(rec)
+        self._rec = rec
+        self._prev = scope
+        self._token = SCOPE.set((owner, rec.span_id))
+        if self.device is not None:
+            self._begin_device(rec)
+        rec.start = _time_ns()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        rec = self._rec
+        if rec is not None:
+            rec.end = _time_ns()
+            if self._timing is not None:
+                self._end_device()
+            if exc is not None:
+                rec.error = exc
+            try:
+                SCOPE.reset(self._token)
+            except ValueError:  # exited in another context (e.g. an async generator)
+                SCOPE.set(self._prev)
+        elif self._span is not None:
+            self._exit_standalone(exc)
+        return False
+
+    async def __aenter__(self) -> "Stage":
+        return self.__enter__()
+
+    async def __aexit__(self, exc_type, exc, tb) -> bool:
+        return self.__exit__(exc_type, exc, tb)
+
+    # --- decorator ---------------------------------------------------------------------
+    def __call__(self, fn: Callable) -> Callable:
+        name, device, attrs = self.name, self.device, self.attrs
+        if inspect.iscoroutinefunction(fn):
+
+            @functools.wraps(fn)
+            async def async_wrapper(*args, **kwargs):
+                with Stage(name, device, dict(attrs)):
+                    return await fn(*args, **kwargs)
+
+            return async_wrapper
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            with Stage(name, device, dict(attrs)):
+                return fn(*args, **kwargs)
+
+        return wrapper
+
+    # --- pieces off the hot path -------------------------------------------------------
+    def _enter_standalone(self) -> None:
+        rt = active_runtime()
+        if rt is None:
+            return
+        try:
+            attrs = {semconv.ATTR_STAGE: self.name}
+            attrs.update(self.attrs)
+            self._span = rt.tracer.start_span(semconv.span_name(self.name), attributes=attrs)
+            self._otel_token = context_api.attach(trace_api.set_span_in_context(self._span))
+        except Exception:
+            _logger.exception("inferprof could not start a stage span")
+            self._span = None
+
+    def _exit_standalone(self, exc: BaseException | None) -> None:
+        span = self._span
+        try:
+            if exc is not None:
+                import asyncio
+
+                if isinstance(exc, asyncio.CancelledError):
+                    span.set_attribute(semconv.ATTR_CANCELLED, True)
+                else:
+                    span.record_exception(exc, escaped=True)
+                    span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+            span.end()
+            context_api.detach(self._otel_token)
+        except Exception:
+            _logger.exception("inferprof could not end a stage span")
+
+    def _begin_device(self, rec: StageRecord) -> None:
+        from inferprof.batching.device import begin_device_stage
+
+        try:
+            self._timing = begin_device_stage(rec, self.device)
+        except Exception:
+            _logger.exception("inferprof could not start device timing; using host time")
+
+    def _end_device(self) -> None:
+        try:
+            self._timing.end()
+        except Exception:
+            _logger.exception("inferprof could not end device timing; using host time")
+            self._rec.device = None
+
+
+def stage(name: str, *, device: Any = None, **attributes: Any) -> Stage:
+    """Time a stage: ``with inferprof.stage("tokenize"):`` or ``@inferprof.stage("postprocess")``.
+
+    ``device``: where the stage's work runs. ``None``/``"cpu"``: host timers. A CUDA device
+    (``"cuda"``, ``"cuda:1"``, an int, a ``torch.device``): CUDA events recorded on the
+    current stream and resolved when the batch (or request) ends, so asynchronous kernel
+    launches are timed by when the GPU ran them, not when Python queued them.
+    """
+    _check_stage(name)
+    if device is not None:
+        from inferprof.batching.device import parse_cuda_device
+
+        parse_cuda_device(device)  # ValueError for a bad device, at the call site
+    return Stage(name, device, attributes)
+
+
+# --- requests --------------------------------------------------------------------------------
+
+
+def _live_server_span() -> Any:
+    """The current span if another instrumentation opened it as this request's SERVER or
+    CONSUMER span (opentelemetry-instrumentation-fastapi, -grpc...), else None."""
+    span = trace_api.get_current_span()
+    if not span.is_recording():
+        return None
+    kind = getattr(span, "kind", None)
+    if kind is SpanKind.SERVER or kind is SpanKind.CONSUMER:
+        return span
+    return None
+
+
+def begin_request(rt: Any, name: str, kind: SpanKind, attrs: dict,
+                  parent: trace_api.SpanContext | None = None, start: int | None = None) -> RequestRecord:
+    """Open a request record (middleware and ``request()`` share this)."""
+    live = _live_server_span()
+    start = start if start is not None else _time_ns()
+    if live is not None:
+        sc = live.get_span_context()
+        rec = RequestRecord(rt, name, kind, sc.trace_id, sc.span_id, None, start, attrs,
+                            bool(sc.trace_flags.sampled))
+        rec.live_span = live
+        rec.emit_request_span = False
+        if attrs:
+            live.set_attributes(attrs)
+        return rec
+    if parent is None:
+        current = trace_api.get_current_span().get_span_context()
+        parent = current if current.is_valid else None
+    return rt.start_request(name, kind, attrs, parent, start)
+
+
+class RequestScope:
+    """One use of ``inferprof.request()``; ``with`` yields the request handle (or None)."""
+
+    __slots__ = ("name", "kind", "attrs", "carrier", "_rec", "_token", "_otel_token", "_rt")
+
+    def __init__(self, name: str, kind: SpanKind, attrs: dict, carrier: Mapping[str, str] | None) -> None:
+        self.name = name
+        self.kind = kind
+        self.attrs = attrs
+        self.carrier = carrier
+        self._rec: RequestRecord | None = None
+        self._otel_token = None
+
+    def __enter__(self) -> RequestRecord | None:
+        scope = SCOPE.get()
+        if scope is not None and isinstance(scope[0], RequestRecord):
+            scope[0].set_attributes(self.attrs)  # nested: one request, more attributes
+            return scope[0]
+        rt = active_runtime()
+        if rt is None:
+            return None
+        try:
+            parent = None
+            if self.carrier is not None:
+                parent = trace_api.get_current_span(propagate.extract(self.carrier)).get_span_context()
+                parent = parent if parent.is_valid else None
+            rec = begin_request(rt, self.name, self.kind, dict(self.attrs), parent)
+            if rec.live_span is None:
+                self._otel_token = context_api.attach(
+                    trace_api.set_span_in_context(trace_api.NonRecordingSpan(rec.span_context))
+                )
+        except Exception:
+            _logger.exception("inferprof could not open a request")
+            return None
+        self._rec = rec
+        self._rt = rt
+        self._token = SCOPE.set((rec, None))
+        return rec
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        rec = self._rec
+        if rec is None:
+            return False
+        rec.end = _time_ns()
+        if exc is not None:
+            rec.error = exc
+        try:
+            SCOPE.reset(self._token)
+        except ValueError:
+            SCOPE.set(None)
+        if self._otel_token is not None:
+            try:
+                context_api.detach(self._otel_token)
+            except Exception:
+                pass
+        self._rt.finish_request(rec)
+        return False
+
+    async def __aenter__(self) -> RequestRecord | None:
+        return self.__enter__()
+
+    async def __aexit__(self, exc_type, exc, tb) -> bool:
+        return self.__exit__(exc_type, exc, tb)
+
+    def __call__(self, fn: Callable) -> Callable:
+        name, kind, attrs = self.name, self.kind, self.attrs
+        if inspect.iscoroutinefunction(fn):
+
+            @functools.wraps(fn)
+            async def async_wrapper(*args, **kwargs):
+                with RequestScope(name, kind, attrs, None):
+                    return await fn(*args, **kwargs)
+
+            return async_wrapper
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            with RequestScope(name, kind, attrs, None):
+                return fn(*args, **kwargs)
+
+        return wrapper
+
+
+def request(*, model: str | None = None, name: str | None = None, kind: SpanKind = SpanKind.INTERNAL,
+            carrier: Mapping[str, str] | None = None, **attributes: Any) -> RequestScope:
+    """Open a request span for a non-HTTP entry point (queue consumer, gRPC handler, script).
+
+    ``carrier``: message headers to extract W3C ``traceparent``/``tracestate`` from. Nested
+    inside another request it opens nothing and adds its attributes to the outer request.
+    """
+    if model is not None:
+        if not isinstance(model, str):
+            raise ValueError(f"model must be a string, got {model!r}")
+        attributes[semconv.ATTR_MODEL_NAME] = model
+    if name is not None and (not isinstance(name, str) or not name):
+        raise ValueError(f"name must be a non-empty string, got {name!r}")
+    if not isinstance(kind, SpanKind):
+        raise ValueError(f"kind must be an opentelemetry.trace.SpanKind, got {kind!r}")
+    return RequestScope(name or semconv.REQUEST_SPAN_NAME, kind, attributes, carrier)
+
+
+def current_request() -> RequestRecord | None:
+    """The request being handled in this context, or None."""
+    scope = SCOPE.get()
+    if scope is None:
+        return None
+    owner = scope[0]
+    return owner if isinstance(owner, RequestRecord) else None
+
+
+__all__ = ["stage", "request", "current_request", "Stage", "RequestScope", "begin_request"]
