@@ -1,0 +1,168 @@
+"""``inferprof demo``: the whole loop on one machine, in well under a minute.
+
+It starts the collector in-process on ephemeral 127.0.0.1 ports, starts the demo
+service under uvicorn in a child process exporting OTLP/gRPC to that collector,
+drives it with the load generator in a second child process, stops the service
+(which flushes its telemetry), and prints two views of the same run: what the
+client saw (throughput, p50/p95/p99) and what the collector attributes, stage by
+stage, at the tail (each stage's p50/p95/p99, its share of p95, the verdict and its
+evidence). Everything it starts is stopped before it returns, on errors too.
+
+The default load is a closed loop with more concurrent clients than the batcher's
+maximum batch, so requests wait for a batch slot: the run shows queuing at the tail,
+which is what a service near saturation looks like.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+import click
+
+from inferprof import semconv
+from inferprof.demo.settings import (
+    DEFAULT_MODEL_NAME,
+    INSTRUMENTATION_NONE,
+    INSTRUMENTATION_OTEL,
+    INSTRUMENTATIONS,
+    DemoSettings,
+)
+
+DEFAULT_DURATION_S = 20.0
+DEFAULT_CONCURRENCY = 48
+SERVICE_NAME = "inferprof-demo"
+# How long to wait for the collector to have folded every request the client saw.
+_DRAIN_TIMEOUT_S = 10.0
+
+
+def _echo(message: str, quiet: bool) -> None:
+    if not quiet:
+        click.echo(message, err=True)
+
+
+@click.command("demo")
+@click.option("--duration", type=click.FloatRange(min=0.5), default=DEFAULT_DURATION_S,
+              show_default=True, help="Seconds of load.")
+@click.option("--concurrency", type=click.IntRange(min=1), default=None,
+              help=f"Closed loop: concurrent clients [default: {DEFAULT_CONCURRENCY}].")
+@click.option("--rate", type=click.FloatRange(min=0.1), default=None,
+              help="Open loop: requests per second (Poisson arrivals) instead of --concurrency.")
+@click.option("--burst", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Open loop: requests arriving together.")
+@click.option("--mode", type=click.Choice(INSTRUMENTATIONS), default=semconv.MODE_FULL,
+              show_default=True,
+              help="Instrumentation of the service: inferprof full/production/off, "
+                   "otel (opentelemetry-instrumentation-fastapi only) or none.")
+@click.option("--model-size", type=click.Choice(["tiny", "small", "medium", "large"]),
+              default="small", show_default=True, help="Size of the demo model.")
+@click.option("--max-batch-size", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--max-delay-ms", type=click.FloatRange(min=0), default=5.0, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document instead of tables.")
+def demo(duration: float, concurrency: int | None, rate: float | None, burst: int, mode: str,
+         model_size: str, max_batch_size: int, max_delay_ms: float, as_json: bool) -> None:
+    """Run the demo service under load and print where its requests' time goes."""
+    if concurrency is not None and rate is not None:
+        raise click.UsageError("choose --concurrency (closed loop) or --rate (open loop), not both")
+    if rate is None and concurrency is None:
+        concurrency = DEFAULT_CONCURRENCY
+    result = run_demo(duration_s=duration, concurrency=concurrency, rate=rate, burst=burst,
+                      mode=mode, model_size=model_size, max_batch_size=max_batch_size,
+                      max_delay_ms=max_delay_ms, quiet=as_json)
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+    else:
+        click.echo(render(result))
+
+
+def run_demo(*, duration_s: float = DEFAULT_DURATION_S, concurrency: int | None = DEFAULT_CONCURRENCY,
+             rate: float | None = None, burst: int = 1, mode: str = semconv.MODE_FULL,
+             model_size: str = "small", max_batch_size: int = 16, max_delay_ms: float = 5.0,
+             quiet: bool = True) -> dict[str, Any]:
+    """Run the demo end to end; return ``{"settings", "client", "breakdown"}``.
+
+    ``breakdown`` is the collector's contract §5 document (None for modes that emit no
+    inferprof spans, or when the collector saw no request).
+    """
+    from inferprof.collector.app import CollectorApp
+    from inferprof.collector.settings import CollectorSettings
+    from inferprof.demo.processes import ServiceProcess, run_loadgen
+
+    # otel mode has request spans but no stages: the collector still reports latency.
+    traced = mode not in (INSTRUMENTATION_NONE, semconv.MODE_OFF)
+    collector = CollectorApp(CollectorSettings(grpc_port=0, http_port=0, api_port=0)).start()
+    try:
+        settings = DemoSettings(
+            instrumentation=mode, model_size=model_size, max_batch_size=max_batch_size,
+            max_delay_ms=max_delay_ms, service_name=SERVICE_NAME,
+            endpoint=collector.otlp_grpc_endpoint,
+        )
+        _echo(f"collector: OTLP/gRPC {collector.otlp_grpc_endpoint}, API {collector.api_url}", quiet)
+        t0 = time.monotonic()
+        service = ServiceProcess(settings).start()
+        try:
+            _echo(f"service:   {service.url} (pid {service.pid}, instrumentation {mode}, "
+                  f"model {model_size}, batch <= {max_batch_size}, started in "
+                  f"{time.monotonic() - t0:.1f} s)", quiet)
+            load = (f"open loop, {rate:g} req/s" + (f" in bursts of {burst}" if burst > 1 else "")
+                    if rate is not None else f"closed loop, {concurrency} concurrent clients")
+            _echo(f"load:      {load} for {duration_s:g} s ...", quiet)
+            client = run_loadgen(service.url, duration_s=duration_s, concurrency=concurrency,
+                                 rate=rate, burst=burst)
+        finally:
+            service.close()  # SIGTERM: the service flushes its spans on the way out
+        breakdown = None
+        if traced:
+            breakdown = _collect(collector, client["requests"])
+    finally:
+        collector.stop()
+    return {
+        "settings": {"mode": mode, "model_size": model_size, "max_batch_size": max_batch_size,
+                     "max_delay_ms": max_delay_ms, "duration_s": duration_s,
+                     "concurrency": concurrency, "rate": rate, "burst": burst},
+        "client": client,
+        "breakdown": breakdown,
+    }
+
+
+def _collect(collector: Any, expected: int) -> dict[str, Any] | None:
+    """The collector's breakdown once it has folded (nearly) every request the client saw."""
+    deadline = time.monotonic() + _DRAIN_TIMEOUT_S
+    doc = None
+    while time.monotonic() < deadline:
+        collector.engine.flush()
+        doc = collector.engine.breakdown(SERVICE_NAME, DEFAULT_MODEL_NAME, window_s=None)
+        if doc is not None and doc.get("requests", 0) >= expected:
+            break
+        time.sleep(0.25)
+    return doc
+
+
+def render(result: dict[str, Any]) -> str:
+    from inferprof.demo.loadgen import format_summary
+
+    lines = [format_summary(result["client"]), ""]
+    doc = result["breakdown"]
+    mode = result["settings"]["mode"]
+    if doc is None:
+        if mode in (INSTRUMENTATION_NONE, semconv.MODE_OFF):
+            lines.append(f"(instrumentation '{mode}' emits no inferprof stages: no breakdown)")
+        else:
+            lines.append("the collector received no complete request traces")
+        return "\n".join(lines)
+    lines.append(_format_table(doc))
+    return "\n".join(lines)
+
+
+def _format_table(doc: dict[str, Any]) -> str:
+    try:
+        from inferprof.report.render import format_table
+    except ImportError:  # the report package is optional at this point of the build
+        return json.dumps(doc, indent=2)
+    return format_table(doc)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(demo())
