@@ -135,8 +135,10 @@ class Engine:
             raise ValueError("windows_s must name at least one window")
         self.windows_s = tuple(_positive("windows_s", w) for w in windows_s)
         self.retention_s = (
-            max(self.windows_s) if retention_s is None else _positive("retention_s", retention_s)
+            max(self.windows_s) if retention_s is None else float(retention_s)
         )
+        if not self.retention_s > 0:  # math.inf keeps everything (offline reports)
+            raise ValueError(f"retention_s must be > 0 or math.inf, got {retention_s!r}")
         for name, value in (("max_series", max_series), ("max_spans_per_trace", max_spans_per_trace),
                             ("max_pending_spans", max_pending_spans)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -487,6 +489,11 @@ class Engine:
             )
 
         requests, latency, p95_key = quantiles(_E2E)
+        e2e_keys = {}
+        if _E2E in per_stage:
+            k, w = per_stage[_E2E]
+            cum = np.cumsum(w)
+            e2e_keys = {q: int(k[rank_index(cum, q)]) for q in (0.5, 0.99)}
         if t_parts:
             t_codes = np.concatenate([p[0] for p in t_parts])
             t_vals = np.concatenate([p[1] for p in t_parts])
@@ -496,6 +503,9 @@ class Engine:
         shares, tail_traced, _ = tail_shares(t_codes, t_vals, p95_key or 0, names)
         shares.pop("", None)
         _, traced, _ = tail_shares(t_codes, t_vals, 0, ())
+        # Extension: the same attribution above p50 and p99 (report's stacked chart).
+        shares50 = tail_shares(t_codes, t_vals, e2e_keys.get(0.5, 0), names)[0]
+        shares99 = tail_shares(t_codes, t_vals, e2e_keys.get(0.99, 0), names)[0]
 
         order = {name: i for i, name in enumerate(sc.CANONICAL_STAGES)}
         present = [names[i] for i in per_stage if i not in (_E2E, _UNATTRIBUTED)]
@@ -508,7 +518,9 @@ class Engine:
                 continue
             stages.append(
                 {"stage": name, "count": int(round(count)), **qs,
-                 "share_of_p95": float(shares.get(name, 0.0))}
+                 "share_of_p95": float(shares.get(name, 0.0)),
+                 "share_of_p50": float(shares50.get(name, 0.0)),
+                 "share_of_p99": float(shares99.get(name, 0.0))}
             )
         gpu = gpu_evidence(self._gpu, compute, since)
         eff, pad, batches = padding

@@ -1,0 +1,139 @@
+"""Prometheus exposition of the engine (contract §5), computed at scrape time.
+
+``EngineCollector`` is a ``prometheus_client`` custom collector: register it on a
+``CollectorRegistry`` (the transport's ``/metrics`` does) and every scrape reads the
+engine's current state. Families:
+
+* ``inferprof_stage_duration_seconds{service,model,stage}`` and
+  ``inferprof_request_duration_seconds{service,model}`` — cumulative histograms since
+  the collector started, weighted by sampling weight (buckets ``engine.HISTOGRAM_BOUNDS``);
+* ``inferprof_stage_quantile_seconds{service,model,stage,quantile}`` — p50/p95/p99 over
+  the sliding window (``window_s``), including the ``unattributed`` pseudo-stage;
+* ``inferprof_stage_share_of_p95{service,model,stage}`` — contract §6 over the window;
+* ``inferprof_bottleneck{service,model,verdict}`` — 1 for the current verdict, 0 for the
+  others (every verdict is always present, so alert rules need no ``absent()``);
+* ``inferprof_spans_received_total``, ``inferprof_spans_dropped_total{reason}``,
+  ``inferprof_traces_incomplete_total``.
+
+At most ``max_series`` (service, model) pairs are rendered per scrape (the engine's own
+cap folds the rest into ``service="__overflow__"`` already).
+
+A scrape never raises: a failure computing one series is logged and that series is
+left out of that scrape.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterator
+
+from inferprof import semconv as sc
+from inferprof._optional import require
+from inferprof.collector.engine import HISTOGRAM_BOUNDS, Engine
+
+_log = logging.getLogger(__name__)
+_QUANTILE_KEYS = (("0.5", "p50"), ("0.95", "p95"), ("0.99", "p99"))
+
+
+def _le(bound: float) -> str:
+    return repr(float(bound))
+
+
+class EngineCollector:
+    def __init__(self, engine: Engine, *, window_s: float = 300.0, max_series: int = 1000) -> None:
+        if not isinstance(window_s, (int, float)) or not window_s > 0:
+            raise ValueError(f"window_s must be a positive number, got {window_s!r}")
+        if not isinstance(max_series, int) or max_series < 1:
+            raise ValueError(f"max_series must be a positive integer, got {max_series!r}")
+        self._core = require("prometheus_client.core", "collector")
+        self.engine = engine
+        self.window_s = float(window_s)
+        self.max_series = max_series
+
+    def describe(self) -> list:
+        # Empty: the families are dynamic; registering must not trigger a collect().
+        return []
+
+    def collect(self) -> Iterator:
+        core = self._core
+        svc, mdl, stg = sc.PROM_LABEL_SERVICE, sc.PROM_LABEL_MODEL, sc.PROM_LABEL_STAGE
+
+        stage_hist = core.HistogramMetricFamily(
+            sc.PROM_STAGE_DURATION, "Time per request spent in each stage (weighted by sampling weight).",
+            labels=[svc, mdl, stg],
+        )
+        req_hist = core.HistogramMetricFamily(
+            sc.PROM_REQUEST_DURATION, "End-to-end request latency (weighted by sampling weight).",
+            labels=[svc, mdl],
+        )
+        self.engine.advance()  # fold what is due, so histograms and gauges agree
+        series = self.engine.series()[: self.max_series]
+        allowed = set(series)
+        for service, model, stage, counts, total in self.engine.histograms():
+            if (service, model) not in allowed:
+                continue
+            cumulative = 0.0
+            buckets = []
+            for bound, c in zip((*HISTOGRAM_BOUNDS, float("inf")), counts.tolist()):
+                cumulative += c
+                buckets.append(("+Inf" if bound == float("inf") else _le(bound), cumulative))
+            if stage is None:
+                req_hist.add_metric([service, model], buckets, total)
+            else:
+                stage_hist.add_metric([service, model, stage], buckets, total)
+        yield stage_hist
+        yield req_hist
+
+        quantile = core.GaugeMetricFamily(
+            sc.PROM_STAGE_QUANTILE,
+            f"Per-stage latency quantile over the last {self.window_s:g} s.",
+            labels=[svc, mdl, stg, sc.PROM_LABEL_QUANTILE],
+        )
+        share = core.GaugeMetricFamily(
+            sc.PROM_STAGE_SHARE_OF_P95,
+            "Share of p95-and-slower requests' latency spent in each stage (sums to 1).",
+            labels=[svc, mdl, stg],
+        )
+        verdict = core.GaugeMetricFamily(
+            sc.PROM_BOTTLENECK, "1 for the current bottleneck verdict, 0 for the others.",
+            labels=[svc, mdl, sc.PROM_LABEL_VERDICT],
+        )
+        for service, model in series:
+            try:
+                doc = self.engine.breakdown(service, model, self.window_s)
+            except Exception:  # a scrape must not fail because of one series
+                _log.exception("inferprof: breakdown of %s/%s failed", service, model)
+                continue
+            if doc is None:
+                continue
+            for st in doc["stages"]:
+                for label, key in _QUANTILE_KEYS:
+                    if st[key] is not None:
+                        quantile.add_metric([service, model, st["stage"], label], st[key])
+                share.add_metric([service, model, st["stage"]], st["share_of_p95"])
+            current = doc["verdict"]["bottleneck"]
+            for name in sc.VERDICTS:
+                verdict.add_metric([service, model, name], 1.0 if name == current else 0.0)
+        yield quantile
+        yield share
+        yield verdict
+
+        stats = self.engine.stats
+        yield core.CounterMetricFamily(
+            sc.PROM_SPANS_RECEIVED, "Spans received by the collector engine.", value=stats.spans_received
+        )
+        dropped = core.CounterMetricFamily(
+            sc.PROM_SPANS_DROPPED, "Spans dropped by the collector engine, by reason.",
+            labels=[sc.PROM_LABEL_REASON],
+        )
+        for reason, n in sorted(stats.spans_dropped.items()):
+            dropped.add_metric([reason], n)
+        yield dropped
+        yield core.CounterMetricFamily(
+            sc.PROM_TRACES_INCOMPLETE,
+            "Traces evicted with stage spans but no request span (never completed).",
+            value=stats.traces_incomplete,
+        )
+
+
+__all__ = ["EngineCollector"]

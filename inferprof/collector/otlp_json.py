@@ -1,0 +1,267 @@
+"""OTLP/JSON decoding, and reading OTLP files (JSON lines or inferprof's protobuf dumps).
+
+OTLP/JSON is protobuf's canonical JSON mapping with the OTLP specification's
+exceptions: trace and span ids are lower-case **hex** (not base64), enums are integers,
+64-bit integers may be strings or numbers, field names are lowerCamelCase (the original
+snake_case names are accepted too) and unknown fields are ignored. We rewrite the ids to
+what ``google.protobuf.json_format`` expects and let it do the rest, so every other
+field follows the protobuf mapping exactly.
+
+Every malformed input raises ``ValueError`` with the reason (``UnicodeDecodeError`` and
+``json.JSONDecodeError`` are ``ValueError`` subclasses too); nothing else escapes.
+
+Files: ``iter_otlp_file`` reads what the OpenTelemetry Collector's ``file`` exporter
+writes with ``format: json`` (one ``{"resourceSpans": ...}`` or ``{"resourceMetrics":
+...}`` document per line; ``.gz`` compressed too) and inferprof's own length-delimited
+protobuf dumps (``inferprof.report.dump.write_pb``): the magic line ``PB_MAGIC`` then, per
+export, one kind byte (``T`` traces, ``M`` metrics), a varint length and the serialized
+``Export*ServiceRequest``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import gzip
+import json
+import os
+from typing import Any, Callable, Iterator, Union
+
+from google.protobuf import json_format
+from google.protobuf.message import DecodeError
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+PB_MAGIC = b"INFERPROF-OTLP-PB 1\n"
+PB_KIND_TRACES = b"T"
+PB_KIND_METRICS = b"M"
+
+OtlpRequest = Union[ExportTraceServiceRequest, ExportMetricsServiceRequest]
+
+_ID_FIELDS = {
+    "traceId": 16, "trace_id": 16,
+    "spanId": 8, "span_id": 8,
+    "parentSpanId": 8, "parent_span_id": 8,
+}
+
+
+def _hex_to_b64(value: Any, size: int, where: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{where}: expected a hex string, got {type(value).__name__}")
+    if value == "":
+        return ""
+    if len(value) != 2 * size:
+        raise ValueError(f"{where}: expected {2 * size} hex digits, got {len(value)}")
+    try:
+        raw = bytes.fromhex(value)
+    except ValueError:
+        raise ValueError(f"{where}: {value!r} is not hex") from None
+    return base64.b64encode(raw).decode("ascii")
+
+
+def _fix_ids(obj: dict, where: str) -> None:
+    for key, size in _ID_FIELDS.items():
+        if key in obj:
+            obj[key] = _hex_to_b64(obj[key], size, f"{where}.{key}")
+
+
+def _list(obj: dict, names: tuple[str, ...], where: str) -> list:
+    for name in names:
+        if name in obj:
+            value = obj[name]
+            if value is None:
+                return []
+            if not isinstance(value, list):
+                raise ValueError(f"{where}.{name}: expected a list")
+            return value
+    return []
+
+
+def _dict_items(items: list, where: str) -> Iterator[tuple[int, dict]]:
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise ValueError(f"{where}[{i}]: expected an object")
+        yield i, item
+
+
+def _load(data: bytes | str | dict) -> dict:
+    if isinstance(data, dict):
+        # Ids are rewritten in place: work on a copy so the caller's dict is untouched.
+        doc = json.loads(json.dumps(data))
+    else:
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            data = bytes(data).decode("utf-8")
+        if not isinstance(data, str):
+            raise ValueError(f"OTLP/JSON: expected bytes, str or dict, got {type(data).__name__}")
+        try:
+            doc = json.loads(data)
+        except RecursionError:
+            raise ValueError("OTLP/JSON: document nested too deeply") from None
+    if not isinstance(doc, dict):
+        raise ValueError("OTLP/JSON: the document must be a JSON object")
+    return doc
+
+
+def _parse(doc: dict, message: Any, what: str) -> Any:
+    try:
+        return json_format.ParseDict(doc, message, ignore_unknown_fields=True)
+    except (json_format.ParseError, TypeError, AttributeError, RecursionError, OverflowError) as exc:
+        raise ValueError(f"malformed OTLP/JSON {what}: {exc}") from None
+
+
+def parse_trace_request_json(data: bytes | str | dict) -> ExportTraceServiceRequest:
+    """Decode an OTLP/JSON ``ExportTraceServiceRequest``; ``ValueError`` if malformed."""
+    doc = _load(data)
+    for i, rs in _dict_items(_list(doc, ("resourceSpans", "resource_spans"), "$"), "resourceSpans"):
+        for j, ss in _dict_items(
+            _list(rs, ("scopeSpans", "scope_spans"), f"resourceSpans[{i}]"), f"resourceSpans[{i}].scopeSpans"
+        ):
+            where = f"resourceSpans[{i}].scopeSpans[{j}].spans"
+            for k, span in _dict_items(_list(ss, ("spans",), where), where):
+                _fix_ids(span, f"{where}[{k}]")
+                for m, link in _dict_items(_list(span, ("links",), f"{where}[{k}]"), f"{where}[{k}].links"):
+                    _fix_ids(link, f"{where}[{k}].links[{m}]")
+    return _parse(doc, ExportTraceServiceRequest(), "trace export")
+
+
+_POINT_KINDS = ("gauge", "sum", "histogram", "exponentialHistogram", "exponential_histogram", "summary")
+
+
+def parse_metrics_request_json(data: bytes | str | dict) -> ExportMetricsServiceRequest:
+    """Decode an OTLP/JSON ``ExportMetricsServiceRequest``; ``ValueError`` if malformed."""
+    doc = _load(data)
+    for i, rm in _dict_items(_list(doc, ("resourceMetrics", "resource_metrics"), "$"), "resourceMetrics"):
+        for j, sm in _dict_items(
+            _list(rm, ("scopeMetrics", "scope_metrics"), f"resourceMetrics[{i}]"),
+            f"resourceMetrics[{i}].scopeMetrics",
+        ):
+            where = f"resourceMetrics[{i}].scopeMetrics[{j}].metrics"
+            for k, metric in _dict_items(_list(sm, ("metrics",), where), where):
+                for kind in _POINT_KINDS:
+                    body = metric.get(kind)
+                    if not isinstance(body, dict):
+                        continue
+                    pw = f"{where}[{k}].{kind}.dataPoints"
+                    for p, point in _dict_items(_list(body, ("dataPoints", "data_points"), pw), pw):
+                        for e, ex in _dict_items(_list(point, ("exemplars",), f"{pw}[{p}]"), f"{pw}[{p}].exemplars"):
+                            _fix_ids(ex, f"{pw}[{p}].exemplars[{e}]")
+    return _parse(doc, ExportMetricsServiceRequest(), "metrics export")
+
+
+def parse_json_line(line: bytes | str) -> OtlpRequest | None:
+    """One line of a collector file-exporter file: a trace or metrics export, or None
+    for other signals (logs, profiles) and blank lines."""
+    if isinstance(line, (str, bytes)) and not line.strip():
+        return None
+    doc = _load(line)
+    if "resourceSpans" in doc or "resource_spans" in doc:
+        return parse_trace_request_json(doc)
+    if "resourceMetrics" in doc or "resource_metrics" in doc:
+        return parse_metrics_request_json(doc)
+    return None
+
+
+def _open(path: str | os.PathLike):
+    with open(path, "rb") as probe:
+        head = probe.read(2)
+    if head == b"\x1f\x8b":
+        return gzip.open(path, "rb")
+    return open(path, "rb")
+
+
+def _read_varint(fh) -> int | None:
+    shift = result = 0
+    while True:
+        b = fh.read(1)
+        if not b:
+            if shift:
+                raise ValueError("truncated length prefix in protobuf dump")
+            return None
+        result |= (b[0] & 0x7F) << shift
+        if not b[0] & 0x80:
+            return result
+        shift += 7
+        if shift > 63:
+            raise ValueError("invalid length prefix in protobuf dump")
+
+
+def iter_otlp_file(
+    path: str | os.PathLike, *, on_bytes: Callable[[int], None] | None = None
+) -> Iterator[OtlpRequest]:
+    """Yield every trace and metrics export in ``path``.
+
+    ``on_bytes(n)`` is called with the (compressed) bytes consumed so far, for progress
+    bars. Raises ``ValueError`` naming the file and line/record on malformed content.
+    """
+    with _open(path) as fh:
+        raw = getattr(fh, "fileobj", None) or fh
+        first = fh.read(len(PB_MAGIC))
+        if first == PB_MAGIC:
+            yield from _iter_pb(fh, path, raw, on_bytes)
+            return
+        lineno = 0
+        buf = first + fh.readline()
+        while buf:
+            lineno += 1
+            try:
+                req = parse_json_line(buf)
+            except ValueError as exc:
+                raise ValueError(f"{os.fspath(path)}:{lineno}: {exc}") from None
+            if req is not None:
+                yield req
+            if on_bytes is not None:
+                on_bytes(raw.tell())
+            buf = fh.readline()
+
+
+def _iter_pb(fh, path, raw, on_bytes) -> Iterator[OtlpRequest]:
+    record = 0
+    while True:
+        kind = fh.read(1)
+        if not kind:
+            return
+        record += 1
+        size = _read_varint(fh)
+        payload = fh.read(size or 0)
+        if size is None or len(payload) != size:
+            raise ValueError(f"{os.fspath(path)}: record {record} is truncated")
+        cls = {PB_KIND_TRACES: ExportTraceServiceRequest, PB_KIND_METRICS: ExportMetricsServiceRequest}.get(kind)
+        if cls is None:
+            raise ValueError(f"{os.fspath(path)}: record {record} has unknown kind {kind!r}")
+        try:
+            msg = cls.FromString(payload)
+        except DecodeError as exc:
+            raise ValueError(f"{os.fspath(path)}: record {record}: {exc}") from None
+        if on_bytes is not None:
+            on_bytes(raw.tell())
+        yield msg
+
+
+def to_json(request: OtlpRequest) -> dict:
+    """OTLP/JSON of an export (hex ids, integer enums, camelCase) — the inverse of the
+    parsers, used to write collector-compatible files and in round-trip tests."""
+    doc = json_format.MessageToDict(request, use_integers_for_enums=True)
+
+    def walk(obj: Any) -> None:
+        if isinstance(obj, dict):
+            for key, value in obj.items():
+                if key in _ID_FIELDS and isinstance(value, str):
+                    obj[key] = binascii.hexlify(base64.b64decode(value)).decode("ascii")
+                else:
+                    walk(value)
+        elif isinstance(obj, list):
+            for item in obj:
+                walk(item)
+
+    walk(doc)
+    return doc
+
+
+__all__ = [
+    "parse_trace_request_json",
+    "parse_metrics_request_json",
+    "parse_json_line",
+    "iter_otlp_file",
+    "to_json",
+    "PB_MAGIC",
+]

@@ -1,0 +1,125 @@
+"""``inferprof report``: the per-stage breakdown of OTLP files, offline.
+
+Feeds every export of the input files to a collector ``Engine`` (all data retained,
+flushed at the end of input) and prints one breakdown per (service, model).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+import click
+
+from inferprof._optional import require
+
+#: Offline engine settings: traces are finalised only at the end of input unless the
+#: pending-span cap forces an early flush (see ``_feed``).
+_OFFLINE_SETTLE_S = 3600.0
+_OFFLINE_MAX_PENDING = 5_000_000
+
+
+def _feed(engine, files, progress: bool) -> int:
+    from inferprof.collector.engine import Overloaded
+    from inferprof.collector.otlp_json import iter_otlp_file
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    total = sum(os.path.getsize(f) for f in files)
+    bar = None
+    if progress:
+        tqdm = require("tqdm", "collector").tqdm
+        bar = tqdm(total=total, unit="B", unit_scale=True, desc="reading", file=sys.stderr)
+    done = 0
+    exports = 0
+    try:
+        for path in files:
+            def on_bytes(n: int, _base=done) -> None:
+                if bar is not None:
+                    bar.n = _base + n
+                    bar.refresh()
+
+            for request in iter_otlp_file(path, on_bytes=on_bytes):
+                exports += 1
+                if isinstance(request, ExportTraceServiceRequest):
+                    try:
+                        engine.ingest_traces(request)
+                    except Overloaded:
+                        # Input larger than memory allows: finalise what we have and go on.
+                        engine.flush()
+                        engine.ingest_traces(request)
+                else:
+                    engine.ingest_metrics(request)
+            done += os.path.getsize(path)
+    finally:
+        if bar is not None:
+            bar.close()
+    engine.flush()
+    return exports
+
+
+def build_documents(files, service: str | None = None, model: str | None = None,
+                    progress: bool = False) -> list[dict]:
+    """Breakdown documents (contract §5, ``window_s`` null) of ``files``, one per
+    (service, model), filtered by ``service``/``model``."""
+    from inferprof.collector.engine import Engine
+
+    engine = Engine(
+        settle_s=_OFFLINE_SETTLE_S,
+        trace_timeout_s=_OFFLINE_SETTLE_S,
+        retention_s=math.inf,
+        max_pending_spans=_OFFLINE_MAX_PENDING,
+    )
+    _feed(engine, files, progress)
+    docs = []
+    for svc, mdl in sorted(engine.series()):
+        if service is not None and svc != service:
+            continue
+        if model is not None and mdl != model:
+            continue
+        doc = engine.breakdown(svc, mdl, window_s=None)
+        if doc is not None:
+            docs.append(doc)
+    return docs
+
+
+@click.command("report")
+@click.argument("files", nargs=-1, required=True,
+                type=click.Path(exists=True, dir_okay=False, readable=True))
+@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
+              show_default=True, help="Text tables, or the contract §5 JSON document(s).")
+@click.option("--service", help="Only this service (service.name).")
+@click.option("--model", help="Only this model (inferprof.model.name; '' for none).")
+@click.option("--html", "html_out", type=click.Path(dir_okay=False, writable=True),
+              help="Also write a self-contained HTML report with charts to this file.")
+@click.option("--progress/--no-progress", default=None,
+              help="Progress bar on stderr (default: when stderr is a terminal).")
+def report(files, fmt, service, model, html_out, progress) -> None:
+    """Per-stage latency breakdown of OTLP FILES (collector file-exporter JSON lines,
+    optionally .gz, or inferprof protobuf dumps)."""
+    if progress is None:
+        progress = sys.stderr.isatty()
+    try:
+        docs = build_documents(files, service, model, progress)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    if not docs:
+        what = "requests" if service is None else f"requests of service {service!r}"
+        if model is not None:
+            what += f" with model {model!r}"
+        raise click.ClickException(f"no {what} found in {', '.join(files)}")
+    if fmt == "json":
+        click.echo(json.dumps(docs[0] if len(docs) == 1 else docs, indent=2))
+    else:
+        from inferprof.report.render import format_table
+
+        click.echo("\n\n".join(format_table(doc) for doc in docs))
+    if html_out:
+        from inferprof.report.render import write_html
+
+        write_html(docs, html_out)
+        click.echo(f"wrote {html_out}", err=True)
+
+
+__all__ = ["report", "build_documents"]
