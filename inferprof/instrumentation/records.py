@@ -90,7 +90,7 @@ class RequestRecord:
     def set_attribute(self, key: str, value: Any) -> None:
         self.attrs[key] = value
         live = self.live_span
-        if live is not None:
+        if live is not None and live.is_recording():  # its owner may have ended it already
             live.set_attribute(key, value)
 
     def set_attributes(self, attributes: dict) -> None:

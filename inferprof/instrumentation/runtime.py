@@ -103,6 +103,12 @@ class Runtime:
             TailSampler(config.sample_rate, config.tail_quantile) if self.production else None
         )
         self._scope = InstrumentationScope(semconv.INSTRUMENTATION_SCOPE, __version__)
+        paths = tuple(config.excluded_paths)
+        #: (exact, prefixes) for the HTTP middleware; a trailing ``*`` marks a prefix.
+        self.excluded_paths = (
+            frozenset(p for p in paths if not p.endswith("*")),
+            tuple(p[:-1] for p in paths if p.endswith("*")),
+        )
         self._batch_ids = itertools.count(1)
         self._batch_prefix = f"{_getrandbits(32):08x}"
         self._processor = None
@@ -180,6 +186,12 @@ class Runtime:
             return False, 1.0
         return True, 1.0 / _sampler_ratio(self._sampler, parent)
 
+    def live_weight(self, live: Any) -> float:
+        """Weight of a request span another instrumentation created, per the SDK sampler."""
+        if self._sampler is None:
+            return 1.0
+        return 1.0 / _sampler_ratio(self._sampler, getattr(live, "parent", None))
+
     def finish_request(self, rec: RequestRecord) -> None:
         """Decide, build and emit the request's spans. Never raises."""
         if rec.finished:
@@ -195,8 +207,6 @@ class Runtime:
         end = rec.end
         if rec.live_span is not None:
             kept, weight = rec.head, rec.weight_hint
-            if kept and weight != 1.0:
-                rec.live_span.set_attribute(semconv.ATTR_SAMPLE_WEIGHT, weight)
         elif self.tail_sampler is not None:
             weight = self.tail_sampler.decide(end - rec.start, rec.head, (rec.name, rec.model))
             kept = weight is not None

@@ -208,6 +208,10 @@ def begin_request(rt: Any, name: str, kind: SpanKind, attrs: dict,
                             bool(sc.trace_flags.sampled))
         rec.live_span = live
         rec.emit_request_span = False
+        weight = rt.live_weight(live) if rec.head else 1.0
+        if weight != 1.0:
+            attrs[semconv.ATTR_SAMPLE_WEIGHT] = weight
+        rec.weight_hint = weight
         if attrs:
             live.set_attributes(attrs)
         return rec
