@@ -1,0 +1,383 @@
+"""Trace assembly and folding: batch encodings, late spans, incomplete traces, weights,
+bad spans, back-pressure, windows, cardinality."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from inferprof import semconv as sc
+from inferprof.collector.engine import Engine, Overloaded
+from inferprof.collector.assembly import trace_state_weight
+from tests.collector.synth import CLIENT, INTERNAL, FakeClock, TraceBuilder
+
+REL = 0.011  # sketch bound (1%) plus float slack
+
+
+def make_engine(**kw) -> tuple[Engine, FakeClock]:
+    clock = FakeClock()
+    return Engine(clock=clock, **kw), clock
+
+
+def settle(engine: Engine, clock: FakeClock, dt: float = 5.0) -> None:
+    clock.tick(dt)
+    engine.advance()
+
+
+def stage_of(doc: dict, name: str) -> dict:
+    return next(s for s in doc["stages"] if s["stage"] == name)
+
+
+def close(a: float, b: float, rel: float = REL) -> bool:
+    return abs(a - b) <= rel * abs(b) + 1e-12
+
+
+def test_sequential_stages_quantiles_and_shares_sum_to_one():
+    engine, clock = make_engine()
+    b = TraceBuilder()
+    for i in range(20):
+        b.sequential(i, [("queue", 0.010 * (i + 1)), ("compute", 0.020)], tail_gap=0.005)
+    result = engine.ingest_traces(b.export())
+    assert result.accepted_spans == 60 and result.rejected_spans == 0
+    settle(engine, clock)
+    doc = engine.breakdown("svc")
+    assert doc["requests"] == 20 and doc["model"] == "m"
+    queue = stage_of(doc, "queue")
+    assert queue["count"] == 20
+    assert close(queue["p50"], 0.100) and close(queue["p99"], 0.200)
+    assert close(stage_of(doc, "unattributed")["p50"], 0.005)
+    assert math.isclose(sum(s["share_of_p95"] for s in doc["stages"]), 1.0, rel_tol=1e-9)
+    # p95 of e2e is request 19 (rank ceil(0.95*20)=19): tail = requests 19 and 20.
+    tail_e2e = [0.010 * k + 0.025 for k in (19, 20)]
+    assert math.isclose(queue["share_of_p95"], (0.19 + 0.20) / sum(tail_e2e), rel_tol=0.02)
+
+
+def test_request_not_final_before_settle_and_late_child_still_counted():
+    engine, clock = make_engine(settle_s=2.0)
+    b = TraceBuilder()
+    req = b.request(0.0, 0.1)
+    engine.ingest_traces(b.export())
+    clock.tick(1.0)
+    engine.advance()
+    assert engine.breakdown("svc") is None  # not finalised yet: no series
+    b.stage(req, "compute", 0.02, 0.07)  # child arrives after its parent, before settle
+    engine.ingest_traces(b.export())
+    settle(engine, clock, 1.5)
+    doc = engine.breakdown("svc")
+    assert doc["requests"] == 1
+    assert close(stage_of(doc, "compute")["p50"], 0.05)
+
+
+def test_out_of_order_grandchildren_attributed_through_intermediate_spans():
+    engine, clock = make_engine()
+    b = TraceBuilder()
+    req = b.request(0.0, 0.1)
+    handler = b.span("handler", 0.0, 0.1, parent=req)
+    spans = b.spans
+    b.spans = []
+    b.stage(handler, "tokenize", 0.0, 0.03)
+    # Grandchild first, then the intermediate span, then the request span.
+    engine.ingest_traces(b.export())
+    engine.ingest_traces(b.export([spans[1]]))
+    engine.ingest_traces(b.export([spans[0]]))
+    settle(engine, clock)
+    doc = engine.breakdown("svc")
+    assert close(stage_of(doc, "tokenize")["p50"], 0.03)
+    assert engine.stats.spans_ignored == 1  # the intermediate, non-stage span
+
+
+def _batch_members(b: TraceBuilder, n: int):
+    members = [b.request(0.0, 0.100, model="m") for _ in range(n)]
+    for m in members:
+        b.stage(m, "queue", 0.0, 0.040)
+    return members
+
+
+def test_batch_encoding_a_repeated_under_each_member_counts_padding_once():
+    engine, clock = make_engine()
+    b = TraceBuilder()
+    members = _batch_members(b, 4)
+    for m in members:
+        b.stage(m, "compute", 0.040, 0.090, batch_id="b1", batch_size=4, effective=30, padded=40)
+    engine.ingest_traces(b.export())
+    settle(engine, clock)
+    doc = engine.breakdown("svc")
+    assert stage_of(doc, "compute")["count"] == 4
+    assert close(stage_of(doc, "compute")["p50"], 0.05)
+    assert doc["padding"]["effective_tokens"] == 30 and doc["padding"]["padded_tokens"] == 40
+    assert math.isclose(doc["padding"]["waste_ratio"], 0.25)
+
+
+@pytest.mark.parametrize("order", ["links_first", "links_last", "split_exports"])
+def test_batch_encoding_b_links_in_any_order_and_export(order):
+    engine, clock = make_engine()
+    members_b = TraceBuilder()
+    members = _batch_members(members_b, 3)
+    batch_b = TraceBuilder()
+    batch_b.stage(None, "compute", 0.040, 0.090, links=members, batch_id="b7", batch_size=3,
+                  effective=10, padded=12)
+    batch_b.stage(None, "d2h", 0.090, 0.095, links=members, batch_id="b7", batch_size=3)
+    if order == "links_first":
+        engine.ingest_traces(batch_b.export())
+        clock.tick(1.0)
+        engine.ingest_traces(members_b.export())
+    elif order == "links_last":
+        engine.ingest_traces(members_b.export())
+        clock.tick(1.0)  # within settle_s of the members' arrival
+        engine.ingest_traces(batch_b.export())
+    else:
+        spans = members_b.spans
+        members_b.spans = []
+        engine.ingest_traces(members_b.export(spans[:2]))
+        engine.ingest_traces(batch_b.export(batch_b.spans[:1]))
+        engine.ingest_traces(members_b.export(spans[2:]))
+        engine.ingest_traces(batch_b.export())
+    settle(engine, clock)
+    doc = engine.breakdown("svc")
+    assert doc["requests"] == 3
+    assert stage_of(doc, "compute")["count"] == 3
+    assert stage_of(doc, "d2h")["count"] == 3
+    assert close(stage_of(doc, "compute")["p95"], 0.05)
+    assert doc["padding"]["padded_tokens"] == 12  # once per batch, not per member
+    assert engine.pending_spans() == 0
+    assert engine.stats.traces_incomplete == 0
+
+
+def test_linked_batch_span_arriving_after_finalisation_is_counted_late():
+    engine, clock = make_engine(settle_s=1.0, trace_timeout_s=10.0)
+    b = TraceBuilder()
+    member = b.request(0.0, 0.1)
+    engine.ingest_traces(b.export())
+    settle(engine, clock, 2.0)
+    b.stage(None, "compute", 0.01, 0.09, links=[member])
+    engine.ingest_traces(b.export())
+    settle(engine, clock, 11.0)
+    assert engine.stats.spans_dropped.get(sc.DROP_LATE) == 1
+    assert engine.pending_spans() == 0
+
+
+def test_incomplete_trace_counted_and_evicted():
+    engine, clock = make_engine(trace_timeout_s=30.0)
+    b = TraceBuilder()
+    ghost = b.span("gone", 0.0, 1.0)  # its request span never arrives
+    b.spans = []
+    b.stage(ghost, "queue", 0.0, 0.5)
+    engine.ingest_traces(b.export())
+    settle(engine, clock, 10.0)
+    assert engine.pending_spans() == 1
+    settle(engine, clock, 25.0)
+    assert engine.pending_spans() == 0
+    assert engine.stats.traces_incomplete == 1
+    assert engine.stats.spans_dropped[sc.DROP_INCOMPLETE_TRACE] == 1
+
+
+def test_health_check_without_stages_is_not_a_request():
+    engine, clock = make_engine()
+    b = TraceBuilder()
+    b.span("GET /healthz", 0.0, 0.001, kind=2)
+    b.sequential(0.0, [("compute", 0.01)])
+    engine.ingest_traces(b.export())
+    settle(engine, clock)
+    assert engine.breakdown("svc")["requests"] == 1
+
+
+def test_local_root_rules_remote_parent_and_nested_server_span():
+    engine, clock = make_engine()
+    gateway = TraceBuilder("gateway")
+    model_svc = TraceBuilder("model-svc")
+    outer = gateway.request(0.0, 0.2, model=None)
+    client = gateway.span("call model", 0.01, 0.19, parent=outer, kind=CLIENT)
+    gateway.stage(outer, "receive", 0.0, 0.01)
+    gateway.stage(outer, "network", 0.01, 0.19)
+    inner = model_svc.request(0.02, 0.18, parent=client)  # parent in another service
+    nested = model_svc.span("nested server", 0.02, 0.18, parent=inner, kind=2)
+    model_svc.stage(nested, "compute", 0.03, 0.17)
+    engine.ingest_traces(gateway.export())
+    engine.ingest_traces(model_svc.export())
+    settle(engine, clock)
+    gw = engine.breakdown("gateway")
+    ms = engine.breakdown("model-svc")
+    assert gw["requests"] == 1 and ms["requests"] == 1  # nested SERVER span is not a request
+    assert {s["stage"] for s in gw["stages"]} == {"receive", "network", "unattributed"}
+    assert close(stage_of(ms, "compute")["p50"], 0.14)
+    assert close(ms["latency"]["p50"], 0.16)
+
+
+def test_explicit_request_attribute_and_model_from_stage():
+    engine, clock = make_engine()
+    b = TraceBuilder()
+    req = b.span("job", 0.0, 0.2, kind=INTERNAL, attrs={sc.ATTR_REQUEST: True})
+    b.stage(req, "compute", 0.0, 0.1, model="bert")
+    engine.ingest_traces(b.export())
+    settle(engine, clock)
+    assert engine.breakdown("svc", "bert")["requests"] == 1
+    assert engine.services() == [{"service": "svc", "models": ["bert"], "requests": 1}]
+
+
+def test_trace_state_threshold_weight():
+    assert trace_state_weight("ot=th:8") == pytest.approx(2.0)  # p = 1/2
+    assert trace_state_weight("vendor=x,ot=rv:abc;th:c") == pytest.approx(4.0)  # p = 1/4
+    assert trace_state_weight("ot=th:0") == pytest.approx(1.0)
+    assert trace_state_weight("ot=th:zz") is None
+    assert trace_state_weight("") is None
+    engine, clock = make_engine()
+    b = TraceBuilder()
+    b.sequential(0.0, [("compute", 0.01)], trace_state="ot=th:c")
+    engine.ingest_traces(b.export())
+    settle(engine, clock)
+    assert engine.breakdown("svc")["requests"] == 4
+
+
+def test_tail_biased_weighted_sample_matches_full_data():
+    rng = np.random.default_rng(7)
+    n = 40_000
+    queue = rng.lognormal(math.log(0.02), 0.6, n)
+    compute = rng.lognormal(math.log(0.03), 0.2, n)
+    e2e = queue + compute
+    slow = e2e >= np.quantile(e2e, 0.9)
+    keep_fast = rng.random(n) < 0.05
+    full, clock_f = make_engine()
+    sampled, clock_s = make_engine()
+    fb, sb = TraceBuilder(), TraceBuilder()
+    for i in range(n):
+        stages = [("queue", float(queue[i])), ("compute", float(compute[i]))]
+        fb.sequential(i * 1e-4, stages)
+        if slow[i]:
+            sb.sequential(i * 1e-4, stages)
+        elif keep_fast[i]:
+            sb.sequential(i * 1e-4, stages, weight=20.0)
+        if i % 5000 == 4999:
+            full.ingest_traces(fb.export())
+            sampled.ingest_traces(sb.export())
+    settle(full, clock_f)
+    settle(sampled, clock_s)
+    a = full.breakdown("svc")
+    s = sampled.breakdown("svc")
+    assert s["traced_requests"] < 0.2 * n
+    assert abs(s["requests"] - n) < 0.02 * n
+    for q in ("p50", "p95", "p99"):
+        # p50 rests on the 5% sample (sampling noise); the tail is kept whole.
+        tol = 0.03 if q == "p50" else REL
+        assert close(s["latency"][q], a["latency"][q], tol), q
+    for st in ("queue", "compute"):
+        assert abs(stage_of(s, st)["share_of_p95"] - stage_of(a, st)["share_of_p95"]) < 0.01
+        assert close(stage_of(s, st)["p99"], stage_of(a, st)["p99"], 0.03)
+
+
+@pytest.mark.parametrize(
+    "mutate,reason",
+    [
+        (lambda s: setattr(s, "trace_id", b"\x00" * 16), sc.DROP_INVALID_ID),
+        (lambda s: setattr(s, "span_id", b"\x01" * 4), sc.DROP_INVALID_ID),
+        (lambda s: setattr(s, "end_time_unix_nano", s.start_time_unix_nano - 1), sc.DROP_NEGATIVE_DURATION),
+        (lambda s: setattr(s, "end_time_unix_nano", s.start_time_unix_nano + 2 * 86_400 * 10**9), sc.DROP_ABSURD_DURATION),
+        (lambda s: s.attributes[0].value.__setattr__("string_value", "Bad Stage!"), sc.DROP_INVALID_STAGE),
+        (lambda s: s.attributes[0].value.__setattr__("string_value", "unattributed"), sc.DROP_INVALID_STAGE),
+    ],
+)
+def test_bad_spans_dropped_by_reason_others_unaffected(mutate, reason):
+    engine, clock = make_engine()
+    b = TraceBuilder()
+    b.sequential(0.0, [("queue", 0.01), ("compute", 0.02)])
+    bad = b.spans[1]  # the queue span: attributes[0] is inferprof.stage
+    assert bad.attributes[0].key == sc.ATTR_STAGE
+    mutate(bad)
+    result = engine.ingest_traces(b.export())
+    assert result.rejected_spans == 1 and result.accepted_spans == 2
+    assert result.errors and isinstance(result.errors[0], str)
+    assert engine.stats.spans_dropped == {reason: 1}
+    settle(engine, clock)
+    doc = engine.breakdown("svc")
+    assert doc["requests"] == 1 and close(stage_of(doc, "compute")["p50"], 0.02)
+
+
+def test_duplicate_span_and_oversize_trace_dropped():
+    engine, clock = make_engine(max_spans_per_trace=3)
+    b = TraceBuilder()
+    req, _ = b.sequential(0.0, [("queue", 0.01), ("compute", 0.02)])
+    dup = b.spans[1]
+    engine.ingest_traces(b.export())
+    result = engine.ingest_traces(b.export([dup]))
+    assert result.rejected_spans == 1
+    b.stage(req, "d2h", 0.03, 0.031)
+    result = engine.ingest_traces(b.export())
+    assert result.rejected_spans == 1
+    assert engine.stats.spans_dropped == {sc.DROP_DUPLICATE: 1, sc.DROP_TRACE_TOO_LARGE: 1}
+
+
+def test_overloaded_rejects_whole_export_before_accepting_anything():
+    engine, clock = make_engine(max_pending_spans=5)
+    b = TraceBuilder()
+    b.sequential(0.0, [("queue", 0.01), ("compute", 0.02)])  # 3 spans
+    engine.ingest_traces(b.export())
+    b.sequential(1.0, [("queue", 0.01), ("compute", 0.02)])
+    with pytest.raises(Overloaded) as info:
+        engine.ingest_traces(b.export())
+    assert info.value.pending == 3 and info.value.incoming == 3
+    assert engine.stats.spans_received == 3 and engine.pending_spans() == 3
+    settle(engine, clock)  # finalising frees room
+    b.sequential(2.0, [("queue", 0.01), ("compute", 0.02)])
+    assert engine.ingest_traces(b.export()).accepted_spans == 3
+
+
+def test_sliding_windows_forget_old_slices():
+    engine, clock = make_engine(windows_s=(60.0, 300.0), slice_s=10.0)
+    b = TraceBuilder()
+    for i in range(10):
+        b.sequential(i, [("compute", 0.010)])
+    engine.ingest_traces(b.export())
+    settle(engine, clock)
+    clock.tick(120.0)
+    for i in range(10):
+        b.sequential(200 + i, [("compute", 0.050)])
+    engine.ingest_traces(b.export())
+    settle(engine, clock)
+    recent = engine.breakdown("svc", window_s=60.0)
+    longer = engine.breakdown("svc", window_s=300.0)
+    assert recent["requests"] == 10 and close(recent["latency"]["p50"], 0.05)
+    assert longer["requests"] == 20 and close(longer["latency"]["p50"], 0.01)
+    clock.tick(400.0)
+    engine.advance()
+    assert engine.breakdown("svc", window_s=300.0)["requests"] == 0
+    assert engine.breakdown("svc", window_s=300.0)["latency"]["p50"] is None
+    with pytest.raises(ValueError):
+        engine.breakdown("svc", window_s=0)
+
+
+def test_series_cap_folds_into_overflow():
+    engine, clock = make_engine(max_series=2)
+    b = TraceBuilder()
+    for i, model in enumerate(["a", "b", "c", "d"]):
+        b.sequential(i, [("compute", 0.01)], model=model)
+    engine.ingest_traces(b.export())
+    settle(engine, clock)
+    services = {(s, m) for s, m in engine.series()}
+    assert services == {("svc", "a"), ("svc", "b"), (sc.OVERFLOW_SERIES, "")}
+    assert engine.breakdown(sc.OVERFLOW_SERIES)["requests"] == 2
+    assert engine.stats.series_overflow == 2
+
+
+def test_overlapping_stages_partition_keeps_shares_summing_to_one():
+    engine, clock = make_engine()
+    b = TraceBuilder()
+    for i in range(10):
+        req = b.request(i, i + 0.1)
+        b.stage(req, "compute", i, i + 0.08)
+        b.stage(req, "prefill", i + 0.02, i + 0.04)  # nested inside compute
+    engine.ingest_traces(b.export())
+    settle(engine, clock)
+    doc = engine.breakdown("svc")
+    shares = {s["stage"]: s["share_of_p95"] for s in doc["stages"]}
+    assert math.isclose(sum(shares.values()), 1.0, rel_tol=1e-9)
+    assert math.isclose(shares["prefill"], 0.01 / 0.1, rel_tol=1e-6)
+    assert math.isclose(shares["compute"], 0.07 / 0.1, rel_tol=1e-6)
+    assert close(stage_of(doc, "compute")["p50"], 0.08)  # quantiles use full stage time
+
+
+def test_constructor_rejects_bad_arguments():
+    for kw in ({"settle_s": -1}, {"slice_s": 0}, {"windows_s": ()}, {"max_series": 0},
+               {"relative_accuracy": 0.2}, {"max_pending_spans": 1.5}):
+        with pytest.raises(ValueError):
+            Engine(**kw)
