@@ -1,0 +1,168 @@
+"""--forward: everything received is re-exported unchanged; a dead downstream costs nothing."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import httpx
+import pytest
+from google.protobuf import json_format
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.trace.export import SpanExportResult
+
+from inferprof.collector.forward import Forwarder, destination_label
+from tests.collector.test_server_fixtures import breakdown, make_requests, running_app, wait_until
+from tests.otlp_sink import OtlpSink
+
+PB = {"content-type": "application/x-protobuf"}
+
+
+def _hex_ids(doc):
+    """OTLP/JSON wants hex ids where proto3 JSON gives base64."""
+    import base64
+
+    for rs in doc["resourceSpans"]:
+        for ss in rs["scopeSpans"]:
+            for span in ss["spans"]:
+                for key in ("traceId", "spanId", "parentSpanId"):
+                    if key in span:
+                        span[key] = base64.b64decode(span[key]).hex()
+    return doc
+
+
+def test_everything_received_reaches_a_grpc_downstream_byte_for_byte(otlp_sink):
+    target = f"otlp-grpc://127.0.0.1:{otlp_sink.port}"
+    with running_app(forward=(target,)) as app:
+        # 1. OTLP/HTTP protobuf, including a span inferprof ignores and one it rejects.
+        request = encode_spans(make_requests(3, service="fwd"))
+        extra = request.resource_spans[0].scope_spans[0].spans.add()
+        extra.CopyFrom(request.resource_spans[0].scope_spans[0].spans[0])
+        extra.span_id = b"\x00" * 8  # invalid: the engine rejects it, forwarding keeps it
+        extra.name = "not-a-stage"
+        http_bytes = request.SerializeToString()
+        resp = httpx.post(f"{app.otlp_http_endpoint}/v1/traces", content=http_bytes, headers=PB)
+        assert resp.status_code == 200
+        # 2. OTLP/JSON: forwarded as its protobuf encoding.
+        json_request = encode_spans(make_requests(2, service="fwd-json"))
+        doc = _hex_ids(json_format.MessageToDict(json_request))
+        resp = httpx.post(
+            f"{app.otlp_http_endpoint}/v1/traces",
+            content=json.dumps(doc),
+            headers={"content-type": "application/json"},
+        )
+        assert resp.status_code == 200, resp.text
+        # 3. OTLP/gRPC through the SDK exporter.
+        spans = make_requests(4, service="fwd-grpc")
+        exporter = OTLPSpanExporter(endpoint=app.otlp_grpc_endpoint, insecure=True, timeout=10)
+        try:
+            assert exporter.export(spans) is SpanExportResult.SUCCESS
+        finally:
+            exporter.shutdown()
+
+        assert otlp_sink.wait_for(lambda s: len(s.trace_requests) == 3)
+        received = {_service(r): r for r in otlp_sink.trace_requests}
+        assert received["fwd"].SerializeToString() == http_bytes
+        assert received["fwd-json"] == json_request
+        assert len(received["fwd-grpc"].resource_spans[0].scope_spans[0].spans) == len(spans)
+        # The engine saw the same data it forwarded.
+        assert breakdown(app, "fwd").json()["requests"] == 3
+        assert wait_until(
+            lambda: _sent(app, "traces") == 3.0, timeout=5
+        ), httpx.get(f"{app.api_url}/metrics").text
+
+
+def _service(request) -> str:
+    attrs = request.resource_spans[0].resource.attributes
+    return next(kv.value.string_value for kv in attrs if kv.key == "service.name")
+
+
+def _sent(app, signal):
+    text = httpx.get(f"{app.api_url}/metrics").text
+    for line in text.splitlines():
+        if line.startswith("inferprof_forward_sent_total{") and f'signal="{signal}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_http_forwarding_to_a_second_inferprof_collector():
+    with running_app() as downstream:
+        with running_app(forward=(downstream.otlp_http_endpoint,)) as upstream:
+            exporter = OTLPSpanExporter(endpoint=upstream.otlp_grpc_endpoint, insecure=True, timeout=10)
+            try:
+                assert exporter.export(make_requests(6, service="chain")) is SpanExportResult.SUCCESS
+            finally:
+                exporter.shutdown()
+        # upstream.stop() drained its queue: the downstream has every request.
+        doc = breakdown(downstream, "chain").json()
+        assert doc["requests"] == 6
+
+
+@pytest.fixture
+def black_hole():
+    """A TCP listener that never answers: connections succeed, replies never come."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        sock.close()
+
+
+def test_a_hung_downstream_never_slows_ingest_and_drops_are_counted(black_hole):
+    with running_app(forward=(black_hole,), forward_queue_size=2, forward_timeout_s=1.0) as app:
+        url = f"{app.otlp_http_endpoint}/v1/traces"
+        # Distinct requests each time: the engine rejects duplicate spans.
+        bodies = [encode_spans(make_requests(2, service="hole")).SerializeToString() for _ in range(10)]
+        started = time.monotonic()
+        statuses = [httpx.post(url, content=body, headers=PB).status_code for body in bodies]
+        elapsed = time.monotonic() - started
+        assert statuses == [200] * 10
+        # Ten exports finish well within ONE forwarding timeout: ingest never waits on it.
+        assert elapsed < 1.0
+        destination = destination_label(black_hole)
+        metrics = httpx.get(f"{app.api_url}/metrics").text
+        line = next(
+            ln for ln in metrics.splitlines()
+            if ln.startswith("inferprof_forward_dropped_total{") and 'reason="queue_full"' in ln
+        )
+        assert f'destination="{destination}"' in line
+        assert float(line.rsplit(" ", 1)[1]) >= 7  # 1 in flight + 2 queued at most
+        assert breakdown(app, "hole").json()["requests"] == 20
+        app.stop(timeout_s=0.5)  # shutdown is bounded too: what is left is dropped, counted
+
+
+def test_a_dead_downstream_is_retried_then_dropped_and_counted():
+    with socket.socket() as s:  # a port with nothing listening
+        s.bind(("127.0.0.1", 0))
+        dead = f"otlp-grpc://127.0.0.1:{s.getsockname()[1]}"
+    dropped = []
+    fwd = Forwarder(
+        dead, queue_size=10, timeout_s=0.5,
+        on_dropped=lambda dest, reason, n: dropped.append((reason, n)),
+    )
+    fwd.start()
+    try:
+        assert fwd.submit("traces", b"")
+        assert wait_until(lambda: dropped, timeout=10)
+    finally:
+        fwd.stop(timeout_s=1.0)
+    assert dropped == [("send_failed", 1)]
+
+
+def test_destination_labels_hide_credentials():
+    assert destination_label("https://user:pw@tempo:4318/otlp") == "https://tempo:4318/otlp"
+
+
+@pytest.mark.parametrize("url", ["tempo:4317", "grpc://x:1", "ftp://x", "http://", 5])
+def test_bad_forward_urls_are_rejected(url):
+    with pytest.raises(ValueError, match="forward"):
+        running_app(forward=(url,)).__enter__()
+
+
+def test_forward_queue_must_be_positive():
+    with pytest.raises(ValueError):
+        Forwarder("http://127.0.0.1:1", queue_size=0, timeout_s=1.0)

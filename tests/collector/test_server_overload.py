@@ -1,0 +1,132 @@
+"""Back-pressure: past the pending-span cap the collector answers 429 / RESOURCE_EXHAUSTED,
+accepts nothing of the refused export, and loses nothing it accepted."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import httpx
+import pytest
+from google.rpc import error_details_pb2
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.sdk.trace.export import SpanExportResult
+
+from tests.collector.test_server_fixtures import breakdown, make_requests, running_app, wait_until
+
+PB = {"content-type": "application/x-protobuf"}
+REQUESTS_PER_EXPORT = 5
+SPANS_PER_EXPORT = REQUESTS_PER_EXPORT * 4  # request span + 3 stages
+
+# Traces never settle on their own during the test: only flush() frees the cap.
+HELD = dict(max_pending_spans=50, settle_s=600.0, trace_timeout_s=600.0, advance_interval_s=60.0)
+
+
+def test_http_and_grpc_refuse_past_the_cap_and_every_accepted_span_is_accounted_for():
+    with running_app(**HELD) as app:
+        url = f"{app.otlp_http_endpoint}/v1/traces"
+        accepted_exports = 0
+        statuses = []
+        channel = grpc.insecure_channel(f"127.0.0.1:{app.otlp_grpc_port}")
+        stub = trace_service_pb2_grpc.TraceServiceStub(channel)
+        try:
+            for round_ in range(3):
+                for i in range(4):
+                    body = encode_spans(make_requests(REQUESTS_PER_EXPORT, service="load"))
+                    if i % 2 == 0:
+                        resp = httpx.post(url, content=body.SerializeToString(), headers=PB)
+                        statuses.append(resp.status_code)
+                        if resp.status_code == 200:
+                            accepted_exports += 1
+                            answer = trace_service_pb2.ExportTraceServiceResponse.FromString(resp.content)
+                            assert answer.partial_success.rejected_spans == 0
+                        else:
+                            assert resp.status_code == 429
+                            assert int(resp.headers["retry-after"]) >= 1
+                    else:
+                        try:
+                            stub.Export(body, timeout=5)
+                            accepted_exports += 1
+                            statuses.append(200)
+                        except grpc.RpcError as exc:
+                            assert exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+                            statuses.append(429)
+                            trailers = dict(exc.trailing_metadata())
+                            info = error_details_pb2.RetryInfo.FromString(
+                                trailers["google.rpc.retryinfo-bin"]
+                            )
+                            assert info.retry_delay.ToNanoseconds() > 0
+                    # Memory stays under the cap whatever the clients do.
+                    assert app.engine.pending_spans() <= HELD["max_pending_spans"]
+                app.engine.flush()  # the cap frees up once held traces are folded
+        finally:
+            channel.close()
+        # 50 spans fit two 20-span exports; the third and fourth of each round are refused.
+        assert statuses == [200, 200, 429, 429] * 3
+        stats = app.engine.stats
+        assert stats.spans_received == accepted_exports * SPANS_PER_EXPORT
+        assert breakdown(app, "load").json()["requests"] == accepted_exports * REQUESTS_PER_EXPORT
+        metrics = httpx.get(f"{app.api_url}/metrics").text
+        assert 'outcome="overloaded",signal="traces",transport="http"} 3.0' in metrics
+        assert 'outcome="overloaded",signal="traces",transport="grpc"} 3.0' in metrics
+
+
+def test_sdk_grpc_exporter_retries_after_resource_exhausted_and_delivers():
+    with running_app(**{**HELD, "retry_after_s": 0.2}) as app:
+        first = encode_spans(make_requests(10, service="retry"))  # 40 of 50
+        with grpc.insecure_channel(f"127.0.0.1:{app.otlp_grpc_port}") as channel:
+            trace_service_pb2_grpc.TraceServiceStub(channel).Export(first, timeout=5)
+        exporter = OTLPSpanExporter(endpoint=app.otlp_grpc_endpoint, insecure=True, timeout=15)
+        result = []
+        worker = threading.Thread(
+            target=lambda: result.append(exporter.export(make_requests(5, service="retry")))
+        )
+        worker.start()
+        try:
+            text = lambda: httpx.get(f"{app.api_url}/metrics").text  # noqa: E731
+            assert wait_until(lambda: 'outcome="overloaded",signal="traces",transport="grpc"' in text())
+            app.engine.flush()  # room again: the exporter's retry (after 0.2 s) gets in
+            worker.join(15)
+        finally:
+            exporter.shutdown()
+        assert result == [SpanExportResult.SUCCESS]
+        assert breakdown(app, "retry").json()["requests"] == 15
+
+
+def test_http_concurrency_bound_answers_429_while_the_intake_is_full():
+    with running_app(max_concurrent_requests=1) as app:
+        url = f"{app.otlp_http_endpoint}/v1/traces"
+        release = threading.Event()
+        first_status = []
+
+        def slow_body():
+            yield b"\x0a"
+            release.wait(10)
+            yield b"\x00"
+
+        def upload():
+            first_status.append(httpx.post(url, content=slow_body(), headers=PB).status_code)
+
+        uploader = threading.Thread(target=upload)
+        uploader.start()
+        try:
+            body = encode_spans(make_requests(1)).SerializeToString()
+
+            def second_refused() -> bool:
+                resp = httpx.post(url, content=body, headers=PB)
+                return resp.status_code == 429 and "retry-after" in resp.headers
+
+            assert wait_until(second_refused, timeout=5)
+        finally:
+            release.set()
+            uploader.join(10)
+        assert first_status == [200]  # the slow one (an empty request) completes normally
+        assert httpx.post(url, content=body, headers=PB).status_code == 200
+
+
+@pytest.mark.parametrize("bad", [0, -1, "5"])
+def test_caps_must_be_positive(bad):
+    with pytest.raises(ValueError):
+        running_app(max_concurrent_requests=bad).__enter__()
