@@ -71,7 +71,7 @@ class PlainBatcher:
     def _call(self, items: list[Any]) -> Sequence[Any]:
         return self._fn(self._collate(items))
 
-    async def close(self) -> None:
+    async def stop(self) -> None:
         if self._worker is not None:
             self._worker.cancel()
             try:

@@ -60,14 +60,11 @@ def create_app(settings: Optional[DemoSettings] = None, **overrides: Any) -> Any
         try:
             yield
         finally:
-            close = getattr(batcher, "close", None) or getattr(batcher, "aclose", None)
-            if close is not None:
-                result = close()
-                if hasattr(result, "__await__"):
-                    await result
+            await batcher.stop()
             telemetry.shutdown()
 
-    app = fastapi.FastAPI(title="inferprof demo", lifespan=lifespan)
+    app = fastapi.FastAPI(title="inferprof demo", lifespan=lifespan,
+                          **_without_native_telemetry(fastapi.FastAPI))
 
     @app.get(HEALTH_PATH)
     async def healthz() -> dict[str, str]:
@@ -86,6 +83,23 @@ def create_app(settings: Optional[DemoSettings] = None, **overrides: Any) -> Any
     app.state.settings = settings
     app.state.pipeline = pipeline
     return app
+
+
+def _without_native_telemetry(fastapi_class: Any) -> dict[str, Any]:
+    """``FastAPI(...)`` keyword arguments that turn FastAPI's own OpenTelemetry off.
+
+    Recent FastAPI releases trace every request themselves (a server span plus
+    dependency/endpoint/serialization spans, and an HTTP duration histogram) as soon
+    as a global tracer provider exists, which ``inferprof.configure()`` installs. The
+    demo compares instrumentation choices, so each choice must bring only its own
+    telemetry; older FastAPI versions have no such option and need nothing.
+    """
+    import inspect
+
+    if "telemetry" not in inspect.signature(fastapi_class).parameters:
+        return {}
+    return {"telemetry": {"tracing": False, "metrics": False, "logs": False,
+                          "operation_spans": False, "auto_configure": False}}
 
 
 class _Telemetry:
@@ -114,10 +128,16 @@ class _Telemetry:
         s = self.settings
         if self.inferprof:
             import inferprof
+            from inferprof.batching.dynamic import Collated
+
+            def collate(items: list) -> Collated:
+                # Report real vs padded tokens on batch_assembly (the padding waste figure).
+                batch = pipeline.collate(items)
+                return Collated(batch, batch.effective_tokens, batch.padded_tokens)
 
             return inferprof.DynamicBatcher(
                 pipeline.run_batch, max_batch_size=s.max_batch_size, max_delay_ms=s.max_delay_ms,
-                collate=pipeline.collate, model_name=s.model_name,
+                collate=collate, model_name=s.model_name,
             )
         from inferprof.demo.plain_batcher import PlainBatcher
 

@@ -1,0 +1,54 @@
+"""``inferprof demo`` end to end: collector, service under uvicorn, load generator, table."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from inferprof import semconv
+from inferprof.cli import main
+
+pytestmark = pytest.mark.integration
+
+DEMO_STAGES = (
+    semconv.STAGE_RECEIVE, semconv.STAGE_TOKENIZE, semconv.STAGE_QUEUE,
+    semconv.STAGE_BATCH_ASSEMBLY, semconv.STAGE_H2D, semconv.STAGE_COMPUTE, semconv.STAGE_D2H,
+    semconv.STAGE_POSTPROCESS, semconv.STAGE_SERIALIZE,
+)
+
+
+def test_demo_prints_client_figures_and_the_collectors_stage_table():
+    result = CliRunner().invoke(main, ["demo", "--duration", "3", "--concurrency", "24",
+                                       "--model-size", "tiny"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "client:" in out and "req/s" in out and "p99" in out
+    table = out[out.index("stage"):]
+    for stage in (*DEMO_STAGES, semconv.STAGE_UNATTRIBUTED):
+        assert f"\n{stage} " in table, f"no row for {stage}"
+    assert "share of p95" in table
+    assert "verdict:" in table
+    assert any(f"verdict: {v}" in table for v in semconv.VERDICTS)
+
+
+def test_demo_json_matches_what_the_client_saw():
+    result = CliRunner().invoke(main, ["demo", "--duration", "2", "--concurrency", "16",
+                                       "--model-size", "tiny", "--json"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout[result.stdout.index("{"):])
+    client, breakdown = doc["client"], doc["breakdown"]
+    assert client["errors"] == 0 and client["requests"] > 50
+    # Full mode traces every request, and the collector saw every one of them.
+    assert breakdown["requests"] == client["requests"]
+    stages = {s["stage"]: s for s in breakdown["stages"]}
+    assert set(DEMO_STAGES) <= set(stages)
+    assert all(stages[s]["count"] == client["requests"] for s in DEMO_STAGES)
+    assert sum(s["share_of_p95"] for s in breakdown["stages"]) == pytest.approx(1.0, abs=0.01)
+    assert breakdown["padding"]["padded_tokens"] >= breakdown["padding"]["effective_tokens"] > 0
+    assert breakdown["verdict"]["bottleneck"] in semconv.VERDICTS
+
+
+def test_demo_rejects_both_loops():
+    result = CliRunner().invoke(main, ["demo", "--concurrency", "2", "--rate", "5"])
+    assert result.exit_code != 0
+    assert "not both" in result.output
