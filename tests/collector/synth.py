@@ -72,7 +72,8 @@ class TraceBuilder:
         self.spans: list[trace_pb2.Span] = []
 
     def ns(self, t: float) -> int:
-        return int(round((self.base + t) * 1e9))
+        # Integer base + offset: float seconds since 1970 would lose sub-microsecond digits.
+        return int(round(self.base * 1e9)) + int(round(t * 1e9))
 
     def span(
         self, name: str, start: float, end: float, *, parent: Ref | None = None,
@@ -153,7 +154,7 @@ def gpu_metrics(
     m.name = metric
     for t, v in samples:
         dp = m.gauge.data_points.add()
-        dp.time_unix_nano = int(round((base_unix + t) * 1e9))
+        dp.time_unix_nano = int(round(base_unix * 1e9)) + int(round(t * 1e9))
         dp.as_double = v
         dp.attributes.extend(attributes({sc.ATTR_HW_ID: hw_id}))
     return req
