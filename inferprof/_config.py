@@ -203,16 +203,26 @@ def active_runtime() -> Any:
     return _auto_runtime()
 
 
+_MISSING = object()
+
+
 def _auto_runtime() -> Any:
     global _auto
-    from opentelemetry.sdk.trace import TracerProvider
-
-    provider = trace_api.get_tracer_provider()
-    if not isinstance(provider, TracerProvider) or id(provider) in _installed_providers:
+    # get_tracer_provider() reads os.environ on every call while no provider is set; this
+    # runs once per request/stage when inferprof is not configured, so peek at the global
+    # first (falling back to the public call if OpenTelemetry ever renames it).
+    provider = getattr(trace_api, "_TRACER_PROVIDER", _MISSING)
+    if provider is None:
         return None
+    if provider is _MISSING:
+        provider = trace_api.get_tracer_provider()
     auto = _auto
     if auto is not None and auto[0] is provider:
         return auto[1]
+    from opentelemetry.sdk.trace import TracerProvider
+
+    if not isinstance(provider, TracerProvider) or id(provider) in _installed_providers:
+        return None
     from inferprof.instrumentation.runtime import Runtime
 
     config = _resolve(
