@@ -265,8 +265,8 @@ class CollectorSettings:
                     _log.warning("ignoring invalid %s=%r; using the default", var, raw)
             if name in file_values:
                 values[name] = file_values[name]
-        if values.get("auth_token") is not None:
-            values.pop("auth_token_file", None)  # a literal token beats a token file
+        if values.get("auth_token") is not None and overrides.get("auth_token_file") is None:
+            values.pop("auth_token_file", None)  # a literal token beats a configured token file
         return cls(**values)
 
 
@@ -303,19 +303,19 @@ def load_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     except OSError as exc:
         raise ValueError(f"cannot read collector config {str(p)!r}: {exc}") from exc
     suffix = p.suffix.lower()
+    if suffix not in (".toml", ".yaml", ".yml"):
+        raise ValueError(f"collector config {str(p)!r} must end in .toml, .yaml or .yml")
+    if suffix in (".yaml", ".yml"):
+        from inferprof._optional import require
+
+        yaml = require("yaml", "collector")
     try:
         if suffix == ".toml":
             import tomllib  # stdlib since 3.11
 
             data = tomllib.loads(text)
-        elif suffix in (".yaml", ".yml"):
-            from inferprof._optional import require
-
-            data = require("yaml", "collector").safe_load(text) or {}
         else:
-            raise ValueError(f"collector config {str(p)!r} must end in .toml, .yaml or .yml")
-    except ValueError:
-        raise
+            data = yaml.safe_load(text) or {}
     except Exception as exc:  # parse errors of either format
         raise ValueError(f"cannot parse collector config {str(p)!r}: {exc}") from exc
     if not isinstance(data, dict):
