@@ -1,0 +1,107 @@
+"""Verdict rules (contract §6), directly and through the engine with GPU samples."""
+
+from __future__ import annotations
+
+import pytest
+
+from inferprof import semconv as sc
+from inferprof.collector.engine import Engine
+from inferprof.collector.verdict import MIN_TRACED_REQUESTS, decide
+from tests.collector.synth import FakeClock, TraceBuilder, gpu_metrics
+
+ENOUGH = MIN_TRACED_REQUESTS
+
+
+@pytest.mark.parametrize(
+    "shares,expected",
+    [
+        ({"queue": 0.31, "batch_assembly": 0.07, "compute": 0.30, "unattributed": 0.32}, sc.VERDICT_BATCHING),
+        ({"tokenize": 0.3, "serialize": 0.25, "compute": 0.4, "unattributed": 0.05}, sc.VERDICT_HOST),
+        ({"h2d": 0.4, "d2h": 0.2, "compute": 0.4}, sc.VERDICT_TRANSFER),
+        ({"network": 0.7, "compute": 0.3}, sc.VERDICT_NETWORK),
+        ({"unattributed": 0.8, "compute": 0.2}, sc.VERDICT_UNKNOWN),
+        ({"my_stage": 0.8, "compute": 0.2}, sc.VERDICT_UNKNOWN),
+    ],
+)
+def test_group_rules(shares, expected):
+    verdict = decide(shares, ENOUGH, 10, {})
+    assert verdict["bottleneck"] == expected
+    assert 0.0 <= verdict["confidence"] <= 1.0
+    assert verdict["evidence"]
+    if expected == sc.VERDICT_BATCHING:
+        assert verdict["evidence"][0] == (
+            "38% of p95 latency is spent in pre-batch queuing and batch assembly "
+            "(queue 31%, batch_assembly 7%)"
+        )
+        assert verdict["confidence"] > 0
+
+
+def test_not_enough_data_says_how_much_is_needed():
+    verdict = decide({"queue": 1.0}, 37, 2, {})
+    assert verdict["bottleneck"] == sc.VERDICT_UNKNOWN and verdict["confidence"] == 0
+    assert str(MIN_TRACED_REQUESTS) in verdict["evidence"][0] and "37" in verdict["evidence"][0]
+
+
+def test_compute_without_gpu_samples_is_unknown_with_reason():
+    verdict = decide({"compute": 0.71, "queue": 0.29}, ENOUGH, 10, {"samples_received": 0})
+    assert verdict["bottleneck"] == sc.VERDICT_UNKNOWN
+    assert verdict["evidence"][0] == "compute holds 71% of p95 but no GPU samples were received"
+
+
+@pytest.mark.parametrize(
+    "gpu,expected",
+    [
+        ({"utilization_during_compute": {"p50": 0.3, "mean": 0.32}, "samples": 50}, sc.VERDICT_RUNTIME),
+        ({"utilization_during_compute": {"p50": 0.9, "mean": 0.9}, "samples": 50}, sc.VERDICT_KERNEL),
+        ({"utilization_during_compute": {"p50": 0.9, "mean": 0.9}, "samples": 50,
+          "sm_active_during_compute": {"p50": 0.3, "mean": 0.3}}, sc.VERDICT_KERNEL),
+        ({"utilization_during_compute": {"p50": 0.9, "mean": 0.9}, "samples": 50,
+          "sm_active_during_compute": {"p50": 0.8, "mean": 0.8},
+          "sm_occupancy_during_compute": {"p50": 0.6, "mean": 0.6}}, sc.VERDICT_HARDWARE),
+    ],
+)
+def test_compute_rules_read_gpu_evidence(gpu, expected):
+    verdict = decide({"compute": 0.8, "queue": 0.2}, ENOUGH, 20, gpu)
+    assert verdict["bottleneck"] == expected
+    if expected == sc.VERDICT_KERNEL and "sm_active_during_compute" not in gpu:
+        assert any("DCGM" in e for e in verdict["evidence"])  # names the missing evidence
+
+
+def _compute_bound_engine(util: float | None, *, dcgm: dict | None = None, gpu_id: str = "GPU-0"):
+    clock = FakeClock()
+    engine = Engine(clock=clock)
+    b = TraceBuilder()
+    for i in range(150):
+        t = i * 0.2
+        req = b.request(t, t + 0.1)
+        b.stage(req, "queue", t, t + 0.01)
+        b.stage(req, "compute", t + 0.01, t + 0.1, gpu_id=gpu_id, batch_id=f"b{i}")
+    engine.ingest_traces(b.export())
+    if util is not None:
+        samples = [(i * 0.05, util) for i in range(600)]
+        engine.ingest_metrics(gpu_metrics(samples))
+        for metric, value in (dcgm or {}).items():
+            engine.ingest_metrics(gpu_metrics([(i * 0.05, value) for i in range(600)], metric=metric))
+    clock.tick(5)
+    return engine.breakdown("svc", window_s=None)
+
+
+def test_engine_joins_gpu_samples_to_compute_spans():
+    doc = _compute_bound_engine(0.25)
+    assert doc["gpu"]["utilization_during_compute"] == pytest.approx({"p50": 0.25, "mean": 0.25})
+    assert doc["gpu"]["samples"] > 100
+    assert doc["verdict"]["bottleneck"] == sc.VERDICT_RUNTIME
+    hw = _compute_bound_engine(
+        0.95, dcgm={sc.METRIC_DCGM_SM_ACTIVE: 0.9, sc.METRIC_DCGM_SM_OCCUPANCY: 0.5}
+    )
+    assert hw["verdict"]["bottleneck"] == sc.VERDICT_HARDWARE
+    assert hw["verdict"]["confidence"] > 0.5
+
+
+def test_engine_compute_bound_without_samples_or_with_unjoinable_samples():
+    doc = _compute_bound_engine(None)
+    assert doc["verdict"]["bottleneck"] == sc.VERDICT_UNKNOWN
+    assert "no GPU samples were received" in doc["verdict"]["evidence"][0]
+    other = _compute_bound_engine(0.5, gpu_id="GPU-other")
+    assert other["gpu"]["samples_received"] == 600 and other["gpu"]["samples"] == 0
+    assert "inferprof.gpu.id" in other["verdict"]["evidence"][0]
