@@ -1,0 +1,36 @@
+import logging
+
+import pytest
+
+from inferprof.demo import settings as s
+from inferprof.demo.settings import DemoSettings
+
+
+def test_env_values_are_read_and_arguments_win():
+    env = {s.ENV_INSTRUMENTATION: "production", s.ENV_MAX_BATCH_SIZE: "8",
+           s.ENV_MAX_DELAY_MS: "2.5", s.ENV_MODEL_SIZE: "tiny", s.ENV_ENDPOINT: "http://x:4317"}
+    got = DemoSettings.from_env(env, max_batch_size=4)
+    assert got.instrumentation == "production"
+    assert got.max_batch_size == 4
+    assert got.max_delay_ms == 2.5
+    assert got.model_size == "tiny"
+    assert got.endpoint == "http://x:4317"
+
+
+def test_bad_env_values_are_logged_and_defaulted(caplog):
+    env = {s.ENV_INSTRUMENTATION: "everything", s.ENV_MAX_BATCH_SIZE: "lots",
+           s.ENV_MAX_DELAY_MS: "-1"}
+    with caplog.at_level(logging.WARNING):
+        got = DemoSettings.from_env(env)
+    assert got == DemoSettings()
+    for var in (s.ENV_INSTRUMENTATION, s.ENV_MAX_BATCH_SIZE, s.ENV_MAX_DELAY_MS):
+        assert var in caplog.text
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"instrumentation": "everything"}, {"max_batch_size": 0}, {"max_delay_ms": -1},
+    {"model_size": "huge"}, {"service_name": ""},
+])
+def test_bad_arguments_are_value_errors(kwargs):
+    with pytest.raises(ValueError):
+        DemoSettings(**kwargs)
