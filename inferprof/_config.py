@@ -365,7 +365,7 @@ def configure(
     )
 
     from inferprof.instrumentation.runtime import Runtime
-    from inferprof.instrumentation.stats import CountingBatchSpanProcessor, CountingSpanExporter
+    from inferprof.instrumentation.accounting import CountingBatchSpanProcessor, CountingSpanExporter
 
     shutdown()
     if not config.enabled:
@@ -382,14 +382,21 @@ def configure(
         mp = meter_provider if meter_provider is not None else metrics_api.get_meter_provider()
     else:
         resource = _resource(config.service_name, resource_attributes)
-        from inferprof.instrumentation.stats import Stats
+        from inferprof.instrumentation.accounting import Stats
 
         stats = Stats()
         tp = TracerProvider(resource=resource)
         exporter = span_exporter if span_exporter is not None else _span_exporter(config)
-        tp.add_span_processor(
-            CountingBatchSpanProcessor(CountingSpanExporter(exporter, stats), stats)
-        )
+        counted = CountingSpanExporter(exporter, stats)
+        try:
+            processor = CountingBatchSpanProcessor(counted, stats)
+        except ValueError as exc:  # inconsistent OTEL_BSP_* values: log and default them
+            _logger.warning("ignoring OTEL_BSP_* settings (%s); using the SDK defaults", exc)
+            processor = CountingBatchSpanProcessor(
+                counted, stats, max_queue_size=2048, schedule_delay_millis=5000,
+                max_export_batch_size=512,
+            )
+        tp.add_span_processor(processor)
         if meter_provider is not None:
             mp = meter_provider
         else:

@@ -31,7 +31,7 @@ from inferprof import __version__, semconv
 from inferprof.batching.device import resolve_stages
 from inferprof.instrumentation.records import BatchRecord, RequestRecord, StageRecord
 from inferprof.instrumentation.sampling import TailSampler
-from inferprof.instrumentation.stats import Stats, StatsSnapshot
+from inferprof.instrumentation.accounting import Stats, StatsSnapshot
 
 _logger = logging.getLogger(__name__)
 

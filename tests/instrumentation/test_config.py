@@ -1,0 +1,201 @@
+import http.server
+import logging
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+import inferprof
+from inferprof import _config, semconv
+from tests.otlp_sink import attributes
+
+
+def test_keyword_beats_env_beats_default(monkeypatch, cap):
+    monkeypatch.setenv("INFERPROF_MODE", "production")
+    monkeypatch.setenv("INFERPROF_SAMPLE_RATE", "0.2")
+    monkeypatch.setenv("INFERPROF_BATCH_ENCODING", "links")
+    config = inferprof.configure(tracer_provider=cap.provider, sample_rate=0.5)
+    assert config.mode == "production"  # env
+    assert config.sample_rate == 0.5  # keyword
+    assert config.batch_encoding == "links"  # env
+    assert config.tail_quantile == _config._DEFAULT_TAIL_QUANTILE  # default
+    assert config.owns_providers is False
+    with pytest.raises(AttributeError):
+        config.mode = "off"  # frozen
+
+
+@pytest.mark.parametrize(
+    "env, value, field, default",
+    [
+        ("INFERPROF_MODE", "fast", "mode", _config._DEFAULT_MODE),
+        ("INFERPROF_SAMPLE_RATE", "2", "sample_rate", _config._DEFAULT_SAMPLE_RATE),
+        ("INFERPROF_SAMPLE_RATE", "abc", "sample_rate", _config._DEFAULT_SAMPLE_RATE),
+        ("INFERPROF_BATCH_ENCODING", "both", "batch_encoding", _config._DEFAULT_BATCH_ENCODING),
+        ("INFERPROF_RECORD_CONTENT", "maybe", "record_content", False),
+        ("OTEL_EXPORTER_OTLP_PROTOCOL", "carrier-pigeon", "protocol", "grpc"),
+    ],
+)
+def test_bad_env_values_are_logged_and_defaulted(monkeypatch, caplog, cap, env, value, field, default):
+    monkeypatch.setenv(env, value)
+    with caplog.at_level(logging.WARNING, logger="inferprof._config"):
+        config = inferprof.configure(tracer_provider=cap.provider)
+    assert getattr(config, field) == default
+    assert env in caplog.text
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"mode": "fast"},
+        {"sample_rate": 0},
+        {"sample_rate": 1.5},
+        {"tail_quantile": -1},
+        {"batch_encoding": "both"},
+        {"protocol": "udp"},
+        {"endpoint": "localhost"},
+        {"service_name": ""},
+        {"record_content": "yes"},
+        {"resource_attributes": ["a"]},
+    ],
+)
+def test_bad_arguments_raise_value_error(kwargs):
+    with pytest.raises(ValueError):
+        inferprof.configure(**kwargs)
+    assert _config.current_config() is None
+
+
+def test_otel_sdk_disabled_means_off(monkeypatch, cap):
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    config = inferprof.configure(tracer_provider=cap.provider)
+    assert config.mode == "off" and not config.enabled
+    with inferprof.request() as req:
+        with inferprof.stage("compute"):
+            pass
+    assert req is None
+    assert cap.spans() == []
+
+
+def test_mode_off_records_nothing(cap):
+    inferprof.configure(tracer_provider=cap.provider, mode="off")
+    with inferprof.request():
+        with inferprof.stage("compute"):
+            pass
+    assert cap.spans() == []
+
+
+def test_configure_exports_otlp_grpc_with_resource(otlp_sink, monkeypatch):
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=test,service.name=from-env")
+    reader = InMemoryMetricReader()
+    config = inferprof.configure(
+        service_name="svc", endpoint=otlp_sink.endpoint, set_global=False, metric_readers=[reader],
+        resource_attributes={"team": "ml"},
+    )
+    assert config.owns_providers and config.protocol == "grpc"
+    with inferprof.request(model="m"):
+        with inferprof.stage("compute"):
+            pass
+    inferprof.shutdown()
+    assert otlp_sink.wait_for(lambda s: len(s.spans()) >= 2)
+    resource, _ = otlp_sink.spans()[0]
+    assert resource[semconv.RESOURCE_SERVICE_NAME] == "svc"  # keyword beats OTEL_RESOURCE_ATTRIBUTES
+    assert resource["deployment.environment"] == "test"
+    assert resource["team"] == "ml"
+    assert resource[semconv.RESOURCE_HOST_NAME]
+    assert resource[semconv.RESOURCE_SERVICE_INSTANCE_ID]
+    stage = [s for _, s in otlp_sink.spans() if attributes(s).get(semconv.ATTR_STAGE) == "compute"]
+    assert len(stage) == 1
+
+
+class _OtlpHttpHandler(http.server.BaseHTTPRequestHandler):
+    received: list = []
+
+    def do_POST(self):  # noqa: N802
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        if self.path == "/v1/traces":
+            req = trace_service_pb2.ExportTraceServiceRequest()
+            req.ParseFromString(body)
+            self.received.append(req)
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_configure_exports_otlp_http_protobuf(monkeypatch):
+    _OtlpHttpHandler.received = []
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _OtlpHttpHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+        config = inferprof.configure(
+            service_name="svc", endpoint=f"http://127.0.0.1:{server.server_port}",
+            set_global=False, metric_readers=[InMemoryMetricReader()],
+        )
+        assert config.protocol == "http/protobuf"
+        with inferprof.request():
+            with inferprof.stage("tokenize"):
+                pass
+        inferprof.shutdown()
+        names = {
+            span.name
+            for req in _OtlpHttpHandler.received
+            for rs in req.resource_spans
+            for ss in rs.scope_spans
+            for span in ss.spans
+        }
+        assert names == {semconv.REQUEST_SPAN_NAME, "inferprof.tokenize"}
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_existing_global_sdk_provider_is_used_and_nothing_installed():
+    # Global providers can be set once per process: check in a fresh interpreter.
+    script = textwrap.dedent(
+        """
+        from opentelemetry import trace
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+        import inferprof
+
+        exp = InMemorySpanExporter()
+        tp = TracerProvider()
+        tp.add_span_processor(SimpleSpanProcessor(exp))
+        trace.set_tracer_provider(tp)
+        # unconfigured: the application's SDK provider is picked up
+        with inferprof.request():
+            with inferprof.stage("tokenize"):
+                pass
+        assert sorted(s.name for s in exp.get_finished_spans()) == ["inferprof.request", "inferprof.tokenize"]
+        config = inferprof.configure(service_name="x")
+        assert not config.owns_providers
+        assert trace.get_tracer_provider() is tp
+        with inferprof.request():
+            pass
+        inferprof.shutdown()
+        assert len(exp.get_finished_spans()) == 3
+        print("OK")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "OK" in out.stdout
+
+
+def test_no_provider_is_set_at_import_time():
+    script = (
+        "import inferprof, inferprof.fastapi, inferprof.batching.dynamic, inferprof.instrumentation.stage\n"
+        "from opentelemetry import trace\n"
+        "assert type(trace.get_tracer_provider()).__name__ == 'ProxyTracerProvider'\n"
+        "print('OK')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr

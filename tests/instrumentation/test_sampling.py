@@ -1,0 +1,96 @@
+import random
+
+import numpy as np
+import pytest
+
+import inferprof
+from inferprof import semconv
+from inferprof.instrumentation.sampling import TailSampler
+
+
+@pytest.mark.parametrize("dist", ["lognormal", "bimodal", "uniform"])
+def test_weighted_count_of_kept_requests_estimates_the_true_count(dist):
+    rng = np.random.default_rng(7)
+    random.seed(7)
+    n = 20000
+    if dist == "lognormal":
+        lat = rng.lognormal(mean=16, sigma=0.8, size=n)
+    elif dist == "bimodal":
+        lat = np.where(rng.random(n) < 0.9, rng.normal(5e6, 5e5, n), rng.normal(5e7, 5e6, n))
+    else:
+        lat = rng.uniform(1e6, 2e6, n)
+    sampler = TailSampler(sample_rate=0.1, tail_quantile=0.9)
+    kept_weight, kept, slow_total, slow_kept = 0.0, 0, 0, 0
+    p90 = np.quantile(lat, 0.9)
+    for x in lat.astype(np.int64):
+        w = sampler.decide(int(x), random.random() < 0.1)
+        if w is not None:
+            kept += 1
+            kept_weight += w
+        if x >= p90 * 1.05:
+            slow_total += 1
+            slow_kept += w is not None
+    assert abs(kept_weight - n) / n < 0.05  # unbiased (sd ~ 2%)
+    assert kept < 0.3 * n  # and actually sampling
+    assert slow_kept / slow_total > 0.97  # the tail is kept (all but warm-up noise)
+
+
+def test_weights_are_exactly_one_or_inverse_rate():
+    sampler = TailSampler(sample_rate=0.25, tail_quantile=0.5, warmup=4, refresh=1)
+    for x in (10, 20, 30, 40):
+        assert sampler.decide(x, head=False) == 1.0  # warm-up keeps everything
+    assert sampler.decide(1000, head=False) == 1.0  # slow: always
+    assert sampler.decide(1, head=False) is None  # fast, coin says no
+    assert sampler.decide(1, head=True) == 4.0  # fast, coin says yes
+
+
+def test_thresholds_are_per_key():
+    sampler = TailSampler(sample_rate=0.5, tail_quantile=0.9, warmup=8, refresh=1)
+    for _ in range(16):
+        sampler.decide(1_000, False, key="fast-model")
+        sampler.decide(1_000_000, False, key="slow-model")
+    assert sampler.threshold("fast-model") == 1_000
+    assert sampler.threshold("slow-model") == 1_000_000
+    assert sampler.threshold("other") is None
+
+
+@pytest.mark.parametrize("kwargs", [{"sample_rate": 0}, {"sample_rate": 1.1}, {"tail_quantile": 0}])
+def test_bad_sampler_arguments(kwargs):
+    args = {"sample_rate": 0.1, "tail_quantile": 0.9, **kwargs}
+    with pytest.raises(ValueError):
+        TailSampler(**args)
+
+
+def test_production_mode_end_to_end_weights_and_tail(cap):
+    inferprof.configure(tracer_provider=cap.provider, mode="production", sample_rate=0.2, tail_quantile=0.9)
+    random.seed(11)
+    rng = np.random.default_rng(11)
+    n = 3000
+    latencies = rng.lognormal(mean=15, sigma=1.0, size=n).astype(np.int64)
+    for i, lat in enumerate(latencies):
+        with inferprof.request(model="m", i=i) as req:
+            with inferprof.stage("compute"):
+                pass
+            req.start -= int(lat)  # synthetic latency, as if the request had taken `lat` ns
+    requests = cap.requests()
+    weights = [r.attributes.get(semconv.ATTR_SAMPLE_WEIGHT, 1.0) for r in requests]
+    assert set(weights) <= {1.0, 5.0}
+    assert abs(sum(weights) - n) / n < 0.1
+    assert len(requests) < 0.45 * n
+    # every kept request has its stages; no orphan stage spans from discarded ones
+    assert len(cap.stages("compute")) == len(requests)
+    kept = {r.attributes["i"] for r in requests}
+    slowest = np.argsort(latencies)[-int(0.05 * n):]
+    assert all(int(i) in kept for i in slowest if i >= 100)  # past warm-up, the tail is kept
+    snap = inferprof.instrumentation.stats()
+    assert snap.traces_kept == len(requests)
+    assert snap.traces_kept + snap.traces_discarded == n
+
+
+def test_production_mode_head_decision_sets_traceparent_sampled_flag(cap):
+    inferprof.configure(tracer_provider=cap.provider, mode="production", sample_rate=0.5)
+    flags = []
+    for _ in range(400):
+        with inferprof.request() as req:
+            flags.append(req.span_context.trace_flags.sampled)
+    assert 100 < sum(flags) < 300
