@@ -46,8 +46,9 @@ def write_pb(path: str | os.PathLike, requests: Iterable) -> int:
     with open(path, "wb") as fh:
         fh.write(PB_MAGIC)
         for req in requests:
+            kind = _kind(req)
             payload = req.SerializeToString()
-            fh.write(_kind(req) + _varint(len(payload)) + payload)
+            fh.write(kind + _varint(len(payload)) + payload)
             n += 1
     return n
 
