@@ -1,0 +1,149 @@
+"""A real Prometheus scrapes the collector's /metrics; PromQL returns the per-stage p95.
+
+Also checks the shipped alert rules with promtool (syntax and unit tests).
+"""
+
+from __future__ import annotations
+
+import pathlib
+import shutil
+import socket
+import subprocess
+import time
+
+import httpx
+import pytest
+from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.trace.export import SpanExportResult
+
+from inferprof import semconv as sc
+from tests.collector.test_server_fixtures import breakdown, make_requests, running_app
+
+pytestmark = pytest.mark.integration
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+RULES = ROOT / "deploy" / "prometheus" / "alerts.yml"
+RULES_TEST = ROOT / "deploy" / "prometheus" / "alerts_test.yml"
+PROMETHEUS = shutil.which("prometheus")
+PROMTOOL = shutil.which("promtool")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def prometheus(tmp_path):
+    """Start Prometheus with a temp config/data dir; yields (start(target), base URL)."""
+    if PROMETHEUS is None:
+        pytest.fail("prometheus is not installed (apt-get install prometheus)")
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    procs = []
+
+    def start(target: str) -> str:
+        config = tmp_path / "prometheus.yml"
+        config.write_text(
+            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+            f"rule_files:\n  - {RULES}\n"
+            "scrape_configs:\n"
+            "  - job_name: inferprof\n"
+            f"    static_configs:\n      - targets: ['{target}']\n"
+        )
+        log = open(tmp_path / "prometheus.log", "wb")
+        procs.append(
+            subprocess.Popen(
+                [
+                    PROMETHEUS,
+                    f"--config.file={config}",
+                    f"--storage.tsdb.path={tmp_path / 'data'}",
+                    f"--web.listen-address=127.0.0.1:{port}",
+                    "--web.enable-lifecycle",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        )
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if procs[0].poll() is not None:
+                pytest.fail((tmp_path / "prometheus.log").read_text())
+            try:
+                if httpx.get(f"{url}/-/ready", timeout=1).status_code == 200:
+                    return url
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        pytest.fail("prometheus did not become ready")
+
+    try:
+        yield start
+    finally:
+        for proc in procs:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _query(url: str, promql: str, timeout: float = 20.0) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        resp = httpx.get(f"{url}/api/v1/query", params={"query": promql}).json()
+        assert resp["status"] == "success", resp
+        if resp["data"]["result"]:
+            return resp["data"]["result"]
+        time.sleep(0.25)
+    pytest.fail(f"no result for {promql}")
+
+
+def test_prometheus_scrapes_the_collector_and_promql_gives_per_stage_p95(prometheus):
+    with running_app() as app:
+        exporter = OTLPSpanExporter(endpoint=app.otlp_grpc_endpoint, insecure=True, timeout=10)
+        try:
+            assert exporter.export(make_requests(60, service="prom")) is SpanExportResult.SUCCESS
+        finally:
+            exporter.shutdown()
+        doc = breakdown(app, "prom").json()
+        expected = {s["stage"]: s["p95"] for s in doc["stages"]}
+        url = prometheus(f"127.0.0.1:{app.api_port}")
+
+        q = f'{sc.PROM_STAGE_QUANTILE}{{service="prom",quantile="0.95"}}'
+        result = _query(url, q)
+        got = {r["metric"]["stage"]: float(r["value"][1]) for r in result}
+        for stage in (sc.STAGE_QUEUE, sc.STAGE_COMPUTE, sc.STAGE_TOKENIZE):
+            assert got[stage] == pytest.approx(expected[stage], rel=1e-6)
+        assert got[sc.STAGE_QUEUE] == pytest.approx(0.100, rel=0.01)
+        assert all(r["metric"]["model"] == "m" for r in result)
+
+        # The recording rule from deploy/prometheus/alerts.yml evaluates on the scraped data.
+        recorded = _query(url, 'inferprof:stage_p95_seconds{service="prom",stage="queue"}')
+        assert float(recorded[0]["value"][1]) == pytest.approx(expected[sc.STAGE_QUEUE], rel=1e-6)
+
+        # Histograms aggregate across instances: histogram_quantile over them works too.
+        hq = _query(
+            url,
+            "histogram_quantile(0.5, sum by (le) "
+            f'({sc.PROM_STAGE_DURATION}_bucket{{service="prom",stage="compute"}}))',
+        )
+        assert 0.01 <= float(hq[0]["value"][1]) <= 0.025  # 20 ms lies in the (10, 25] ms bucket
+
+        # Transport self-metrics are scraped as well.
+        ok = _query(url, 'inferprof_otlp_requests_total{transport="grpc",outcome="ok"}')
+        assert float(ok[0]["value"][1]) == 1.0
+
+
+def test_promtool_accepts_and_unit_tests_the_alert_rules():
+    if PROMTOOL is None:
+        pytest.fail("promtool is not installed (apt-get install prometheus)")
+    check = subprocess.run([PROMTOOL, "check", "rules", str(RULES)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "SUCCESS" in check.stdout
+    unit = subprocess.run(
+        [PROMTOOL, "test", "rules", str(RULES_TEST)], capture_output=True, text=True, cwd=RULES.parent
+    )
+    assert unit.returncode == 0, unit.stdout + unit.stderr
