@@ -96,7 +96,7 @@ _COLORS = {
 
 def _svg(fig) -> str:
     buf = io.StringIO()
-    fig.savefig(buf, format="svg", bbox_inches="tight")
+    fig.savefig(buf, format="svg", bbox_inches="tight", metadata={"Date": None})
     text = buf.getvalue()
     # Drop the XML prolog and DOCTYPE so the SVG can sit inline in HTML.
     return text[text.index("<svg"):]

@@ -1,0 +1,120 @@
+"""``inferprof report`` on OTLP files: table, JSON (= the engine's breakdown), HTML."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from click.testing import CliRunner
+
+from inferprof import semconv as sc
+from inferprof.cli import main
+from inferprof.collector.engine import Engine
+from inferprof.report.dump import write_json_lines, write_pb
+from inferprof.report.render import format_table
+from tests.collector.synth import FakeClock, TraceBuilder, gpu_metrics
+
+STAGES = [("receive", 0.001), ("tokenize", 0.002), ("queue", None), ("compute", 0.015), ("serialize", 0.001)]
+
+
+def _exports(service: str = "svc", model: str = "m", n: int = 150):
+    b = TraceBuilder(service)
+    out = []
+    for i in range(n):
+        stages = [(s, d if d is not None else 0.001 + 0.0004 * (i % 100)) for s, d in STAGES]
+        b.sequential(i * 0.05, stages, tail_gap=0.0005, model=model)
+        if i % 50 == 49:
+            out.append(b.export())
+    if b.spans:
+        out.append(b.export())
+    return out
+
+
+@pytest.fixture
+def files(tmp_path):
+    exports = _exports()
+    jsonl = tmp_path / "otel.jsonl"
+    write_json_lines(jsonl, exports)
+    pb = tmp_path / "dump.pb"
+    write_pb(pb, exports + [gpu_metrics([(0.0, 0.5)])])
+    return exports, jsonl, pb
+
+
+def _engine_doc(exports) -> dict:
+    engine = Engine(clock=FakeClock(), retention_s=math.inf)
+    for req in exports:
+        engine.ingest_traces(req)
+    engine.flush()
+    return engine.breakdown("svc", "m", window_s=None)
+
+
+def test_table_lists_every_stage_e2e_and_verdict(files):
+    _, jsonl, _ = files
+    result = CliRunner().invoke(main, ["report", str(jsonl)])
+    assert result.exit_code == 0, result.output
+    out = result.output
+    for stage, _ in STAGES:
+        assert f"\n{stage} " in out
+    assert "\nunattributed " in out and "\nend-to-end " in out
+    assert "share of p95" in out
+    assert "verdict: batching" in out
+    assert "% of p95 latency is spent in pre-batch queuing" in out
+
+
+def test_json_equals_engine_breakdown_for_both_formats(files):
+    exports, jsonl, pb = files
+    expected = _engine_doc(exports)
+    for path in (jsonl, pb):
+        result = CliRunner().invoke(main, ["report", str(path), "--format", "json"])
+        assert result.exit_code == 0, result.output
+        doc = json.loads(result.output)
+        gpu = doc.pop("gpu")
+        expected_gpu = expected.get("gpu")
+        assert doc == {k: v for k, v in expected.items() if k != "gpu"}
+        assert gpu["utilization_during_compute"] == expected_gpu["utilization_during_compute"]
+    assert json.loads(CliRunner().invoke(main, ["report", str(pb), "--format", "json"]).output)["gpu"][
+        "samples_received"] == 1
+
+
+def test_several_services_give_a_list_and_filters_select(tmp_path):
+    path = tmp_path / "two.jsonl"
+    write_json_lines(path, _exports("a", "m1", 20) + _exports("b", "m2", 20))
+    runner = CliRunner()
+    docs = json.loads(runner.invoke(main, ["report", str(path), "--format", "json"]).output)
+    assert [(d["service"], d["model"]) for d in docs] == [("a", "m1"), ("b", "m2")]
+    one = json.loads(runner.invoke(main, ["report", str(path), "--format", "json", "--service", "b"]).output)
+    assert one["service"] == "b" and one["requests"] == 20
+    missing = runner.invoke(main, ["report", str(path), "--service", "nope"])
+    assert missing.exit_code == 1 and "no requests of service 'nope'" in missing.output
+
+
+def test_html_is_self_contained_with_svg_charts(files, tmp_path):
+    _, jsonl, _ = files
+    out = tmp_path / "report.html"
+    result = CliRunner().invoke(main, ["report", str(jsonl), "--html", str(out)])
+    assert result.exit_code == 0, result.output
+    page = out.read_text()
+    assert page.count("<svg") >= 2
+    assert "Bottleneck: batching" in page
+    for external in ('src="http', "href=\"http", "<link", "@import", "url(http"):  # no external assets
+        assert external not in page
+    assert "<script" not in page
+
+
+def test_malformed_file_is_a_clear_error(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"resourceSpans": [{"scopeSpans": [{"spans": [{"traceId": "xyz"}]}]}]}\n')
+    result = CliRunner().invoke(main, ["report", str(bad)])
+    assert result.exit_code == 1
+    assert "bad.jsonl:1" in result.output and "hex" in result.output
+
+
+def test_format_table_of_empty_document():
+    doc = {
+        "service": "s", "model": "", "window_s": 60.0, "requests": 0, "latency": {"p50": None, "p95": None, "p99": None},
+        "stages": [], "gpu": {}, "padding": {}, "verdict": {"bottleneck": sc.VERDICT_UNKNOWN, "confidence": 0.0,
+                                                              "evidence": ["not enough data"]},
+    }
+    text = format_table(doc)
+    assert "last 60 s" in text and "verdict: unknown" in text and "not enough data" in text
