@@ -1,0 +1,134 @@
+"""Device-stage timing. torch is not installed here: the CUDA event path is exercised with a
+SYNTHETIC event class that mimics ``torch.cuda.Event`` on a simulated asynchronous stream."""
+
+import logging
+import sys
+import time
+
+import pytest
+
+import inferprof
+from inferprof import semconv
+from inferprof.batching.device import EventDevice, parse_cuda_device
+
+MS = 1_000_000
+
+
+class SyntheticStream:
+    """SYNTHETIC stand-in for a CUDA stream: launches return at once, work runs in order."""
+
+    def __init__(self):
+        self.busy_until = time.time_ns()
+
+    def launch(self, duration_ms):
+        self.busy_until = max(time.time_ns(), self.busy_until) + int(duration_ms * MS)
+
+    def synchronize(self):
+        while time.time_ns() < self.busy_until:
+            time.sleep(0.0005)
+
+
+class SyntheticEvent:
+    """SYNTHETIC stand-in for ``torch.cuda.Event(enable_timing=True)``."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.t = None
+
+    def record(self):
+        self.t = max(time.time_ns(), self.stream.busy_until)  # completes when the stream gets here
+
+    def query(self):
+        return time.time_ns() >= self.t
+
+    def synchronize(self):
+        while not self.query():
+            time.sleep(0.0005)
+
+    def elapsed_time(self, end):
+        return (end.t - self.t) / MS
+
+
+def _batch_of_one():
+    return inferprof.batch([inferprof.enqueue()], max_size=1)
+
+
+def test_async_launches_are_timed_by_gpu_events_not_host_timers(cap):
+    stream = SyntheticStream()
+    dev = EventDevice(lambda: SyntheticEvent(stream), gpu_id="GPU-synthetic-0")
+    with inferprof.request():
+        with _batch_of_one():
+            with inferprof.stage("h2d", device=dev):
+                stream.launch(5)
+            with inferprof.stage("compute", device=dev):
+                stream.launch(30)  # returns immediately, like a CUDA kernel launch
+            with inferprof.stage("d2h", device=dev):
+                stream.launch(5)
+            truth_end = stream.busy_until
+    h2d, compute, d2h = (cap.stages(n)[0] for n in ("h2d", "compute", "d2h"))
+    assert abs((compute.end_time - compute.start_time) - 30 * MS) < 2 * MS
+    assert abs((h2d.end_time - h2d.start_time) - 5 * MS) < 2 * MS
+    assert abs(compute.start_time - h2d.end_time) < 1 * MS
+    assert abs(d2h.end_time - truth_end) < 3 * MS
+    assert compute.attributes[semconv.ATTR_GPU_ID] == "GPU-synthetic-0"
+    (request,) = cap.requests()
+    assert request.end_time >= d2h.end_time - 1 * MS  # the batch waited for the device
+
+
+def test_stage_that_synchronises_anchors_on_its_host_end(cap):
+    stream = SyntheticStream()
+    dev = EventDevice(lambda: SyntheticEvent(stream))
+    with inferprof.request():
+        with _batch_of_one():
+            with inferprof.stage("compute", device=dev):
+                stream.launch(20)
+            with inferprof.stage("d2h", device=dev):
+                stream.launch(2)
+                stream.synchronize()  # like tensor.cpu()
+            host_end = time.time_ns()
+            time.sleep(0.02)  # the batch lingers; the anchor must not drift with it
+    compute, d2h = cap.stages("compute")[0], cap.stages("d2h")[0]
+    assert abs((compute.end_time - compute.start_time) - 20 * MS) < 2 * MS
+    assert abs(d2h.end_time - host_end) < 2 * MS
+    assert semconv.ATTR_GPU_ID not in compute.attributes
+
+
+def test_cpu_device_uses_host_timers(cap):
+    with inferprof.request():
+        with inferprof.stage("compute", device="cpu"):
+            time.sleep(0.01)
+    (compute,) = cap.stages("compute")
+    assert compute.end_time - compute.start_time >= 9 * MS
+
+
+def test_cuda_without_torch_degrades_to_host_timers(cap, monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch -> ImportError
+    monkeypatch.setattr("inferprof.batching.device._warned_no_cuda", False)
+    with caplog.at_level(logging.WARNING):
+        with inferprof.request():
+            with inferprof.stage("compute", device="cuda:0"):
+                time.sleep(0.005)
+    (compute,) = cap.stages("compute")
+    assert compute.end_time - compute.start_time >= 4 * MS
+    assert semconv.ATTR_GPU_ID not in compute.attributes
+    assert "torch/CUDA is unavailable" in caplog.text
+
+
+@pytest.mark.parametrize("device, index", [(None, None), ("cpu", None), ("cuda", -1), ("cuda:2", 2), (1, 1)])
+def test_parse_device(device, index):
+    assert parse_cuda_device(device) == index
+
+
+@pytest.mark.parametrize("bad", ["gpu:x", "cuda:abc", -1, True])
+def test_bad_device_raises_value_error(bad):
+    with pytest.raises(ValueError):
+        inferprof.stage("compute", device=bad)
+
+
+def test_torch_device_like_objects():
+    class FakeTorchDevice:  # SYNTHETIC: the attributes torch.device has
+        def __init__(self, type, index):
+            self.type, self.index = type, index
+
+    assert parse_cuda_device(FakeTorchDevice("cuda", 3)) == 3
+    assert parse_cuda_device(FakeTorchDevice("cpu", None)) is None

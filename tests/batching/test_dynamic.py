@@ -1,0 +1,287 @@
+import asyncio
+import threading
+import time
+
+import pytest
+from opentelemetry.trace import StatusCode
+
+import inferprof
+from inferprof import semconv
+from inferprof.batching import Collated, current_batch
+from tests.instrumentation.helpers import captured, children_of
+
+BATCH_ATTRS = (semconv.ATTR_BATCH_ID, semconv.ATTR_BATCH_SIZE, semconv.ATTR_BATCH_MAX_SIZE, semconv.ATTR_MODEL_NAME)
+
+
+def model_fn(xs):
+    with inferprof.stage("h2d", **{semconv.ATTR_BYTES: 8 * len(xs)}):
+        pass
+    with inferprof.stage("compute"):
+        ys = [x * 10 for x in xs]
+    with inferprof.stage("d2h"):
+        pass
+    return ys
+
+
+async def _serve(batcher, n, *, tokens=None):
+    async def one(i):
+        async with inferprof.request(model="m", i=i):
+            return await batcher.submit(i, tokens=None if tokens is None else tokens[i])
+
+    return await asyncio.gather(*(one(i) for i in range(n)))
+
+
+async def test_children_encoding_copies_batch_stages_under_every_member(cap):
+    async with inferprof.DynamicBatcher(model_fn, max_batch_size=4, max_delay_ms=50, model_name="m") as b:
+        results = await _serve(b, 4, tokens=[3, 5, 2, 6])
+    assert results == [0, 10, 20, 30]
+    spans = cap.spans()
+    requests = cap.requests()
+    assert len(requests) == 4
+    batch_ids = set()
+    for r in requests:
+        kids = children_of(spans, r)
+        by_stage = {k.attributes[semconv.ATTR_STAGE]: k for k in kids}
+        assert set(by_stage) == {"queue", "batch_assembly", "h2d", "compute", "d2h"}
+        q = by_stage["queue"]
+        assert semconv.ATTR_QUEUE_DEPTH in q.attributes
+        assert semconv.ATTR_BATCH_ID not in q.attributes
+        for name in ("batch_assembly", "h2d", "compute", "d2h"):
+            s = by_stage[name]
+            assert s.context.trace_id == r.context.trace_id
+            assert s.attributes[semconv.ATTR_BATCH_SIZE] == 4
+            assert s.attributes[semconv.ATTR_BATCH_MAX_SIZE] == 4
+            assert s.attributes[semconv.ATTR_MODEL_NAME] == "m"
+            batch_ids.add(s.attributes[semconv.ATTR_BATCH_ID])
+        # the batch forms when the queue wait ends, stages follow in order
+        assert q.end_time <= by_stage["batch_assembly"].start_time
+        assert by_stage["batch_assembly"].end_time <= by_stage["h2d"].start_time
+        assert by_stage["h2d"].end_time <= by_stage["compute"].start_time <= by_stage["d2h"].start_time
+        assert by_stage["compute"].attributes[semconv.ATTR_TOKENS_EFFECTIVE] == 16
+        assert by_stage["batch_assembly"].attributes[semconv.ATTR_TOKENS_PADDED] == 24
+        assert semconv.ATTR_TOKENS_EFFECTIVE not in by_stage["h2d"].attributes
+        assert by_stage["h2d"].attributes[semconv.ATTR_BYTES] == 32
+    assert len(batch_ids) == 1
+    # queue depths record the queue length each request found
+    depths = sorted(s.attributes[semconv.ATTR_QUEUE_DEPTH] for s in cap.stages("queue"))
+    assert depths == [0, 1, 2, 3]
+    # copies are distinct spans
+    computes = cap.stages("compute")
+    assert len({c.context.span_id for c in computes}) == 4
+
+
+async def test_links_encoding_one_span_per_stage_linked_to_every_member():
+    with captured(batch_encoding="links") as cap:
+        async with inferprof.DynamicBatcher(model_fn, max_batch_size=3, max_delay_ms=50) as b:
+            await _serve(b, 3)
+        requests = cap.requests()
+        assert len(requests) == 3
+        member_ids = {(r.context.trace_id, r.context.span_id) for r in requests}
+        for name in ("batch_assembly", "h2d", "compute", "d2h"):
+            (span,) = cap.stages(name)
+            assert span.parent is None
+            assert span.context.trace_id not in {t for t, _ in member_ids}
+            assert {(link.context.trace_id, link.context.span_id) for link in span.links} == member_ids
+            assert span.attributes[semconv.ATTR_BATCH_SIZE] == 3
+            assert span.attributes[semconv.ATTR_MODEL_NAME] == "m"  # from the members
+        # per-request stages stay in each request's trace
+        assert len(cap.stages("queue")) == 3
+        assert all(not cap.stages("compute")[0].attributes.get(semconv.ATTR_REQUEST, False) for _ in [0])
+
+
+async def test_links_encoding_links_only_sampled_members():
+    with captured(batch_encoding="links", mode="production", sample_rate=0.5) as cap:
+        import random
+
+        random.seed(3)
+        async with inferprof.DynamicBatcher(model_fn, max_batch_size=8, max_delay_ms=50) as b:
+            for _ in range(30):  # warm the sampler up
+                await _serve(b, 8)
+            cap.clear()
+            await _serve(b, 8)
+        kept = {(r.context.trace_id, r.context.span_id) for r in cap.requests()}
+        computes = cap.stages("compute")
+        if kept:
+            (span,) = computes
+            assert {(lk.context.trace_id, lk.context.span_id) for lk in span.links} == kept
+        else:
+            assert computes == []
+
+
+async def test_batch_encoding_constructor_argument_wins(cap):
+    async with inferprof.DynamicBatcher(model_fn, max_batch_size=2, max_delay_ms=20, batch_encoding="links") as b:
+        await _serve(b, 2)
+    (span,) = cap.stages("compute")
+    assert len(span.links) == 2
+
+
+async def test_cancelled_waiting_request_leaves_the_queue(cap):
+    seen = []
+
+    def fn(xs):
+        seen.append(list(xs))
+        return xs
+
+    async with inferprof.DynamicBatcher(fn, max_batch_size=3, max_delay_ms=300) as b:
+
+        async def one(i):
+            async with inferprof.request(i=i):
+                return await b.submit(i)
+
+        tasks = [asyncio.create_task(one(i)) for i in range(2)]
+        await asyncio.sleep(0.02)
+        assert b.queue_depth == 2
+        tasks[0].cancel()
+        await asyncio.sleep(0)
+        assert b.queue_depth == 1
+        tasks.append(asyncio.create_task(one(2)))
+        with pytest.raises(asyncio.CancelledError):
+            await tasks[0]
+        assert await tasks[1] == 1 and await tasks[2] == 2
+    assert seen == [[1, 2]]
+    queues = {s.parent.span_id: s for s in cap.stages("queue")}
+    cancelled = [r for r in cap.requests() if r.attributes["i"] == 0][0]
+    assert queues[cancelled.context.span_id].attributes[semconv.ATTR_CANCELLED] is True
+    assert cap.stages("compute") == [] and len(cap.stages("batch_assembly")) == 2
+    assert all(s.attributes[semconv.ATTR_BATCH_SIZE] == 2 for s in cap.stages("batch_assembly"))
+
+
+async def test_exception_in_fn_fails_only_that_batch(cap):
+    calls = []
+
+    def fn(xs):
+        calls.append(xs)
+        if len(calls) == 1:
+            with inferprof.stage("compute"):
+                raise RuntimeError("CUDA out of memory")
+        return [x + 1 for x in xs]
+
+    async with inferprof.DynamicBatcher(fn, max_batch_size=2, max_delay_ms=50) as b:
+        first = await asyncio.gather(*(_one(b, i) for i in range(2)), return_exceptions=True)
+        second = await asyncio.gather(*(_one(b, i) for i in range(2, 4)), return_exceptions=True)
+    assert all(isinstance(e, RuntimeError) and "out of memory" in str(e) for e in first)
+    assert second == [3, 4]
+    failed = [r for r in cap.requests() if r.attributes["i"] < 2]
+    ok = [r for r in cap.requests() if r.attributes["i"] >= 2]
+    assert all(r.status.status_code is StatusCode.ERROR for r in failed)
+    assert all(r.status.status_code is StatusCode.UNSET for r in ok)
+    bad_computes = [s for s in cap.stages("compute") if s.status.status_code is StatusCode.ERROR]
+    assert len(bad_computes) == 2  # the failing stage, copied under both members
+    assert all(s.events[0].attributes["exception.type"] == "RuntimeError" for s in bad_computes)
+
+
+async def _one(b, i):
+    async with inferprof.request(i=i):
+        return await b.submit(i)
+
+
+async def test_fn_returning_wrong_number_of_results_fails_the_batch(cap):
+    async with inferprof.DynamicBatcher(lambda xs: [1], max_batch_size=2, max_delay_ms=20) as b:
+        out = await asyncio.gather(*(_one(b, i) for i in range(2)), return_exceptions=True)
+    assert all(isinstance(e, ValueError) for e in out)
+
+
+async def test_sync_fn_runs_off_the_event_loop(cap):
+    loop_thread = threading.get_ident()
+    fn_threads = []
+
+    def slow(xs):
+        fn_threads.append(threading.get_ident())
+        time.sleep(0.1)
+        return xs
+
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        for _ in range(100):
+            await asyncio.sleep(0.005)
+            ticks += 1
+
+    async with inferprof.DynamicBatcher(slow, max_batch_size=2, max_delay_ms=1) as b:
+        t = asyncio.create_task(ticker())
+        await asyncio.gather(*(_one(b, i) for i in range(2)))
+        t.cancel()
+    assert fn_threads and fn_threads[0] != loop_thread
+    assert ticks >= 5  # the loop kept running while fn slept
+
+
+async def test_async_fn_and_collate_reporting_tokens(cap):
+    def collate(items):
+        return Collated(batch=items, tokens_effective=7, tokens_padded=9)
+
+    async def fn(xs):
+        await asyncio.sleep(0)
+        with inferprof.stage("compute"):
+            pass
+        return xs
+
+    async with inferprof.DynamicBatcher(fn, max_batch_size=2, max_delay_ms=20, collate=collate) as b:
+        await asyncio.gather(*(_one(b, i) for i in range(2)))
+    for s in cap.stages("batch_assembly"):
+        assert s.attributes[semconv.ATTR_TOKENS_EFFECTIVE] == 7
+        assert s.attributes[semconv.ATTR_TOKENS_PADDED] == 9
+
+
+async def test_collate_can_report_tokens_through_the_current_batch(cap):
+    def collate(items):
+        current_batch().set_tokens(effective=4, padded=6)
+        return items
+
+    async with inferprof.DynamicBatcher(lambda xs: xs, max_batch_size=2, max_delay_ms=20, collate=collate) as b:
+        await asyncio.gather(*(_one(b, i) for i in range(2)))
+    for s in cap.stages("batch_assembly"):
+        assert s.attributes[semconv.ATTR_TOKENS_EFFECTIVE] == 4
+
+
+async def test_batches_never_exceed_max_size_and_all_requests_are_answered(cap):
+    sizes = []
+
+    def fn(xs):
+        sizes.append(len(xs))
+        return [x * 2 for x in xs]
+
+    async with inferprof.DynamicBatcher(fn, max_batch_size=5, max_delay_ms=2) as b:
+        results = await asyncio.gather(*(_one(b, i) for i in range(37)))
+    assert results == [i * 2 for i in range(37)]
+    assert max(sizes) <= 5 and sum(sizes) == 37
+
+
+async def test_batcher_works_with_inferprof_off():
+    inferprof.shutdown()
+    async with inferprof.DynamicBatcher(model_fn, max_batch_size=4, max_delay_ms=5) as b:
+        assert await asyncio.gather(*(b.submit(i) for i in range(6))) == [0, 10, 20, 30, 40, 50]
+
+
+async def test_max_queue_size_rejects_when_full(cap):
+    async with inferprof.DynamicBatcher(lambda xs: xs, max_batch_size=8, max_delay_ms=200, max_queue_size=2) as b:
+        waiting = [asyncio.create_task(b.submit(i)) for i in range(2)]
+        await asyncio.sleep(0.01)
+        with pytest.raises(asyncio.QueueFull):
+            await b.submit(99)
+        assert await asyncio.gather(*waiting) == [0, 1]
+
+
+async def test_stop_fails_requests_still_queued(cap):
+    b = inferprof.DynamicBatcher(lambda xs: xs, max_batch_size=8, max_delay_ms=10_000)
+    b.start()
+    task = asyncio.create_task(b.submit(1))
+    await asyncio.sleep(0.01)
+    await b.stop()
+    with pytest.raises(RuntimeError, match="stopped"):
+        await task
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"max_batch_size": 0, "max_delay_ms": 1},
+        {"max_batch_size": 2, "max_delay_ms": -1},
+        {"max_batch_size": 2, "max_delay_ms": 1, "batch_encoding": "both"},
+        {"max_batch_size": 2, "max_delay_ms": 1, "collate": 3},
+        {"max_batch_size": 2, "max_delay_ms": 1, "max_concurrent_batches": 0},
+    ],
+)
+def test_bad_constructor_arguments(kwargs):
+    with pytest.raises(ValueError):
+        inferprof.DynamicBatcher(lambda xs: xs, **kwargs)
