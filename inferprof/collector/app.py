@@ -294,7 +294,9 @@ class CollectorApp:
             return
         self.registry.register(
             EngineCollector(
-                self.engine, window_s=self.settings.metrics_window_s, max_series=self.settings.max_series
+                self.engine,
+                window_s=self.settings.metrics_window_s,
+                max_series=self.settings.max_series,
             )
         )
 
@@ -334,7 +336,7 @@ class CollectorApp:
     def __enter__(self) -> CollectorApp:
         return self.start()
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     # --- addresses ------------------------------------------------------------------------

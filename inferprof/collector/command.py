@@ -33,7 +33,9 @@ def _windows(ctx: click.Context, param: click.Parameter, value: str | None) -> A
 
 
 @click.command("collect")
-@click.option("--config", "config", type=click.Path(dir_okay=False), help="TOML or YAML settings file.")
+@click.option(
+    "--config", "config", type=click.Path(dir_okay=False), help="TOML or YAML settings file."
+)
 @click.option("--host", help="Address every listener binds (default 127.0.0.1).")
 @click.option("--grpc-host", help="Address of the OTLP/gRPC listener (default: --host).")
 @click.option("--grpc-port", type=int, help="OTLP/gRPC port (default 4317; 0: ephemeral).")
@@ -42,12 +44,18 @@ def _windows(ctx: click.Context, param: click.Parameter, value: str | None) -> A
 @click.option("--api-host", help="Address of the API and /metrics listener (default: --host).")
 @click.option("--api-port", type=int, help="API and /metrics port (default 9464; 0: ephemeral).")
 @click.option("--max-body-bytes", type=int, help="Largest request body, before and after gzip.")
-@click.option("--max-concurrent-requests", type=int, help="Exports processed at once per transport.")
+@click.option(
+    "--max-concurrent-requests", type=int, help="Exports processed at once per transport."
+)
 @click.option("--grpc-workers", type=int, help="Threads serving OTLP/gRPC.")
 @click.option("--retry-after-s", type=float, help="Delay clients are told to wait when overloaded.")
 @click.option("--auth-token", help="Bearer token required on every listener (prefer the env var).")
-@click.option("--auth-token-file", type=click.Path(dir_okay=False), help="File holding the bearer token.")
-@click.option("--tls-cert", type=click.Path(dir_okay=False), help="PEM certificate (chain) for TLS.")
+@click.option(
+    "--auth-token-file", type=click.Path(dir_okay=False), help="File holding the bearer token."
+)
+@click.option(
+    "--tls-cert", type=click.Path(dir_okay=False), help="PEM certificate (chain) for TLS."
+)
 @click.option("--tls-key", type=click.Path(dir_okay=False), help="PEM private key for TLS.")
 @click.option(
     "--forward",
@@ -63,11 +71,15 @@ def _windows(ctx: click.Context, param: click.Parameter, value: str | None) -> A
     help="key=value header/metadata sent with forwarded exports (repeatable).",
 )
 @click.option("--forward-ca", type=click.Path(dir_okay=False), help="CA bundle for TLS forwarding.")
-@click.option("--forward-queue-size", type=int, help="Exports queued per destination before dropping.")
+@click.option(
+    "--forward-queue-size", type=int, help="Exports queued per destination before dropping."
+)
 @click.option("--forward-timeout-s", type=float, help="Timeout of one forwarded export.")
 @click.option("--settle-s", type=float, help="Quiet time after which a trace is folded.")
 @click.option("--trace-timeout-s", type=float, help="Longest a trace is held before it is folded.")
-@click.option("--windows-s", callback=_windows, help="Sliding windows kept, comma-separated seconds.")
+@click.option(
+    "--windows-s", callback=_windows, help="Sliding windows kept, comma-separated seconds."
+)
 @click.option("--slice-s", type=float, help="Granularity of the sliding windows.")
 @click.option("--relative-accuracy", type=float, help="Relative accuracy of the quantile sketches.")
 @click.option("--max-series", type=int, help="Most (service, model, stage) series kept.")

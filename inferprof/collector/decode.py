@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import zlib
-from typing import Any, Literal
+from typing import Literal
 
 from google.protobuf import json_format
 from google.protobuf.message import Message
@@ -209,11 +209,11 @@ def too_large(max_bytes: int) -> BodyError:
 
 
 __all__ = [
-    "BodyError",
     "CONTENT_TYPE_JSON",
     "CONTENT_TYPE_PROTOBUF",
     "FORMAT_JSON",
     "FORMAT_PROTOBUF",
+    "BodyError",
     "body_format",
     "decode_request",
     "decompress",

@@ -15,6 +15,7 @@ ignores: inferprof sits in the pipeline without filtering it.
 from __future__ import annotations
 
 import logging
+import pathlib
 import queue
 import ssl
 import threading
@@ -22,7 +23,8 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from inferprof import semconv
 from inferprof.collector.settings import validate_forward_url
@@ -56,13 +58,15 @@ class _GrpcSender:
 
         self._grpc = grpc
         if secure:
-            roots = open(ca_file, "rb").read() if ca_file else None
+            roots = pathlib.Path(ca_file).read_bytes() if ca_file else None
             self._channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(roots))
         else:
             self._channel = grpc.insecure_channel(target)
         # Identity (de)serialisers: the payload is already protobuf bytes.
         self._calls = {
-            signal: self._channel.unary_unary(method, request_serializer=None, response_deserializer=None)
+            signal: self._channel.unary_unary(
+                method, request_serializer=None, response_deserializer=None
+            )
             for signal, method in GRPC_METHODS.items()
         }
         self._metadata = tuple(headers)
@@ -155,7 +159,10 @@ class Forwarder:
         scheme, _, rest = url.partition("://")
         if scheme in ("otlp-grpc", "otlp-grpcs"):
             self._sender: Any = _GrpcSender(
-                rest.split("/", 1)[0], secure=scheme == "otlp-grpcs", ca_file=ca_file, headers=headers
+                rest.split("/", 1)[0],
+                secure=scheme == "otlp-grpcs",
+                ca_file=ca_file,
+                headers=headers,
             )
         else:
             self._sender = _HttpSender(url, ca_file=ca_file, headers=headers)
@@ -218,8 +225,8 @@ class Forwarder:
                 self._sender.send(signal, payload, self._timeout_s)
                 try:
                     self._on_sent(self.destination, signal)
-                except Exception:
-                    pass
+                except Exception:  # a metrics hiccup must not fail the send
+                    _log.debug("forward sent hook failed", exc_info=True)
                 return
             except _RetryableError as exc:
                 last = exc
@@ -234,8 +241,8 @@ class Forwarder:
     def _count_drop(self, reason: str, n: int) -> None:
         try:
             self._on_dropped(self.destination, reason, n)
-        except Exception:
-            pass
+        except Exception:  # a metrics hiccup must not fail the drop
+            _log.debug("forward drop hook failed", exc_info=True)
 
 
 class ForwardSet:
@@ -260,4 +267,4 @@ class ForwardSet:
             f.stop(timeout_s)
 
 
-__all__ = ["Forwarder", "ForwardSet", "destination_label", "DROP_QUEUE_FULL", "DROP_SEND_FAILED"]
+__all__ = ["DROP_QUEUE_FULL", "DROP_SEND_FAILED", "ForwardSet", "Forwarder", "destination_label"]

@@ -22,7 +22,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
 from inferprof import semconv
 from inferprof.collector.auth import GrpcAuthInterceptor
-from inferprof.collector.decode import BodyError, FORMAT_PROTOBUF, parse_request
+from inferprof.collector.decode import FORMAT_PROTOBUF, BodyError, parse_request
 
 if TYPE_CHECKING:  # pragma: no cover
     from inferprof.collector.app import Intake

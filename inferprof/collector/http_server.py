@@ -17,7 +17,8 @@ import logging
 import math
 import socket
 import threading
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from inferprof import semconv
 from inferprof._optional import require
@@ -153,7 +154,8 @@ def otlp_app(intake: Intake, *, max_body_bytes: int, max_concurrent_requests: in
 
 
 def api_app(engine: Any, registry: CollectorRegistry, *, default_window_s: float) -> Any:
-    """The ASGI app serving ``/metrics``, ``/api/v1/breakdown``, ``/api/v1/services``, ``/healthz``."""
+    """The ASGI app serving ``/metrics``, ``/api/v1/breakdown``, ``/api/v1/services`` and
+    ``/healthz``."""
     require("starlette", "collector")
     prometheus_client = require("prometheus_client", "collector")
     from prometheus_client.exposition import choose_encoder
@@ -185,7 +187,8 @@ def api_app(engine: Any, registry: CollectorRegistry, *, default_window_s: float
                 window_s = math.nan
             if not math.isfinite(window_s) or window_s <= 0:
                 return _json(
-                    400, {"error": f"window must be a positive number of seconds, got {raw_window!r}"}
+                    400,
+                    {"error": f"window must be a positive number of seconds, got {raw_window!r}"},
                 )
         try:
             doc = await run_in_threadpool(engine.breakdown, service, model, window_s)

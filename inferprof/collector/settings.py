@@ -14,8 +14,9 @@ import logging
 import math
 import os
 import pathlib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 _log = logging.getLogger(__name__)
 
@@ -184,7 +185,9 @@ class CollectorSettings:
         object.__setattr__(self, "forward", tuple(self.forward))
         object.__setattr__(self, "windows_s", tuple(float(w) for w in self.windows_s))
         object.__setattr__(
-            self, "forward_headers", tuple((str(k).lower(), str(v)) for k, v in self.forward_headers)
+            self,
+            "forward_headers",
+            tuple((str(k).lower(), str(v)) for k, v in self.forward_headers),
         )
         _validate(self)
 
@@ -257,7 +260,7 @@ class CollectorSettings:
                 continue
             raw = env.get(var)
             if raw is not None and raw != "":
-                candidate = _try(lambda: parse(raw), f"environment variable {var}={raw!r}")
+                candidate = _try(lambda p=parse, r=raw: p(r), f"environment variable {var}={raw!r}")
                 if candidate is not _INVALID and _field_ok(name, candidate):
                     values[name] = candidate
                     continue
@@ -334,7 +337,7 @@ def load_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         elif isinstance(value, list):
             value = tuple(value)
         elif isinstance(value, str) and name in ("forward", "windows_s", "forward_headers"):
-            value = _try(lambda v=value: _ENV[name][1](v), f"config key {key}={value!r}")
+            value = _try(lambda v=value, n=name: _ENV[n][1](v), f"config key {key}={value!r}")
         if value is not _INVALID and _field_ok(name, value):
             out[name] = value
         elif value is not _INVALID:
@@ -438,4 +441,4 @@ def replace(settings: CollectorSettings, **changes: Any) -> CollectorSettings:
     return dataclasses.replace(settings, **changes)
 
 
-__all__ = ["CollectorSettings", "load_config_file", "validate_forward_url", "FORWARD_SCHEMES"]
+__all__ = ["FORWARD_SCHEMES", "CollectorSettings", "load_config_file", "validate_forward_url"]

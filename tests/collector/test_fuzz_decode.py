@@ -26,7 +26,13 @@ LIMIT = 64 * 1024
 VALID = encode_spans(make_requests(3)).SerializeToString()
 
 content_types = st.sampled_from(
-    ["application/x-protobuf", "application/json", "application/json; charset=utf-8", "text/plain", ""]
+    [
+        "application/x-protobuf",
+        "application/json",
+        "application/json; charset=utf-8",
+        "text/plain",
+        "",
+    ]
 )
 encodings = st.sampled_from(["", "identity", "gzip", "deflate", "br"])
 signals = st.sampled_from([sc.SIGNAL_TRACES, sc.SIGNAL_METRICS])
@@ -35,7 +41,11 @@ signals = st.sampled_from([sc.SIGNAL_TRACES, sc.SIGNAL_METRICS])
 def _decode(body, content_type, encoding, signal=sc.SIGNAL_TRACES, limit=LIMIT):
     try:
         message, fmt = decode_request(
-            body, content_type=content_type, content_encoding=encoding, signal=signal, max_bytes=limit
+            body,
+            content_type=content_type,
+            content_encoding=encoding,
+            signal=signal,
+            max_bytes=limit,
         )
     except BodyError as exc:
         assert exc.status in (400, 413, 415)
@@ -67,16 +77,36 @@ def test_corrupted_protobuf_decodes_or_fails_cleanly(noise, at):
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
-    lambda children: st.lists(children, max_size=4)
-    | st.dictionaries(
-        st.sampled_from(
-            ["resourceSpans", "scopeSpans", "spans", "traceId", "spanId", "name", "attributes",
-             "startTimeUnixNano", "endTimeUnixNano", "resource", "key", "value", "stringValue",
-             "resourceMetrics", "scopeMetrics", "metrics", "gauge", "dataPoints", "asDouble"]
+    lambda children: (
+        st.lists(children, max_size=4)
+        | st.dictionaries(
+            st.sampled_from(
+                [
+                    "resourceSpans",
+                    "scopeSpans",
+                    "spans",
+                    "traceId",
+                    "spanId",
+                    "name",
+                    "attributes",
+                    "startTimeUnixNano",
+                    "endTimeUnixNano",
+                    "resource",
+                    "key",
+                    "value",
+                    "stringValue",
+                    "resourceMetrics",
+                    "scopeMetrics",
+                    "metrics",
+                    "gauge",
+                    "dataPoints",
+                    "asDouble",
+                ]
+            )
+            | st.text(max_size=8),
+            children,
+            max_size=4,
         )
-        | st.text(max_size=8),
-        children,
-        max_size=4,
     ),
     max_leaves=30,
 )

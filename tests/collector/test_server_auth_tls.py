@@ -20,7 +20,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 from opentelemetry.sdk.trace.export import SpanExportResult
 
 from inferprof.collector.auth import token_matches
-from tests.collector.test_server_fixtures import breakdown, make_requests, running_app
+from tests.collector.test_server_fixtures import make_requests, running_app
 
 TOKEN = "s3cret-token"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
@@ -51,26 +51,53 @@ def tls_files(tmp_path_factory):
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "inferprof test CA")])
     ca = _cert(
-        ca_name, ca_name, ca_key.public_key(), ca_key, ca=True,
-        extensions=[(x509.KeyUsage(
-            digital_signature=False, content_commitment=False, key_encipherment=False,
-            data_encipherment=False, key_agreement=False, key_cert_sign=True, crl_sign=True,
-            encipher_only=False, decipher_only=False), True)],
+        ca_name,
+        ca_name,
+        ca_key.public_key(),
+        ca_key,
+        ca=True,
+        extensions=[
+            (
+                x509.KeyUsage(
+                    digital_signature=False,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    key_cert_sign=True,
+                    crl_sign=True,
+                    encipher_only=False,
+                    decipher_only=False,
+                ),
+                True,
+            )
+        ],
     )
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
     leaf = _cert(
-        name, ca_name, key.public_key(), ca_key, ca=False,
+        name,
+        ca_name,
+        key.public_key(),
+        ca_key,
+        ca=False,
         extensions=[
-            (x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-            ), False),
+            (
+                x509.SubjectAlternativeName(
+                    [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+                ),
+                False,
+            ),
             (x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), False),
             (x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), False),
         ],
     )
     directory = tmp_path_factory.mktemp("tls")
-    ca_path, cert_path, key_path = directory / "ca.pem", directory / "cert.pem", directory / "key.pem"
+    ca_path, cert_path, key_path = (
+        directory / "ca.pem",
+        directory / "cert.pem",
+        directory / "key.pem",
+    )
     ca_path.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
     cert_path.write_bytes(leaf.public_bytes(serialization.Encoding.PEM))
     key_path.write_bytes(
@@ -107,7 +134,9 @@ def test_auth_token_is_required_on_grpc_http_and_api_but_not_healthz():
             assert info.value.code() is grpc.StatusCode.UNAUTHENTICATED
         assert app.engine.stats.spans_received == 0  # nothing got past the interceptor
 
-        exporter = GrpcExporter(endpoint=app.otlp_grpc_endpoint, insecure=True, headers=AUTH, timeout=10)
+        exporter = GrpcExporter(
+            endpoint=app.otlp_grpc_endpoint, insecure=True, headers=AUTH, timeout=10
+        )
         try:
             assert exporter.export(spans) is SpanExportResult.SUCCESS
         finally:
@@ -120,7 +149,12 @@ def test_auth_token_is_required_on_grpc_http_and_api_but_not_healthz():
         resp = httpx.post(url, content=body, headers=pb)
         assert resp.status_code == 401
         assert resp.headers["www-authenticate"].startswith("Bearer")
-        assert httpx.post(url, content=body, headers={**pb, "authorization": "Bearer nope"}).status_code == 401
+        assert (
+            httpx.post(
+                url, content=body, headers={**pb, "authorization": "Bearer nope"}
+            ).status_code
+            == 401
+        )
         assert httpx.post(url, content=body, headers={**pb, **AUTH}).status_code == 200
 
         # API and /metrics; /healthz stays open for probes.
@@ -171,7 +205,10 @@ def test_tls_and_token_with_sdk_exporters_on_grpc_and_http(tls_files, monkeypatc
             http_exporter.shutdown()
         app.engine.flush()
         resp = httpx.get(
-            f"{app.api_url}/api/v1/breakdown", params={"service": "svc"}, headers=AUTH, verify=ssl.create_default_context(cafile=ca)
+            f"{app.api_url}/api/v1/breakdown",
+            params={"service": "svc"},
+            headers=AUTH,
+            verify=ssl.create_default_context(cafile=ca),
         )
         assert resp.status_code == 200 and resp.json()["requests"] == 5
         # Plain HTTP to a TLS listener gets no answer; an unknown CA fails verification.

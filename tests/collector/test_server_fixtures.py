@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import httpx
 from opentelemetry.sdk.resources import Resource

@@ -15,7 +15,6 @@ from opentelemetry.sdk.trace.export import SpanExportResult
 
 from inferprof.collector.forward import Forwarder, destination_label
 from tests.collector.test_server_fixtures import breakdown, make_requests, running_app, wait_until
-from tests.otlp_sink import OtlpSink
 
 PB = {"content-type": "application/x-protobuf"}
 
@@ -69,9 +68,9 @@ def test_everything_received_reaches_a_grpc_downstream_byte_for_byte(otlp_sink):
         assert len(received["fwd-grpc"].resource_spans[0].scope_spans[0].spans) == len(spans)
         # The engine saw the same data it forwarded.
         assert breakdown(app, "fwd").json()["requests"] == 3
-        assert wait_until(
-            lambda: _sent(app, "traces") == 3.0, timeout=5
-        ), httpx.get(f"{app.api_url}/metrics").text
+        assert wait_until(lambda: _sent(app, "traces") == 3.0, timeout=5), httpx.get(
+            f"{app.api_url}/metrics"
+        ).text
 
 
 def _service(request) -> str:
@@ -90,9 +89,13 @@ def _sent(app, signal):
 def test_http_forwarding_to_a_second_inferprof_collector():
     with running_app() as downstream:
         with running_app(forward=(downstream.otlp_http_endpoint,)) as upstream:
-            exporter = OTLPSpanExporter(endpoint=upstream.otlp_grpc_endpoint, insecure=True, timeout=10)
+            exporter = OTLPSpanExporter(
+                endpoint=upstream.otlp_grpc_endpoint, insecure=True, timeout=10
+            )
             try:
-                assert exporter.export(make_requests(6, service="chain")) is SpanExportResult.SUCCESS
+                assert (
+                    exporter.export(make_requests(6, service="chain")) is SpanExportResult.SUCCESS
+                )
             finally:
                 exporter.shutdown()
         # upstream.stop() drained its queue: the downstream has every request.
@@ -116,7 +119,9 @@ def test_a_hung_downstream_never_slows_ingest_and_drops_are_counted(black_hole):
     with running_app(forward=(black_hole,), forward_queue_size=2, forward_timeout_s=1.0) as app:
         url = f"{app.otlp_http_endpoint}/v1/traces"
         # Distinct requests each time: the engine rejects duplicate spans.
-        bodies = [encode_spans(make_requests(2, service="hole")).SerializeToString() for _ in range(10)]
+        bodies = [
+            encode_spans(make_requests(2, service="hole")).SerializeToString() for _ in range(10)
+        ]
         started = time.monotonic()
         statuses = [httpx.post(url, content=body, headers=PB).status_code for body in bodies]
         elapsed = time.monotonic() - started
@@ -126,7 +131,8 @@ def test_a_hung_downstream_never_slows_ingest_and_drops_are_counted(black_hole):
         destination = destination_label(black_hole)
         metrics = httpx.get(f"{app.api_url}/metrics").text
         line = next(
-            ln for ln in metrics.splitlines()
+            ln
+            for ln in metrics.splitlines()
             if ln.startswith("inferprof_forward_dropped_total{") and 'reason="queue_full"' in ln
         )
         assert f'destination="{destination}"' in line
@@ -141,7 +147,9 @@ def test_a_dead_downstream_is_retried_then_dropped_and_counted():
         dead = f"otlp-grpc://127.0.0.1:{s.getsockname()[1]}"
     dropped = []
     fwd = Forwarder(
-        dead, queue_size=10, timeout_s=0.5,
+        dead,
+        queue_size=10,
+        timeout_s=0.5,
         on_dropped=lambda dest, reason, n: dropped.append((reason, n)),
     )
     fwd.start()

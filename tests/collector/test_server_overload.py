@@ -32,7 +32,7 @@ def test_http_and_grpc_refuse_past_the_cap_and_every_accepted_span_is_accounted_
         channel = grpc.insecure_channel(f"127.0.0.1:{app.otlp_grpc_port}")
         stub = trace_service_pb2_grpc.TraceServiceStub(channel)
         try:
-            for round_ in range(3):
+            for _round in range(3):
                 for i in range(4):
                     body = encode_spans(make_requests(REQUESTS_PER_EXPORT, service="load"))
                     if i % 2 == 0:
@@ -40,7 +40,9 @@ def test_http_and_grpc_refuse_past_the_cap_and_every_accepted_span_is_accounted_
                         statuses.append(resp.status_code)
                         if resp.status_code == 200:
                             accepted_exports += 1
-                            answer = trace_service_pb2.ExportTraceServiceResponse.FromString(resp.content)
+                            answer = trace_service_pb2.ExportTraceServiceResponse.FromString(
+                                resp.content
+                            )
                             assert answer.partial_success.rejected_spans == 0
                         else:
                             assert resp.status_code == 429
@@ -85,8 +87,10 @@ def test_sdk_grpc_exporter_retries_after_resource_exhausted_and_delivers():
         )
         worker.start()
         try:
-            text = lambda: httpx.get(f"{app.api_url}/metrics").text  # noqa: E731
-            assert wait_until(lambda: 'outcome="overloaded",signal="traces",transport="grpc"' in text())
+            text = lambda: httpx.get(f"{app.api_url}/metrics").text
+            assert wait_until(
+                lambda: 'outcome="overloaded",signal="traces",transport="grpc"' in text()
+            )
             app.engine.flush()  # room again: the exporter's retry (after 0.2 s) gets in
             worker.join(15)
         finally:

@@ -19,7 +19,7 @@ def test_defaults_bind_loopback_on_the_otlp_ports():
 
 def test_keyword_beats_environment_beats_file_beats_default(tmp_path):
     config = tmp_path / "c.toml"
-    config.write_text('grpc-port = 1111\nhttp_port = 2222\napi-port = 3333\nmax_series = 7\n')
+    config.write_text("grpc-port = 1111\nhttp_port = 2222\napi-port = 3333\nmax_series = 7\n")
     env = {st.ENV_HTTP_PORT: "5555", st.ENV_API_PORT: "6666"}
     s = CollectorSettings.from_env(config=config, environ=env, api_port=7777)
     assert s.grpc_port == 1111  # file
@@ -72,7 +72,9 @@ def test_bad_environment_values_are_logged_and_defaulted(caplog, var, raw, field
     assert var in caplog.text
 
 
-def test_bad_file_values_are_logged_and_skipped_but_an_unreadable_file_is_an_error(tmp_path, caplog):
+def test_bad_file_values_are_logged_and_skipped_but_an_unreadable_file_is_an_error(
+    tmp_path, caplog
+):
     config = tmp_path / "c.toml"
     config.write_text('grpc_port = "x"\nnot_a_setting = 1\nhttp_port = 1234\n')
     with caplog.at_level(logging.WARNING, logger="inferprof.collector.settings"):

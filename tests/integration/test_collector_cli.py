@@ -55,15 +55,27 @@ def _stop(proc):
 
 def test_collect_serves_forwards_and_stops_on_sigterm(otlp_sink):
     proc, urls = _start(
-        ["--grpc-port", "0", "--http-port", "0", "--api-port", "0", "--settle-s", "0.1",
-         "--forward", f"otlp-grpc://127.0.0.1:{otlp_sink.port}"],
+        [
+            "--grpc-port",
+            "0",
+            "--http-port",
+            "0",
+            "--api-port",
+            "0",
+            "--settle-s",
+            "0.1",
+            "--forward",
+            f"otlp-grpc://127.0.0.1:{otlp_sink.port}",
+        ],
         env={"INFERPROF_AUTH_TOKEN": "tok"},
     )
     try:
         assert set(urls) == {"OTLP/gRPC", "OTLP/HTTP", "API"}, proc.stdout
         assert all("127.0.0.1" in u for u in urls.values())  # loopback by default
         exporter = OTLPSpanExporter(
-            endpoint=f"{urls['OTLP/HTTP']}/v1/traces", headers={"authorization": "Bearer tok"}, timeout=10
+            endpoint=f"{urls['OTLP/HTTP']}/v1/traces",
+            headers={"authorization": "Bearer tok"},
+            timeout=10,
         )
         try:
             assert exporter.export(make_requests(5, service="cli")) is SpanExportResult.SUCCESS
@@ -94,6 +106,7 @@ def test_collect_fails_clearly_when_a_port_is_taken():
         port = taken.getsockname()[1]
         proc = subprocess.run(
             [*CLI, "collect", "--grpc-port", "0", "--http-port", str(port), "--api-port", "0"],
+            check=False,
             capture_output=True,
             text=True,
             timeout=30,
@@ -104,7 +117,11 @@ def test_collect_fails_clearly_when_a_port_is_taken():
 
 def test_collect_rejects_bad_flags_with_a_usage_error():
     proc = subprocess.run(
-        [*CLI, "collect", "--forward", "tempo:4317"], capture_output=True, text=True, timeout=30
+        [*CLI, "collect", "--forward", "tempo:4317"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     assert proc.returncode == 2
     assert "forward" in proc.stderr

@@ -52,20 +52,19 @@ def prometheus(tmp_path):
             "  - job_name: inferprof\n"
             f"    static_configs:\n      - targets: ['{target}']\n"
         )
-        log = open(tmp_path / "prometheus.log", "wb")
-        procs.append(
-            subprocess.Popen(
-                [
-                    PROMETHEUS,
-                    f"--config.file={config}",
-                    f"--storage.tsdb.path={tmp_path / 'data'}",
-                    f"--web.listen-address=127.0.0.1:{port}",
-                    "--web.enable-lifecycle",
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
+        with open(tmp_path / "prometheus.log", "wb") as log:  # the child keeps its own handle
+            procs.append(
+                subprocess.Popen(
+                    [
+                        PROMETHEUS,
+                        f"--config.file={config}",
+                        f"--storage.tsdb.path={tmp_path / 'data'}",
+                        f"--web.listen-address=127.0.0.1:{port}",
+                    ],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
             )
-        )
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if procs[0].poll() is not None:
@@ -140,10 +139,16 @@ def test_prometheus_scrapes_the_collector_and_promql_gives_per_stage_p95(prometh
 def test_promtool_accepts_and_unit_tests_the_alert_rules():
     if PROMTOOL is None:
         pytest.fail("promtool is not installed (apt-get install prometheus)")
-    check = subprocess.run([PROMTOOL, "check", "rules", str(RULES)], capture_output=True, text=True)
+    check = subprocess.run(
+        [PROMTOOL, "check", "rules", str(RULES)], check=False, capture_output=True, text=True
+    )
     assert check.returncode == 0, check.stdout + check.stderr
     assert "SUCCESS" in check.stdout
     unit = subprocess.run(
-        [PROMTOOL, "test", "rules", str(RULES_TEST)], capture_output=True, text=True, cwd=RULES.parent
+        [PROMTOOL, "test", "rules", str(RULES_TEST)],
+        check=False,
+        capture_output=True,
+        text=True,
+        cwd=RULES.parent,
     )
     assert unit.returncode == 0, unit.stdout + unit.stderr
