@@ -1,0 +1,266 @@
+import asyncio
+import time
+
+import httpx
+import pytest
+from fastapi import FastAPI, HTTPException
+from fastapi.responses import StreamingResponse
+from opentelemetry import propagate
+from opentelemetry.trace import SpanKind, StatusCode
+
+import inferprof
+import inferprof.fastapi
+from inferprof import semconv
+from tests.instrumentation.helpers import Captured, captured, children_of
+
+TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
+
+def make_app(**options):
+    app = FastAPI()
+
+    @app.post("/generate/{model}")
+    async def generate(model: str, body: dict):
+        with inferprof.stage("tokenize"):
+            tokens = body["prompt"].split()
+        headers = {}
+        propagate.inject(headers)
+        return {"model": model, "n": len(tokens), "traceparent": headers.get("traceparent")}
+
+    @app.get("/stream")
+    async def stream():
+        async def events():
+            for i in range(4):
+                await asyncio.sleep(0.02)
+                yield f"data: {i}\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.get("/healthz")
+    async def healthz():
+        return {"ok": True}
+
+    @app.get("/internal/debug")
+    async def debug():
+        return {"ok": True}
+
+    @app.get("/boom")
+    async def boom():
+        raise RuntimeError("handler failed")
+
+    @app.get("/unavailable")
+    async def unavailable():
+        raise HTTPException(status_code=503, detail="overloaded")
+
+    inferprof.fastapi.instrument(app, **options)
+    return app
+
+
+def client(app):
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app, raise_app_exceptions=False),
+                             base_url="http://test")
+
+
+async def test_request_span_with_receive_and_serialize_stages(cap):
+    app = make_app(model_name="llm")
+    body = b'{"prompt": "a b c"}'
+    async with client(app) as c:
+        r = await c.post("/generate/m1", content=body, headers={"content-type": "application/json"})
+    assert r.json()["n"] == 3
+    (request,) = cap.requests()
+    assert request.kind is SpanKind.SERVER
+    assert request.name == "POST /generate/{model}"
+    assert request.attributes["http.route"] == "/generate/{model}"
+    assert request.attributes["http.request.method"] == "POST"
+    assert request.attributes["http.response.status_code"] == 200
+    assert request.attributes[semconv.ATTR_MODEL_NAME] == "llm"
+    assert semconv.ATTR_REQUEST not in request.attributes  # SERVER kind marks it
+    kids = {k.attributes[semconv.ATTR_STAGE]: k for k in children_of(cap.spans(), request)}
+    assert set(kids) == {"receive", "tokenize", "serialize"}
+    assert kids["receive"].attributes[semconv.ATTR_BYTES] == len(body)
+    assert kids["serialize"].attributes[semconv.ATTR_BYTES] == len(r.content)
+    assert kids["receive"].end_time <= kids["tokenize"].start_time <= kids["serialize"].start_time
+    assert request.start_time <= kids["receive"].start_time
+    assert kids["serialize"].end_time <= request.end_time
+    # no content recorded by default
+    assert semconv.ATTR_REQUEST_BODY not in request.attributes
+    assert not any("a b c" in str(v) for s in cap.spans() for v in s.attributes.values())
+
+
+async def test_streaming_response_serialize_covers_the_stream(cap):
+    app = make_app()
+    async with client(app) as c:
+        r = await c.get("/stream")  # (httpx's ASGI transport collects the body; see the raw test)
+    assert r.text.count("data:") == 4
+    (request,) = cap.requests()
+    (serialize,) = cap.stages("serialize")
+    assert serialize.end_time - serialize.start_time >= 60_000_000  # 4 chunks, 20 ms apart
+    assert serialize.attributes[semconv.ATTR_BYTES] == len(r.content)
+    assert cap.stages("receive") == []  # a GET has no body to time
+    assert request.end_time >= serialize.end_time
+
+
+async def test_sse_through_raw_asgi_passes_each_chunk_on(cap):
+    app = make_app()
+    sent = []
+
+    async def receive():
+        await asyncio.sleep(1)
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append((time.perf_counter(), message))
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET",
+             "scheme": "http", "path": "/stream", "raw_path": b"/stream", "query_string": b"",
+             "headers": [], "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    await app(scope, receive, send)
+    bodies = [(t, m) for t, m in sent if m["type"] == "http.response.body" and m.get("body")]
+    assert len(bodies) == 4  # not buffered: each chunk reaches the server as the app sends it
+    assert bodies[-1][0] - bodies[0][0] > 0.04
+    (serialize,) = cap.stages("serialize")
+    assert serialize.attributes[semconv.ATTR_BYTES] == sum(len(m["body"]) for _, m in bodies)
+
+
+async def test_traceparent_is_extracted_and_propagated(cap):
+    app = make_app()
+    async with client(app) as c:
+        r = await c.post("/generate/m", json={"prompt": "x"}, headers={"traceparent": TRACEPARENT})
+    (request,) = cap.requests()
+    assert request.context.trace_id == 0x0AF7651916CD43DD8448EB211C80319C
+    assert request.parent.span_id == 0xB7AD6B7169203331
+    assert r.json()["traceparent"] == f"00-{request.context.trace_id:032x}-{request.context.span_id:016x}-01"
+
+
+async def test_excluded_paths_are_not_traced(cap):
+    app = make_app(excluded_paths=["/healthz", "/internal/*"])
+    async with client(app) as c:
+        assert (await c.get("/healthz")).status_code == 200
+        assert (await c.get("/internal/debug")).status_code == 200
+    assert cap.spans() == []
+
+
+async def test_default_excluded_paths_follow_configure(cap):
+    inferprof.configure(tracer_provider=cap.provider, excluded_paths=["/generate/skip"])
+    app = make_app()
+    async with client(app) as c:
+        await c.get("/healthz")
+        await c.post("/generate/skip", json={"prompt": "x"})
+    assert [s.name for s in cap.requests()] == ["GET /healthz"]
+
+
+async def test_handler_exception_marks_the_request_failed(cap):
+    app = make_app()
+    async with client(app) as c:
+        r = await c.get("/boom")
+    assert r.status_code == 500
+    (request,) = cap.requests()
+    assert request.status.status_code is StatusCode.ERROR
+    assert request.events[0].attributes["exception.type"] == "RuntimeError"
+
+
+async def test_5xx_response_marks_the_request_failed(cap):
+    app = make_app()
+    async with client(app) as c:
+        r = await c.get("/unavailable")
+    assert r.status_code == 503
+    (request,) = cap.requests()
+    assert request.status.status_code is StatusCode.ERROR
+    assert request.attributes["http.response.status_code"] == 503
+
+
+async def test_record_content_is_opt_in():
+    with captured() as cap:
+        app = make_app(record_content=True, content_max_bytes=8)
+        async with client(app) as c:
+            await c.post("/generate/m", content=b'{"prompt": "secret words"}',
+                         headers={"content-type": "application/json"})
+        (request,) = cap.requests()
+        assert request.attributes[semconv.ATTR_REQUEST_BODY] == '{"prompt'
+        assert len(request.attributes[semconv.ATTR_RESPONSE_BODY]) == 8
+
+
+async def test_coexists_with_opentelemetry_instrumentation_fastapi(cap):
+    from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
+
+    app = make_app(model_name="llm")
+    FastAPIInstrumentor.instrument_app(app, tracer_provider=cap.provider)
+    try:
+        async with client(app) as c:
+            await c.post("/generate/m", json={"prompt": "a b"}, headers={"traceparent": TRACEPARENT})
+    finally:
+        FastAPIInstrumentor.uninstrument_app(app)
+    servers = [s for s in cap.spans() if s.kind is SpanKind.SERVER]
+    assert len(servers) == 1  # exactly one request span: theirs, enriched
+    (server,) = servers
+    assert server.instrumentation_scope.name != semconv.INSTRUMENTATION_SCOPE
+    assert server.attributes[semconv.ATTR_MODEL_NAME] == "llm"
+    assert server.context.trace_id == 0x0AF7651916CD43DD8448EB211C80319C
+    stages = cap.stages()
+    assert {s.attributes[semconv.ATTR_STAGE] for s in stages} == {"receive", "tokenize", "serialize"}
+    assert all(s.parent.span_id == server.context.span_id for s in stages)
+    assert not [s for s in cap.spans() if s.name.startswith("POST") and s.instrumentation_scope.name == "inferprof"]
+
+
+async def test_non_http_scopes_pass_through(cap):
+    seen = []
+
+    async def inner(scope, receive, send):
+        seen.append(scope["type"])
+
+    mw = inferprof.fastapi.InferprofMiddleware(inner)
+    await mw({"type": "lifespan"}, None, None)
+    await mw({"type": "websocket", "path": "/ws", "headers": []}, None, None)
+    assert seen == ["lifespan", "websocket"]
+    assert cap.spans() == []
+
+
+async def test_unconfigured_middleware_is_a_pass_through():
+    inferprof.shutdown()
+    app = make_app()
+    async with client(app) as c:
+        r = await c.post("/generate/m", json={"prompt": "a b"})
+    assert r.json()["n"] == 2
+
+
+async def test_explicit_tracer_provider_option():
+    inferprof.shutdown()
+    cap = Captured()
+    app = make_app(tracer_provider=cap.provider)
+    async with client(app) as c:
+        await c.post("/generate/m", json={"prompt": "a"})
+    assert len(cap.requests()) == 1
+    assert len(cap.stages("tokenize")) == 1
+
+
+def test_bad_middleware_options():
+    with pytest.raises(ValueError):
+        inferprof.fastapi.InferprofMiddleware(None, excluded_paths="/healthz")
+    with pytest.raises(ValueError):
+        inferprof.fastapi.InferprofMiddleware(None, model_name=3)
+    with pytest.raises(ValueError):
+        inferprof.fastapi.instrument(object())
+
+
+async def test_batched_service_end_to_end(cap):
+    app = FastAPI()
+
+    def fn(xs):
+        with inferprof.stage("compute"):
+            return [x.upper() for x in xs]
+
+    batcher = inferprof.DynamicBatcher(fn, max_batch_size=4, max_delay_ms=20, model_name="up")
+
+    @app.post("/up")
+    async def up(body: dict):
+        return {"out": await batcher.submit(body["text"])}
+
+    inferprof.fastapi.instrument(app)
+    async with client(app) as c:
+        outs = await asyncio.gather(*(c.post("/up", json={"text": t}) for t in "abcd"))
+    await batcher.stop()
+    assert sorted(o.json()["out"] for o in outs) == list("ABCD")
+    spans = cap.spans()
+    for r in cap.requests():
+        kids = {k.attributes[semconv.ATTR_STAGE] for k in children_of(spans, r)}
+        assert kids == {"receive", "queue", "batch_assembly", "compute", "serialize"}
