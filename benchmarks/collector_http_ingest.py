@@ -2,8 +2,9 @@
 
 Starts a CollectorApp on ephemeral ports, sends pre-built OTLP exports (each request
 = one SERVER span + 3 stage spans) over OTLP/HTTP (protobuf, protobuf+gzip) and
-OTLP/gRPC from a client in the same process, and reports spans/s received and folded (median of runs; the clock stops after
-``engine.flush()``, so folding every request is included).
+OTLP/gRPC from a client in the same process, and reports spans/s received and
+folded (median of runs; the clock stops after ``engine.flush()``, so folding every
+request is included).
 The process is pinned to one core, so the client's cost is included: the figure is
 a lower bound on what the receiver does alone.
 
