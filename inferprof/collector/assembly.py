@@ -26,8 +26,7 @@ metric scrapes on an instrumented server) is not an inference request and is ign
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from inferprof import semconv as sc
 from inferprof.collector.attribution import partition
@@ -57,6 +56,7 @@ _WANTED = frozenset(
         sc.ATTR_GPU_ID,
     }
 )
+_STRING_KEYS = frozenset({sc.ATTR_STAGE, sc.ATTR_MODEL_NAME, sc.ATTR_BATCH_ID, sc.ATTR_GPU_ID})
 _PADDING_STAGES = frozenset({sc.STAGE_BATCH_ASSEMBLY, sc.STAGE_COMPUTE})
 
 
@@ -92,9 +92,9 @@ def trace_state_weight(trace_state: str) -> float | None:
     return None
 
 
-@dataclass(frozen=True)
-class FinalRequest:
-    """A finalised request, ready to be folded into the sketches."""
+class FinalRequest(NamedTuple):
+    """A finalised request, ready to be folded into the sketches (a NamedTuple: created
+    once per request on the hot path, where a frozen dataclass costs several times more)."""
 
     service: str
     model: str
@@ -162,6 +162,7 @@ class Assembler:
         links = self.links
         valid_stages = self.valid_stages
         wanted = _WANTED
+        string_keys = _STRING_KEYS
         max_spans = self.max_spans_per_trace
         accepted = rejected = 0
         errors: list[str] = []
@@ -207,7 +208,10 @@ class Assembler:
                         if k in wanted:
                             if attrs is None:
                                 attrs = {}
-                            attrs[k] = _any_value(kv.value)
+                            v = kv.value
+                            # Typed read first (the contract's types); the generic
+                            # decode only when the sender used another type.
+                            attrs[k] = (v.string_value or _any_value(v)) if k in string_keys else _any_value(v)
                     stage = None
                     if attrs is not None:
                         stage = attrs.get(sc.ATTR_STAGE)
@@ -239,7 +243,6 @@ class Assembler:
                             else:
                                 lst.append(record)
                         accepted += 1
-                        self.pending += 1
                         continue
                     trace = traces.get(tid)
                     if trace is None:
@@ -266,9 +269,9 @@ class Assembler:
                         trace.has_stage = True
                     trace.spans[sid] = (parent, start, end, stage, resource, attrs, candidate, span.flags, trace_state)
                     accepted += 1
-                    self.pending += 1
         self.received += accepted + rejected
         self.accepted += accepted
+        self.pending += accepted
         return accepted, rejected, errors
 
     # --- finalisation ------------------------------------------------------------------
@@ -284,7 +287,7 @@ class Assembler:
         for tid in done:
             trace = self.traces.pop(tid)
             self.pending -= len(trace.spans)
-            self._finalise_trace(tid, trace, out)
+            self._finalise_trace(tid, trace, out, now)
             self.recent_done[tid] = now
         for tid in expired:
             trace = self.traces.pop(tid)
@@ -331,7 +334,7 @@ class Assembler:
             else:
                 refs[ident] = left
 
-    def _finalise_trace(self, tid: bytes, trace: _Trace, out: list[FinalRequest]) -> None:
+    def _finalise_trace(self, tid: bytes, trace: _Trace, out: list[FinalRequest], now: float) -> None:
         spans = trace.spans
         # Confirm local roots among the candidates.
         requests: set[bytes] = set()
@@ -367,7 +370,7 @@ class Assembler:
                 self.link_created.pop((tid, rid), None)
                 self._release_linked(linked)
                 owned[rid].extend(linked)
-            final = self._finalise_request(spans[rid], owned[rid])
+            final = self._finalise_request(spans[rid], owned[rid], now)
             if final is not None:
                 out.append(final)
 
@@ -394,7 +397,7 @@ class Assembler:
             memo[p] = result
         return result
 
-    def _finalise_request(self, req: tuple, stage_spans: list[tuple]) -> FinalRequest | None:
+    def _finalise_request(self, req: tuple, stage_spans: list[tuple], now: float) -> FinalRequest | None:
         _, start, end, _, resource, attrs, _, _, trace_state = req
         if not stage_spans and not attrs:
             self.ignored += 1
@@ -412,7 +415,6 @@ class Assembler:
         batches = []
         compute = []
         seen = self.seen_batches
-        now = self.clock()
         for stage, s, e, res, sattrs, ident in stage_spans:
             intervals.append((stage, s, e))
             if sattrs is None:
@@ -439,15 +441,15 @@ class Assembler:
                         compute.append((res[1], str(gpu), s * 1e-9, e * 1e-9))
         stage_time, exclusive, unattributed = partition(start, end, intervals)
         return FinalRequest(
-            service=service,
-            model=model if isinstance(model, str) else "",
-            weight=weight,
-            e2e=(end - start) * 1e-9,
-            stage_time=stage_time,
-            exclusive=exclusive,
-            unattributed=unattributed,
-            batches=tuple(batches),
-            compute=tuple(compute),
+            service,
+            model if isinstance(model, str) else "",
+            weight,
+            (end - start) * 1e-9,
+            stage_time,
+            exclusive,
+            unattributed,
+            tuple(batches),
+            tuple(compute),
         )
 
 
