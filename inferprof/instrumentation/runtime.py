@@ -221,6 +221,7 @@ class Runtime:
         for batch in rec.batches:
             if batch.encoding == semconv.BATCH_ENCODING_LINKS:
                 self.member_done(batch, rec)
+        rec.batches = []
 
     def _emit_request(self, rec: RequestRecord, weight: float | None) -> None:
         trace_id = rec.trace_id
@@ -275,6 +276,9 @@ class Runtime:
             with batch.lock:
                 batch.closed = True
                 ready = batch.pending == 0
+                # members -> batch -> members is a cycle; once closed the batch needs only
+                # the pending count, so let the records be freed by refcounting alone.
+                batch.members = ()
             if ready and batch.encoding == semconv.BATCH_ENCODING_LINKS:
                 self._emit_linked_batch(batch)
         except Exception:
