@@ -18,8 +18,9 @@ import os
 import socket
 import threading
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from opentelemetry import metrics as metrics_api
 from opentelemetry import trace as trace_api
@@ -115,7 +116,9 @@ def _fraction(arg: Any, env: str, default: float, what: str, *, open_low: bool) 
 
     if arg is not None:
         if isinstance(arg, bool) or not isinstance(arg, (int, float)) or not ok(float(arg)):
-            raise ValueError(f"{what} must be a number in {'(0, 1]' if open_low else '[0, 1]'}, got {arg!r}")
+            raise ValueError(
+                f"{what} must be a number in {'(0, 1]' if open_low else '[0, 1]'}, got {arg!r}"
+            )
         return float(arg)
     raw = _env(env)
     if raw is None:
@@ -226,9 +229,17 @@ def _auto_runtime() -> Any:
     from inferprof.instrumentation.runtime import Runtime
 
     config = _resolve(
-        mode=None, service_name=None, endpoint=None, protocol=None, sample_rate=None,
-        tail_quantile=None, batch_encoding=None, record_content=None, content_max_bytes=None,
-        excluded_paths=None, owns=False,
+        mode=None,
+        service_name=None,
+        endpoint=None,
+        protocol=None,
+        sample_rate=None,
+        tail_quantile=None,
+        batch_encoding=None,
+        record_content=None,
+        content_max_bytes=None,
+        excluded_paths=None,
+        owns=False,
     )
     if not config.enabled:
         return None
@@ -237,15 +248,29 @@ def _auto_runtime() -> Any:
     return rt
 
 
-def _resolve(*, mode, service_name, endpoint, protocol, sample_rate, tail_quantile,
-             batch_encoding, record_content, content_max_bytes, excluded_paths, owns) -> Config:
+def _resolve(
+    *,
+    mode,
+    service_name,
+    endpoint,
+    protocol,
+    sample_rate,
+    tail_quantile,
+    batch_encoding,
+    record_content,
+    content_max_bytes,
+    excluded_paths,
+    owns,
+) -> Config:
     resolved_mode = _choice(mode, ENV_MODE, semconv.MODES, _DEFAULT_MODE, "mode")
     if mode is None and _flag(None, ENV_OTEL_SDK_DISABLED, False):
         resolved_mode = semconv.MODE_OFF
     if service_name is not None and (not isinstance(service_name, str) or not service_name):
         raise ValueError(f"service_name must be a non-empty string, got {service_name!r}")
     if endpoint is not None and (not isinstance(endpoint, str) or "://" not in endpoint):
-        raise ValueError(f"endpoint must be a URL such as 'http://127.0.0.1:4317', got {endpoint!r}")
+        raise ValueError(
+            f"endpoint must be a URL such as 'http://127.0.0.1:4317', got {endpoint!r}"
+        )
     proto_env = (
         ENV_OTEL_EXPORTER_OTLP_TRACES_PROTOCOL
         if _env(ENV_OTEL_EXPORTER_OTLP_TRACES_PROTOCOL)
@@ -256,14 +281,20 @@ def _resolve(*, mode, service_name, endpoint, protocol, sample_rate, tail_quanti
         service_name=service_name or _env(ENV_OTEL_SERVICE_NAME),
         endpoint=endpoint or _env(ENV_OTEL_EXPORTER_OTLP_ENDPOINT),
         protocol=_choice(protocol, proto_env, PROTOCOLS, _DEFAULT_PROTOCOL, "protocol"),
-        sample_rate=_fraction(sample_rate, ENV_SAMPLE_RATE, _DEFAULT_SAMPLE_RATE, "sample_rate",
-                              open_low=True),
-        tail_quantile=_fraction(tail_quantile, ENV_TAIL_QUANTILE, _DEFAULT_TAIL_QUANTILE,
-                                "tail_quantile", open_low=True),
+        sample_rate=_fraction(
+            sample_rate, ENV_SAMPLE_RATE, _DEFAULT_SAMPLE_RATE, "sample_rate", open_low=True
+        ),
+        tail_quantile=_fraction(
+            tail_quantile, ENV_TAIL_QUANTILE, _DEFAULT_TAIL_QUANTILE, "tail_quantile", open_low=True
+        ),
         batch_encoding=batch_encoding_setting(batch_encoding),
         record_content=_flag(record_content, ENV_RECORD_CONTENT, False),
-        content_max_bytes=_positive_int(content_max_bytes, ENV_CONTENT_MAX_BYTES,
-                                        _DEFAULT_CONTENT_MAX_BYTES, "content_max_bytes"),
+        content_max_bytes=_positive_int(
+            content_max_bytes,
+            ENV_CONTENT_MAX_BYTES,
+            _DEFAULT_CONTENT_MAX_BYTES,
+            "content_max_bytes",
+        ),
         excluded_paths=excluded_paths_setting(excluded_paths),
         owns_providers=owns,
     )
@@ -358,14 +389,24 @@ def configure(
     )
     owns = tracer_provider is None and not adopt_global
     config = _resolve(
-        mode=mode, service_name=service_name, endpoint=endpoint, protocol=protocol,
-        sample_rate=sample_rate, tail_quantile=tail_quantile, batch_encoding=batch_encoding,
-        record_content=record_content, content_max_bytes=content_max_bytes,
-        excluded_paths=excluded_paths, owns=owns,
+        mode=mode,
+        service_name=service_name,
+        endpoint=endpoint,
+        protocol=protocol,
+        sample_rate=sample_rate,
+        tail_quantile=tail_quantile,
+        batch_encoding=batch_encoding,
+        record_content=record_content,
+        content_max_bytes=content_max_bytes,
+        excluded_paths=excluded_paths,
+        owns=owns,
     )
 
+    from inferprof.instrumentation.accounting import (
+        CountingBatchSpanProcessor,
+        CountingSpanExporter,
+    )
     from inferprof.instrumentation.runtime import Runtime
-    from inferprof.instrumentation.accounting import CountingBatchSpanProcessor, CountingSpanExporter
 
     shutdown()
     if not config.enabled:
@@ -393,7 +434,10 @@ def configure(
         except ValueError as exc:  # inconsistent OTEL_BSP_* values: log and default them
             _logger.warning("ignoring OTEL_BSP_* settings (%s); using the SDK defaults", exc)
             processor = CountingBatchSpanProcessor(
-                counted, stats, max_queue_size=2048, schedule_delay_millis=5000,
+                counted,
+                stats,
+                max_queue_size=2048,
+                schedule_delay_millis=5000,
                 max_export_batch_size=512,
             )
         tp.add_span_processor(processor)

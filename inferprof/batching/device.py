@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from inferprof import semconv
 
@@ -65,7 +66,9 @@ def parse_cuda_device(device: Any) -> int | None:
                 return int(idx)
         elif not idx:
             return None  # cpu, mps without events, ...: host timers
-    raise ValueError(f"unrecognised device {device!r}; use 'cpu', 'cuda', 'cuda:N', an int or a torch.device")
+    raise ValueError(
+        f"unrecognised device {device!r}; use 'cpu', 'cuda', 'cuda:N', an int or a torch.device"
+    )
 
 
 def _torch_event_factory(index: int) -> tuple[Callable[[], Any], int] | None:
@@ -77,8 +80,9 @@ def _torch_event_factory(index: int) -> tuple[Callable[[], Any], int] | None:
     if torch is None or not torch.cuda.is_available():
         if not _warned_no_cuda:
             _warned_no_cuda = True
-            _logger.warning("a CUDA device stage was requested but torch/CUDA is unavailable; "
-                            "using host timers")
+            _logger.warning(
+                "a CUDA device stage was requested but torch/CUDA is unavailable; using host timers"
+            )
         return None
     if index < 0:
         index = torch.cuda.current_device()
@@ -123,8 +127,13 @@ class DeviceTiming:
         self.done_at_end = bool(self.end_event.query())
 
 
-def begin_device_stage(rec: Any, device: Any, *, event_factory: Callable[[], Any] | None = None,
-                       gpu_id: str | None = None) -> DeviceTiming | None:
+def begin_device_stage(
+    rec: Any,
+    device: Any,
+    *,
+    event_factory: Callable[[], Any] | None = None,
+    gpu_id: str | None = None,
+) -> DeviceTiming | None:
     """Start event timing for ``rec`` on ``device``; None means host timers suffice."""
     if isinstance(device, EventDevice):
         event_factory, gpu_id = device.event_factory, device.gpu_id
@@ -185,4 +194,11 @@ def _resolve(timings: list[DeviceTiming]) -> None:
         t.rec.end = int(origin + base.elapsed_time(t.end_event) * _NS_PER_MS)
 
 
-__all__ = ["parse_cuda_device", "begin_device_stage", "resolve_stages", "EventDevice", "DeviceTiming", "gpu_uuid"]
+__all__ = [
+    "parse_cuda_device",
+    "begin_device_stage",
+    "resolve_stages",
+    "EventDevice",
+    "DeviceTiming",
+    "gpu_uuid",
+]

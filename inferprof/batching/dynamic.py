@@ -29,9 +29,10 @@ import contextvars
 import inspect
 import logging
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any
 
 from inferprof import semconv
 from inferprof._config import batch_encoding_setting
@@ -52,7 +53,9 @@ class Collated:
 class _Entry:
     __slots__ = ("item", "tokens", "handle", "future", "taken")
 
-    def __init__(self, item: Any, tokens: int | None, handle: QueueHandle, future: asyncio.Future) -> None:
+    def __init__(
+        self, item: Any, tokens: int | None, handle: QueueHandle, future: asyncio.Future
+    ) -> None:
         self.item = item
         self.tokens = tokens
         self.handle = handle
@@ -79,17 +82,32 @@ class DynamicBatcher:
             raise ValueError(f"fn must be callable, got {fn!r}")
         if collate is not None and not callable(collate):
             raise ValueError(f"collate must be callable, got {collate!r}")
-        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
+        if (
+            isinstance(max_batch_size, bool)
+            or not isinstance(max_batch_size, int)
+            or max_batch_size < 1
+        ):
             raise ValueError(f"max_batch_size must be a positive int, got {max_batch_size!r}")
-        if isinstance(max_delay_ms, bool) or not isinstance(max_delay_ms, (int, float)) or max_delay_ms < 0:
+        if (
+            isinstance(max_delay_ms, bool)
+            or not isinstance(max_delay_ms, (int, float))
+            or max_delay_ms < 0
+        ):
             raise ValueError(f"max_delay_ms must be a number >= 0, got {max_delay_ms!r}")
         if max_queue_size is not None and (
-            isinstance(max_queue_size, bool) or not isinstance(max_queue_size, int) or max_queue_size < 1
+            isinstance(max_queue_size, bool)
+            or not isinstance(max_queue_size, int)
+            or max_queue_size < 1
         ):
             raise ValueError(f"max_queue_size must be a positive int, got {max_queue_size!r}")
-        if (isinstance(max_concurrent_batches, bool) or not isinstance(max_concurrent_batches, int)
-                or max_concurrent_batches < 1):
-            raise ValueError(f"max_concurrent_batches must be a positive int, got {max_concurrent_batches!r}")
+        if (
+            isinstance(max_concurrent_batches, bool)
+            or not isinstance(max_concurrent_batches, int)
+            or max_concurrent_batches < 1
+        ):
+            raise ValueError(
+                f"max_concurrent_batches must be a positive int, got {max_concurrent_batches!r}"
+            )
         if model_name is not None and not isinstance(model_name, str):
             raise ValueError(f"model_name must be a string, got {model_name!r}")
         self.fn = fn
@@ -97,11 +115,14 @@ class DynamicBatcher:
         self.max_batch_size = max_batch_size
         self.max_delay_s = max_delay_ms / 1000.0
         self.model_name = model_name
-        self.batch_encoding = batch_encoding_setting(batch_encoding) if batch_encoding is not None else None
+        self.batch_encoding = (
+            batch_encoding_setting(batch_encoding) if batch_encoding is not None else None
+        )
         self.max_queue_size = max_queue_size
         self.max_concurrent_batches = max_concurrent_batches
+        # an async callable object counts too (its __call__ is a coroutine function)
         self._is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
-            getattr(fn, "__call__", None)
+            type(fn).__call__
         )
         self._queue: collections.deque[_Entry] = collections.deque()
         self._wakeup: asyncio.Event | None = None
@@ -150,12 +171,14 @@ class DynamicBatcher:
             entry = self._queue.popleft()
             entry.handle.cancel()
             if not entry.future.done():
-                entry.future.set_exception(RuntimeError("DynamicBatcher stopped before this request was batched"))
+                entry.future.set_exception(
+                    RuntimeError("DynamicBatcher stopped before this request was batched")
+                )
         if self._executor is not None:
             self._executor.shutdown(wait=False)
             self._executor = None
 
-    async def __aenter__(self) -> "DynamicBatcher":
+    async def __aenter__(self) -> DynamicBatcher:
         self.start()
         return self
 
@@ -170,7 +193,9 @@ class DynamicBatcher:
         ``inferprof.tokens.effective`` is their sum and ``inferprof.tokens.padded`` is
         ``max * batch size`` (padding to the longest).
         """
-        if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0):
+        if tokens is not None and (
+            isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0
+        ):
             raise ValueError(f"tokens must be a non-negative int, got {tokens!r}")
         if not self.running:
             self.start()
@@ -208,7 +233,7 @@ class DynamicBatcher:
                     wakeup.clear()
                     try:
                         await asyncio.wait_for(wakeup.wait(), remaining)
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         break
                 entries = []
                 while queue and len(entries) < self.max_batch_size:
@@ -237,7 +262,9 @@ class DynamicBatcher:
                 results = await self._process_async(entries)
             else:
                 ctx = contextvars.Context()
-                results = await self._loop.run_in_executor(self._executor, ctx.run, self._process_sync, entries)
+                results = await self._loop.run_in_executor(
+                    self._executor, ctx.run, self._process_sync, entries
+                )
             results = list(results)
             if len(results) != len(entries):
                 raise ValueError(
@@ -250,13 +277,17 @@ class DynamicBatcher:
             if not isinstance(exc, Exception):
                 raise
             return
-        for entry, result in zip(entries, results):
+        for entry, result in zip(entries, results):  # noqa: B905 - lengths checked above
             if not entry.future.done():
                 entry.future.set_result(result)
 
     def _open_batch(self, entries: list[_Entry]) -> Batch:
-        return batch([e.handle for e in entries], max_size=self.max_batch_size,
-                     model=self.model_name, batch_encoding=self.batch_encoding)
+        return batch(
+            [e.handle for e in entries],
+            max_size=self.max_batch_size,
+            model=self.model_name,
+            batch_encoding=self.batch_encoding,
+        )
 
     def _assemble(self, b: Batch, entries: list[_Entry]) -> Any:
         with b.stage(semconv.STAGE_BATCH_ASSEMBLY):

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from inferprof import semconv
 from inferprof._config import active_runtime, batch_encoding_setting
@@ -79,7 +80,7 @@ class _BoundStage(Stage):
         super().__init__(name, device, attrs)
         self._owner = owner
 
-    def __enter__(self) -> "Stage":
+    def __enter__(self) -> Stage:
         self._outer = SCOPE.set((self._owner, None))
         return super().__enter__()
 
@@ -98,8 +99,14 @@ class Batch:
 
     __slots__ = ("handles", "max_size", "model", "encoding", "attrs", "record", "_token", "_rt")
 
-    def __init__(self, handles: list, max_size: int | None, model: str | None,
-                 encoding: str | None, attrs: dict) -> None:
+    def __init__(
+        self,
+        handles: list,
+        max_size: int | None,
+        model: str | None,
+        encoding: str | None,
+        attrs: dict,
+    ) -> None:
         self.handles = handles
         self.max_size = max_size
         self.model = model
@@ -132,7 +139,7 @@ class Batch:
         if self.record is not None:
             self.record.attrs[key] = value
 
-    def __enter__(self) -> "Batch":
+    def __enter__(self) -> Batch:
         now = _time_ns()
         for h in self.handles:
             st = h.stage
@@ -182,7 +189,7 @@ class Batch:
         self._rt.close_batch(record)
         return False
 
-    async def __aenter__(self) -> "Batch":
+    async def __aenter__(self) -> Batch:
         return self.__enter__()
 
     async def __aexit__(self, exc_type, exc, tb) -> bool:
@@ -191,7 +198,9 @@ class Batch:
 
 def _set_tokens(record: BatchRecord | None, effective: int | None, padded: int | None) -> None:
     for name, value in (("effective", effective), ("padded", padded)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 0
+        ):
             raise ValueError(f"{name} tokens must be a non-negative int, got {value!r}")
     if effective is not None and padded is not None and padded < effective:
         raise ValueError(f"padded tokens ({padded}) must be >= effective tokens ({effective})")
@@ -203,8 +212,14 @@ def _set_tokens(record: BatchRecord | None, effective: int | None, padded: int |
         record.tokens[semconv.ATTR_TOKENS_PADDED] = padded
 
 
-def batch(handles: Iterable[QueueHandle], *, max_size: int | None = None, model: str | None = None,
-          batch_encoding: str | None = None, **attributes: Any) -> Batch:
+def batch(
+    handles: Iterable[QueueHandle],
+    *,
+    max_size: int | None = None,
+    model: str | None = None,
+    batch_encoding: str | None = None,
+    **attributes: Any,
+) -> Batch:
     """Mark "a batch was formed from these requests" (``with`` / ``async with``).
 
     Entering ends every member's ``queue`` stage; stages recorded inside (through
@@ -215,7 +230,9 @@ def batch(handles: Iterable[QueueHandle], *, max_size: int | None = None, model:
     for h in handles:
         if not isinstance(h, QueueHandle):
             raise ValueError(f"batch() takes the handles inferprof.enqueue() returned, got {h!r}")
-    if max_size is not None and (isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 1):
+    if max_size is not None and (
+        isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 1
+    ):
         raise ValueError(f"max_size must be a positive int, got {max_size!r}")
     if model is not None and not isinstance(model, str):
         raise ValueError(f"model must be a string, got {model!r}")

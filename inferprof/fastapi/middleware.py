@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
 
 from opentelemetry import context as context_api
 from opentelemetry import propagate
@@ -46,8 +47,18 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 class _Exchange:
     """Per-request state shared by the receive and send wrappers."""
 
-    __slots__ = ("rec", "receive_stage", "received", "serialize_stage", "sent", "status",
-                 "request_body", "response_body", "last_byte", "limit")
+    __slots__ = (
+        "rec",
+        "receive_stage",
+        "received",
+        "serialize_stage",
+        "sent",
+        "status",
+        "request_body",
+        "response_body",
+        "last_byte",
+        "limit",
+    )
 
     def __init__(self, rec: RequestRecord, limit: int | None) -> None:
         self.rec = rec
@@ -95,23 +106,35 @@ class InferprofMiddleware:
         if record_content is not None and not isinstance(record_content, bool):
             raise ValueError(f"record_content must be a bool, got {record_content!r}")
         self.app = app
-        paths = _config.excluded_paths_setting(excluded_paths) if excluded_paths is not None else None
+        paths = (
+            _config.excluded_paths_setting(excluded_paths) if excluded_paths is not None else None
+        )
         # None: follow the runtime's configuration (configure(excluded_paths=...) / env).
         self._excluded_paths = split_paths(paths) if paths is not None else None
         self.model_name = model_name
         self._record_content = record_content
         self._content_max_bytes = content_max_bytes
         if content_max_bytes is not None and (
-            isinstance(content_max_bytes, bool) or not isinstance(content_max_bytes, int) or content_max_bytes < 1
+            isinstance(content_max_bytes, bool)
+            or not isinstance(content_max_bytes, int)
+            or content_max_bytes < 1
         ):
             raise ValueError(f"content_max_bytes must be a positive int, got {content_max_bytes!r}")
         self._span_name = span_name
         self._runtime: Runtime | None = None
         if tracer_provider is not None:
             config = _config._resolve(
-                mode=None, service_name=None, endpoint=None, protocol=None, sample_rate=None,
-                tail_quantile=None, batch_encoding=None, record_content=record_content,
-                content_max_bytes=content_max_bytes, excluded_paths=paths, owns=False,
+                mode=None,
+                service_name=None,
+                endpoint=None,
+                protocol=None,
+                sample_rate=None,
+                tail_quantile=None,
+                batch_encoding=None,
+                record_content=record_content,
+                content_max_bytes=content_max_bytes,
+                excluded_paths=paths,
+                owns=False,
             )
             self._runtime = Runtime(config, tracer_provider, meter_provider)
 
@@ -226,10 +249,12 @@ class InferprofMiddleware:
                 if ex.status >= 500 and rec.error is None:
                     rec.error = f"HTTP {ex.status}"
             if ex.limit:
-                rec.set_attribute(semconv.ATTR_REQUEST_BODY,
-                                  bytes(ex.request_body).decode("utf-8", "replace"))
-                rec.set_attribute(semconv.ATTR_RESPONSE_BODY,
-                                  bytes(ex.response_body).decode("utf-8", "replace"))
+                rec.set_attribute(
+                    semconv.ATTR_REQUEST_BODY, bytes(ex.request_body).decode("utf-8", "replace")
+                )
+                rec.set_attribute(
+                    semconv.ATTR_RESPONSE_BODY, bytes(ex.response_body).decode("utf-8", "replace")
+                )
         except Exception:
             _logger.exception("inferprof could not finish a request's attributes")
         rec.end = ex.last_byte or now
@@ -297,7 +322,9 @@ class InferprofMiddleware:
 
 def split_paths(paths: tuple[str, ...]) -> tuple[frozenset, tuple]:
     """Excluded paths as (exact matches, prefixes); a trailing ``*`` marks a prefix."""
-    return frozenset(p for p in paths if not p.endswith("*")), tuple(p[:-1] for p in paths if p.endswith("*"))
+    return frozenset(p for p in paths if not p.endswith("*")), tuple(
+        p[:-1] for p in paths if p.endswith("*")
+    )
 
 
 def instrument(app: Any, **options: Any) -> Any:

@@ -10,7 +10,7 @@ from typing import Any
 
 
 def stats() -> Any:
-    """A :class:`~inferprof.instrumentation.accounting.StatsSnapshot`, or None when not configured."""
+    """A :class:`~inferprof.instrumentation.accounting.StatsSnapshot`, or None when off."""
     from inferprof import _config
 
     rt = _config._runtime if _config._runtime is not None else _config.active_runtime()

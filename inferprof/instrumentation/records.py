@@ -23,7 +23,9 @@ class StageRecord:
 
     __slots__ = ("name", "span_id", "parent_id", "start", "end", "attrs", "error", "device")
 
-    def __init__(self, name: str, span_id: int, parent_id: int | None, start: int, attrs: dict) -> None:
+    def __init__(
+        self, name: str, span_id: int, parent_id: int | None, start: int, attrs: dict
+    ) -> None:
         self.name = name
         self.span_id = span_id
         self.parent_id = parent_id
@@ -46,14 +48,39 @@ class RequestRecord:
     """
 
     __slots__ = (
-        "name", "kind", "trace_id", "span_id", "parent", "start", "end", "attrs", "stages",
-        "batches", "error", "head", "weight_hint", "live_span", "emit_request_span", "runtime",
-        "finished", "kept",
+        "name",
+        "kind",
+        "trace_id",
+        "span_id",
+        "parent",
+        "start",
+        "end",
+        "attrs",
+        "stages",
+        "batches",
+        "error",
+        "head",
+        "weight_hint",
+        "live_span",
+        "emit_request_span",
+        "runtime",
+        "finished",
+        "kept",
     )
 
-    def __init__(self, runtime: Any, name: str, kind: trace_api.SpanKind, trace_id: int,
-                 span_id: int, parent: trace_api.SpanContext | None, start: int, attrs: dict,
-                 head: bool, weight_hint: float = 1.0) -> None:
+    def __init__(
+        self,
+        runtime: Any,
+        name: str,
+        kind: trace_api.SpanKind,
+        trace_id: int,
+        span_id: int,
+        parent: trace_api.SpanContext | None,
+        start: int,
+        attrs: dict,
+        head: bool,
+        weight_hint: float = 1.0,
+    ) -> None:
         self.runtime = runtime
         self.name = name
         self.kind = kind
@@ -111,11 +138,23 @@ class BatchRecord:
     """
 
     __slots__ = (
-        "batch_id", "attrs", "stages", "members", "encoding", "runtime", "closed", "pending",
-        "kept_members", "lock", "emitted", "tokens",
+        "batch_id",
+        "attrs",
+        "stages",
+        "members",
+        "encoding",
+        "runtime",
+        "closed",
+        "pending",
+        "kept_members",
+        "lock",
+        "emitted",
+        "tokens",
     )
 
-    def __init__(self, runtime: Any, batch_id: str, attrs: dict, members: list, encoding: str) -> None:
+    def __init__(
+        self, runtime: Any, batch_id: str, attrs: dict, members: list, encoding: str
+    ) -> None:
         self.runtime = runtime
         self.batch_id = batch_id
         self.attrs = attrs

@@ -19,7 +19,8 @@ import itertools
 import logging
 import random
 import traceback
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from opentelemetry import trace as trace_api
 from opentelemetry.sdk.trace import Event, ReadableSpan
@@ -29,9 +30,9 @@ from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
 from inferprof import __version__, semconv
 from inferprof.batching.device import resolve_stages
+from inferprof.instrumentation.accounting import Stats, StatsSnapshot
 from inferprof.instrumentation.records import BatchRecord, RequestRecord, StageRecord
 from inferprof.instrumentation.sampling import TailSampler
-from inferprof.instrumentation.accounting import Stats, StatsSnapshot
 
 _logger = logging.getLogger(__name__)
 
@@ -59,13 +60,19 @@ def _error_parts(error: BaseException, when: int) -> tuple[Status, tuple, dict]:
     if isinstance(error, asyncio.CancelledError):
         return _UNSET, (), {semconv.ATTR_CANCELLED: True}
     etype = type(error)
-    name = etype.__qualname__ if etype.__module__ == "builtins" else f"{etype.__module__}.{etype.__qualname__}"
+    name = (
+        etype.__qualname__
+        if etype.__module__ == "builtins"
+        else f"{etype.__module__}.{etype.__qualname__}"
+    )
     event = Event(
         "exception",
         {
             "exception.type": name,
             "exception.message": str(error),
-            "exception.stacktrace": "".join(traceback.format_exception(etype, error, error.__traceback__)),
+            "exception.stacktrace": "".join(
+                traceback.format_exception(etype, error, error.__traceback__)
+            ),
             "exception.escaped": "True",
         },
         timestamp=when,
@@ -89,8 +96,9 @@ def _sampler_ratio(sampler: Any, parent: trace_api.SpanContext | None) -> float:
 class Runtime:
     """Configured state: providers, the span sink, the sampler and the counters."""
 
-    def __init__(self, config: Any, tracer_provider: Any, meter_provider: Any,
-                 stats: Stats | None = None) -> None:
+    def __init__(
+        self, config: Any, tracer_provider: Any, meter_provider: Any, stats: Stats | None = None
+    ) -> None:
         self.config = config
         self.enabled = config.enabled and tracer_provider is not None
         self.mode = config.mode
@@ -135,18 +143,27 @@ class Runtime:
             meter = self.meter_provider.get_meter(semconv.INSTRUMENTATION_SCOPE, __version__)
 
             def dropped(_options):
-                yield Observation(stats.queue_full, {semconv.ATTR_DROP_REASON: semconv.DROP_REASON_QUEUE_FULL})
-                yield Observation(stats.export_failed, {semconv.ATTR_DROP_REASON: semconv.DROP_REASON_EXPORT_FAILED})
+                yield Observation(
+                    stats.queue_full, {semconv.ATTR_DROP_REASON: semconv.DROP_REASON_QUEUE_FULL}
+                )
+                yield Observation(
+                    stats.export_failed,
+                    {semconv.ATTR_DROP_REASON: semconv.DROP_REASON_EXPORT_FAILED},
+                )
 
             def emitted(_options):
                 yield Observation(stats.emitted)
 
             meter.create_observable_counter(
-                semconv.METRIC_SPANS_DROPPED, callbacks=[dropped], unit="{span}",
+                semconv.METRIC_SPANS_DROPPED,
+                callbacks=[dropped],
+                unit="{span}",
                 description="Spans inferprof produced that never reached the exporter's backend",
             )
             meter.create_observable_counter(
-                semconv.METRIC_SPANS_EMITTED, callbacks=[emitted], unit="{span}",
+                semconv.METRIC_SPANS_EMITTED,
+                callbacks=[emitted],
+                unit="{span}",
                 description="Spans inferprof handed to the span processor",
             )
         except Exception:
@@ -156,8 +173,14 @@ class Runtime:
         return self.stats.snapshot()
 
     # --- requests ----------------------------------------------------------------------
-    def start_request(self, name: str, kind: SpanKind, attrs: dict,
-                      parent: trace_api.SpanContext | None, start: int) -> RequestRecord:
+    def start_request(
+        self,
+        name: str,
+        kind: SpanKind,
+        attrs: dict,
+        parent: trace_api.SpanContext | None,
+        start: int,
+    ) -> RequestRecord:
         if parent is not None and parent.is_valid:
             trace_id = parent.trace_id
         else:
@@ -171,7 +194,9 @@ class Runtime:
             head, weight_hint = self._consult_sampler(trace_id, name, kind, attrs, parent)
         else:
             head = True
-        return RequestRecord(self, name, kind, trace_id, span_id, parent, start, attrs, head, weight_hint)
+        return RequestRecord(
+            self, name, kind, trace_id, span_id, parent, start, attrs, head, weight_hint
+        )
 
     def _consult_sampler(self, trace_id, name, kind, attrs, parent) -> tuple[bool, float]:
         from opentelemetry.sdk.trace.sampling import Decision
@@ -234,13 +259,26 @@ class Runtime:
             if weight is not None and weight != 1.0:
                 attrs[semconv.ATTR_SAMPLE_WEIGHT] = float(weight)
             parent = rec.parent
-            specs.append((rec.name, rec.span_id, parent, rec.kind, rec.start, end, attrs, rec.error, ()))
+            specs.append(
+                (rec.name, rec.span_id, parent, rec.kind, rec.start, end, attrs, rec.error, ())
+            )
         root = rec.span_id
         for st in rec.stages:
             attrs = {semconv.ATTR_STAGE: st.name}
             attrs.update(st.attrs)
-            specs.append((semconv.span_name(st.name), st.span_id, st.parent_id or root,
-                          SpanKind.INTERNAL, st.start, st.end or end, attrs, st.error, ()))
+            specs.append(
+                (
+                    semconv.span_name(st.name),
+                    st.span_id,
+                    st.parent_id or root,
+                    SpanKind.INTERNAL,
+                    st.start,
+                    st.end or end,
+                    attrs,
+                    st.error,
+                    (),
+                )
+            )
         for batch in rec.batches:
             if batch.encoding != semconv.BATCH_ENCODING_CHILDREN:
                 continue
@@ -250,10 +288,19 @@ class Runtime:
                     continue  # the batch outlived the request: only finished stages are copied
                 copy_id = new_span_id()
                 mapping[st.span_id] = copy_id
-                specs.append((semconv.span_name(st.name), copy_id,
-                              mapping.get(st.parent_id, root) if st.parent_id else root,
-                              SpanKind.INTERNAL, st.start, st.end, self._batch_attrs(batch, st),
-                              st.error, ()))
+                specs.append(
+                    (
+                        semconv.span_name(st.name),
+                        copy_id,
+                        mapping.get(st.parent_id, root) if st.parent_id else root,
+                        SpanKind.INTERNAL,
+                        st.start,
+                        st.end,
+                        self._batch_attrs(batch, st),
+                        st.error,
+                        (),
+                    )
+                )
         self._emit(trace_id, specs)
 
     @staticmethod
@@ -305,8 +352,19 @@ class Runtime:
         end = max((st.end or 0 for st in batch.stages), default=0)
         specs = []
         for st in batch.stages:
-            specs.append((semconv.span_name(st.name), st.span_id, st.parent_id, SpanKind.INTERNAL,
-                          st.start, st.end or end, self._batch_attrs(batch, st), st.error, links))
+            specs.append(
+                (
+                    semconv.span_name(st.name),
+                    st.span_id,
+                    st.parent_id,
+                    SpanKind.INTERNAL,
+                    st.start,
+                    st.end or end,
+                    self._batch_attrs(batch, st),
+                    st.error,
+                    links,
+                )
+            )
         self._emit(new_trace_id(), specs)
 
     # --- the sink ----------------------------------------------------------------------
@@ -324,7 +382,9 @@ class Runtime:
             else:
                 parent_ctx = parents.get(parent)
                 if parent_ctx is None:
-                    parent_ctx = parents[parent] = trace_api.SpanContext(trace_id, parent, False, _SAMPLED)
+                    parent_ctx = parents[parent] = trace_api.SpanContext(
+                        trace_id, parent, False, _SAMPLED
+                    )
             status, events = _UNSET, ()
             if error is not None:
                 status, events, extra = _error_parts(error, end)
@@ -357,9 +417,14 @@ class Runtime:
                 parent_ctx = parent
             else:
                 parent_ctx = actual.get(parent)
-            ctx = trace_api.set_span_in_context(trace_api.NonRecordingSpan(parent_ctx)) if parent_ctx else None
-            span = self.tracer.start_span(name, context=ctx, kind=kind, attributes=attrs,
-                                          links=links, start_time=start)
+            ctx = (
+                trace_api.set_span_in_context(trace_api.NonRecordingSpan(parent_ctx))
+                if parent_ctx
+                else None
+            )
+            span = self.tracer.start_span(
+                name, context=ctx, kind=kind, attributes=attrs, links=links, start_time=start
+            )
             if error is not None:
                 status, events, extra = _error_parts(error, end)
                 if extra:

@@ -41,8 +41,15 @@ class _Window:
 class TailSampler:
     """Decides, at request end, whether to keep a trace and with which weight."""
 
-    def __init__(self, sample_rate: float, tail_quantile: float, *, window: int = _DEFAULT_WINDOW,
-                 refresh: int = _DEFAULT_REFRESH, warmup: int = _DEFAULT_WARMUP) -> None:
+    def __init__(
+        self,
+        sample_rate: float,
+        tail_quantile: float,
+        *,
+        window: int = _DEFAULT_WINDOW,
+        refresh: int = _DEFAULT_REFRESH,
+        warmup: int = _DEFAULT_WARMUP,
+    ) -> None:
         if not 0.0 < sample_rate <= 1.0:
             raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate!r}")
         if not 0.0 < tail_quantile <= 1.0:

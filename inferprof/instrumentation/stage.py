@@ -17,7 +17,8 @@ import functools
 import inspect
 import logging
 import time
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from opentelemetry import context as context_api
 from opentelemetry import propagate
@@ -46,7 +47,17 @@ def _check_stage(name: str) -> None:
 class Stage:
     """One use of ``inferprof.stage()``. ``set_attribute()`` adds to the stage's span."""
 
-    __slots__ = ("name", "attrs", "device", "_rec", "_token", "_prev", "_span", "_otel_token", "_timing")
+    __slots__ = (
+        "name",
+        "attrs",
+        "device",
+        "_rec",
+        "_token",
+        "_prev",
+        "_span",
+        "_otel_token",
+        "_timing",
+    )
 
     def __init__(self, name: str, device: Any, attrs: dict) -> None:
         self.name = name
@@ -63,7 +74,7 @@ class Stage:
             self._span.set_attribute(key, value)
 
     # --- context manager -------------------------------------------------------------
-    def __enter__(self) -> "Stage":
+    def __enter__(self) -> Stage:
         scope = SCOPE.get()
         if scope is None:
             self._enter_standalone()
@@ -95,7 +106,7 @@ class Stage:
             self._exit_standalone(exc)
         return False
 
-    async def __aenter__(self) -> "Stage":
+    async def __aenter__(self) -> Stage:
         return self.__enter__()
 
     async def __aexit__(self, exc_type, exc, tb) -> bool:
@@ -197,15 +208,30 @@ def _live_server_span() -> Any:
     return None
 
 
-def begin_request(rt: Any, name: str, kind: SpanKind, attrs: dict,
-                  parent: trace_api.SpanContext | None = None, start: int | None = None) -> RequestRecord:
+def begin_request(
+    rt: Any,
+    name: str,
+    kind: SpanKind,
+    attrs: dict,
+    parent: trace_api.SpanContext | None = None,
+    start: int | None = None,
+) -> RequestRecord:
     """Open a request record (middleware and ``request()`` share this)."""
     live = _live_server_span()
     start = start if start is not None else _time_ns()
     if live is not None:
         sc = live.get_span_context()
-        rec = RequestRecord(rt, name, kind, sc.trace_id, sc.span_id, None, start, attrs,
-                            bool(sc.trace_flags.sampled))
+        rec = RequestRecord(
+            rt,
+            name,
+            kind,
+            sc.trace_id,
+            sc.span_id,
+            None,
+            start,
+            attrs,
+            bool(sc.trace_flags.sampled),
+        )
         rec.live_span = live
         rec.emit_request_span = False
         weight = rt.live_weight(live) if rec.head else 1.0
@@ -226,7 +252,9 @@ class RequestScope:
 
     __slots__ = ("name", "kind", "attrs", "carrier", "_rec", "_token", "_otel_token", "_rt")
 
-    def __init__(self, name: str, kind: SpanKind, attrs: dict, carrier: Mapping[str, str] | None) -> None:
+    def __init__(
+        self, name: str, kind: SpanKind, attrs: dict, carrier: Mapping[str, str] | None
+    ) -> None:
         self.name = name
         self.kind = kind
         self.attrs = attrs
@@ -245,7 +273,9 @@ class RequestScope:
         try:
             parent = None
             if self.carrier is not None:
-                parent = trace_api.get_current_span(propagate.extract(self.carrier)).get_span_context()
+                parent = trace_api.get_current_span(
+                    propagate.extract(self.carrier)
+                ).get_span_context()
                 parent = parent if parent.is_valid else None
             rec = begin_request(rt, self.name, self.kind, dict(self.attrs), parent)
             if rec.live_span is None:
@@ -304,8 +334,14 @@ class RequestScope:
         return wrapper
 
 
-def request(*, model: str | None = None, name: str | None = None, kind: SpanKind = SpanKind.INTERNAL,
-            carrier: Mapping[str, str] | None = None, **attributes: Any) -> RequestScope:
+def request(
+    *,
+    model: str | None = None,
+    name: str | None = None,
+    kind: SpanKind = SpanKind.INTERNAL,
+    carrier: Mapping[str, str] | None = None,
+    **attributes: Any,
+) -> RequestScope:
     """Open a request span for a non-HTTP entry point (queue consumer, gRPC handler, script).
 
     ``carrier``: message headers to extract W3C ``traceparent``/``tracestate`` from. Nested

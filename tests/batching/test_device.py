@@ -114,7 +114,9 @@ def test_cuda_without_torch_degrades_to_host_timers(cap, monkeypatch, caplog):
     assert "torch/CUDA is unavailable" in caplog.text
 
 
-@pytest.mark.parametrize("device, index", [(None, None), ("cpu", None), ("cuda", -1), ("cuda:2", 2), (1, 1)])
+@pytest.mark.parametrize(
+    "device, index", [(None, None), ("cpu", None), ("cuda", -1), ("cuda:2", 2), (1, 1)]
+)
 def test_parse_device(device, index):
     assert parse_cuda_device(device) == index
 

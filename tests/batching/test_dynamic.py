@@ -10,7 +10,12 @@ from inferprof import semconv
 from inferprof.batching import Collated, current_batch
 from tests.instrumentation.helpers import captured, children_of
 
-BATCH_ATTRS = (semconv.ATTR_BATCH_ID, semconv.ATTR_BATCH_SIZE, semconv.ATTR_BATCH_MAX_SIZE, semconv.ATTR_MODEL_NAME)
+BATCH_ATTRS = (
+    semconv.ATTR_BATCH_ID,
+    semconv.ATTR_BATCH_SIZE,
+    semconv.ATTR_BATCH_MAX_SIZE,
+    semconv.ATTR_MODEL_NAME,
+)
 
 
 def model_fn(xs):
@@ -32,7 +37,9 @@ async def _serve(batcher, n, *, tokens=None):
 
 
 async def test_children_encoding_copies_batch_stages_under_every_member(cap):
-    async with inferprof.DynamicBatcher(model_fn, max_batch_size=4, max_delay_ms=50, model_name="m") as b:
+    async with inferprof.DynamicBatcher(
+        model_fn, max_batch_size=4, max_delay_ms=50, model_name="m"
+    ) as b:
         results = await _serve(b, 4, tokens=[3, 5, 2, 6])
     assert results == [0, 10, 20, 30]
     spans = cap.spans()
@@ -56,7 +63,9 @@ async def test_children_encoding_copies_batch_stages_under_every_member(cap):
         # the batch forms when the queue wait ends, stages follow in order
         assert q.end_time <= by_stage["batch_assembly"].start_time
         assert by_stage["batch_assembly"].end_time <= by_stage["h2d"].start_time
-        assert by_stage["h2d"].end_time <= by_stage["compute"].start_time <= by_stage["d2h"].start_time
+        assert (
+            by_stage["h2d"].end_time <= by_stage["compute"].start_time <= by_stage["d2h"].start_time
+        )
         assert by_stage["compute"].attributes[semconv.ATTR_TOKENS_EFFECTIVE] == 16
         assert by_stage["batch_assembly"].attributes[semconv.ATTR_TOKENS_PADDED] == 24
         assert semconv.ATTR_TOKENS_EFFECTIVE not in by_stage["h2d"].attributes
@@ -81,12 +90,16 @@ async def test_links_encoding_one_span_per_stage_linked_to_every_member():
             (span,) = cap.stages(name)
             assert span.parent is None
             assert span.context.trace_id not in {t for t, _ in member_ids}
-            assert {(link.context.trace_id, link.context.span_id) for link in span.links} == member_ids
+            assert {
+                (link.context.trace_id, link.context.span_id) for link in span.links
+            } == member_ids
             assert span.attributes[semconv.ATTR_BATCH_SIZE] == 3
             assert span.attributes[semconv.ATTR_MODEL_NAME] == "m"  # from the members
         # per-request stages stay in each request's trace
         assert len(cap.stages("queue")) == 3
-        assert all(not cap.stages("compute")[0].attributes.get(semconv.ATTR_REQUEST, False) for _ in [0])
+        assert all(
+            not cap.stages("compute")[0].attributes.get(semconv.ATTR_REQUEST, False) for _ in [0]
+        )
 
 
 async def test_links_encoding_links_only_sampled_members():
@@ -109,7 +122,9 @@ async def test_links_encoding_links_only_sampled_members():
 
 
 async def test_batch_encoding_constructor_argument_wins(cap):
-    async with inferprof.DynamicBatcher(model_fn, max_batch_size=2, max_delay_ms=20, batch_encoding="links") as b:
+    async with inferprof.DynamicBatcher(
+        model_fn, max_batch_size=2, max_delay_ms=20, batch_encoding="links"
+    ) as b:
         await _serve(b, 2)
     (span,) = cap.stages("compute")
     assert len(span.links) == 2
@@ -216,7 +231,9 @@ async def test_async_fn_and_collate_reporting_tokens(cap):
             pass
         return xs
 
-    async with inferprof.DynamicBatcher(fn, max_batch_size=2, max_delay_ms=20, collate=collate) as b:
+    async with inferprof.DynamicBatcher(
+        fn, max_batch_size=2, max_delay_ms=20, collate=collate
+    ) as b:
         await asyncio.gather(*(_one(b, i) for i in range(2)))
     for s in cap.stages("batch_assembly"):
         assert s.attributes[semconv.ATTR_TOKENS_EFFECTIVE] == 7
@@ -228,7 +245,9 @@ async def test_collate_can_report_tokens_through_the_current_batch(cap):
         current_batch().set_tokens(effective=4, padded=6)
         return items
 
-    async with inferprof.DynamicBatcher(lambda xs: xs, max_batch_size=2, max_delay_ms=20, collate=collate) as b:
+    async with inferprof.DynamicBatcher(
+        lambda xs: xs, max_batch_size=2, max_delay_ms=20, collate=collate
+    ) as b:
         await asyncio.gather(*(_one(b, i) for i in range(2)))
     for s in cap.stages("batch_assembly"):
         assert s.attributes[semconv.ATTR_TOKENS_EFFECTIVE] == 4
@@ -254,7 +273,9 @@ async def test_batcher_works_with_inferprof_off():
 
 
 async def test_max_queue_size_rejects_when_full(cap):
-    async with inferprof.DynamicBatcher(lambda xs: xs, max_batch_size=8, max_delay_ms=200, max_queue_size=2) as b:
+    async with inferprof.DynamicBatcher(
+        lambda xs: xs, max_batch_size=8, max_delay_ms=200, max_queue_size=2
+    ) as b:
         waiting = [asyncio.create_task(b.submit(i)) for i in range(2)]
         await asyncio.sleep(0.01)
         with pytest.raises(asyncio.QueueFull):

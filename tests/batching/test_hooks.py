@@ -6,7 +6,7 @@ import pytest
 import inferprof
 from inferprof import semconv
 from inferprof.batching.hooks import QueueHandle
-from tests.instrumentation.helpers import captured, children_of
+from tests.instrumentation.helpers import children_of
 
 
 async def _custom_batcher_requests(n, queue):

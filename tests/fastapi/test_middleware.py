@@ -57,8 +57,9 @@ def make_app(**options):
 
 
 def client(app):
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app, raise_app_exceptions=False),
-                             base_url="http://test")
+    return httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app, raise_app_exceptions=False), base_url="http://test"
+    )
 
 
 async def test_request_span_with_receive_and_serialize_stages(cap):
@@ -111,9 +112,19 @@ async def test_sse_through_raw_asgi_passes_each_chunk_on(cap):
     async def send(message):
         sent.append((time.perf_counter(), message))
 
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET",
-             "scheme": "http", "path": "/stream", "raw_path": b"/stream", "query_string": b"",
-             "headers": [], "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "GET",
+        "scheme": "http",
+        "path": "/stream",
+        "raw_path": b"/stream",
+        "query_string": b"",
+        "headers": [],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
     await app(scope, receive, send)
     bodies = [(t, m) for t, m in sent if m["type"] == "http.response.body" and m.get("body")]
     assert len(bodies) == 4  # not buffered: each chunk reaches the server as the app sends it
@@ -129,7 +140,10 @@ async def test_traceparent_is_extracted_and_propagated(cap):
     (request,) = cap.requests()
     assert request.context.trace_id == 0x0AF7651916CD43DD8448EB211C80319C
     assert request.parent.span_id == 0xB7AD6B7169203331
-    assert r.json()["traceparent"] == f"00-{request.context.trace_id:032x}-{request.context.span_id:016x}-01"
+    assert (
+        r.json()["traceparent"]
+        == f"00-{request.context.trace_id:032x}-{request.context.span_id:016x}-01"
+    )
 
 
 async def test_excluded_paths_are_not_traced(cap):
@@ -173,8 +187,11 @@ async def test_record_content_is_opt_in():
     with captured() as cap:
         app = make_app(record_content=True, content_max_bytes=8)
         async with client(app) as c:
-            await c.post("/generate/m", content=b'{"prompt": "secret words"}',
-                         headers={"content-type": "application/json"})
+            await c.post(
+                "/generate/m",
+                content=b'{"prompt": "secret words"}',
+                headers={"content-type": "application/json"},
+            )
         (request,) = cap.requests()
         assert request.attributes[semconv.ATTR_REQUEST_BODY] == '{"prompt'
         assert len(request.attributes[semconv.ATTR_RESPONSE_BODY]) == 8
@@ -187,7 +204,9 @@ async def test_coexists_with_opentelemetry_instrumentation_fastapi(cap):
     FastAPIInstrumentor.instrument_app(app, tracer_provider=cap.provider)
     try:
         async with client(app) as c:
-            await c.post("/generate/m", json={"prompt": "a b"}, headers={"traceparent": TRACEPARENT})
+            await c.post(
+                "/generate/m", json={"prompt": "a b"}, headers={"traceparent": TRACEPARENT}
+            )
     finally:
         FastAPIInstrumentor.uninstrument_app(app)
     servers = [s for s in cap.spans() if s.kind is SpanKind.SERVER]
@@ -197,9 +216,17 @@ async def test_coexists_with_opentelemetry_instrumentation_fastapi(cap):
     assert server.attributes[semconv.ATTR_MODEL_NAME] == "llm"
     assert server.context.trace_id == 0x0AF7651916CD43DD8448EB211C80319C
     stages = cap.stages()
-    assert {s.attributes[semconv.ATTR_STAGE] for s in stages} == {"receive", "tokenize", "serialize"}
+    assert {s.attributes[semconv.ATTR_STAGE] for s in stages} == {
+        "receive",
+        "tokenize",
+        "serialize",
+    }
     assert all(s.parent.span_id == server.context.span_id for s in stages)
-    assert not [s for s in cap.spans() if s.name.startswith("POST") and s.instrumentation_scope.name == "inferprof"]
+    assert not [
+        s
+        for s in cap.spans()
+        if s.name.startswith("POST") and s.instrumentation_scope.name == "inferprof"
+    ]
 
 
 async def test_non_http_scopes_pass_through(cap):

@@ -36,8 +36,10 @@ class Captured:
 
     def requests(self):
         return [
-            s for s in self.spans()
-            if s.kind.name in ("SERVER", "CONSUMER") or (s.attributes or {}).get(semconv.ATTR_REQUEST)
+            s
+            for s in self.spans()
+            if s.kind.name in ("SERVER", "CONSUMER")
+            or (s.attributes or {}).get(semconv.ATTR_REQUEST)
         ]
 
     def clear(self):

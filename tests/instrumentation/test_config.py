@@ -39,7 +39,9 @@ def test_keyword_beats_env_beats_default(monkeypatch, cap):
         ("OTEL_EXPORTER_OTLP_PROTOCOL", "carrier-pigeon", "protocol", "grpc"),
     ],
 )
-def test_bad_env_values_are_logged_and_defaulted(monkeypatch, caplog, cap, env, value, field, default):
+def test_bad_env_values_are_logged_and_defaulted(
+    monkeypatch, caplog, cap, env, value, field, default
+):
     monkeypatch.setenv(env, value)
     with caplog.at_level(logging.WARNING, logger="inferprof._config"):
         config = inferprof.configure(tracer_provider=cap.provider)
@@ -88,10 +90,15 @@ def test_mode_off_records_nothing(cap):
 
 
 def test_configure_exports_otlp_grpc_with_resource(otlp_sink, monkeypatch):
-    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=test,service.name=from-env")
+    monkeypatch.setenv(
+        "OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=test,service.name=from-env"
+    )
     reader = InMemoryMetricReader()
     config = inferprof.configure(
-        service_name="svc", endpoint=otlp_sink.endpoint, set_global=False, metric_readers=[reader],
+        service_name="svc",
+        endpoint=otlp_sink.endpoint,
+        set_global=False,
+        metric_readers=[reader],
         resource_attributes={"team": "ml"},
     )
     assert config.owns_providers and config.protocol == "grpc"
@@ -101,7 +108,9 @@ def test_configure_exports_otlp_grpc_with_resource(otlp_sink, monkeypatch):
     inferprof.shutdown()
     assert otlp_sink.wait_for(lambda s: len(s.spans()) >= 2)
     resource, _ = otlp_sink.spans()[0]
-    assert resource[semconv.RESOURCE_SERVICE_NAME] == "svc"  # keyword beats OTEL_RESOURCE_ATTRIBUTES
+    assert (
+        resource[semconv.RESOURCE_SERVICE_NAME] == "svc"
+    )  # keyword beats OTEL_RESOURCE_ATTRIBUTES
     assert resource["deployment.environment"] == "test"
     assert resource["team"] == "ml"
     assert resource[semconv.RESOURCE_HOST_NAME]
@@ -135,8 +144,10 @@ def test_configure_exports_otlp_http_protobuf(monkeypatch):
     try:
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
         config = inferprof.configure(
-            service_name="svc", endpoint=f"http://127.0.0.1:{server.server_port}",
-            set_global=False, metric_readers=[InMemoryMetricReader()],
+            service_name="svc",
+            endpoint=f"http://127.0.0.1:{server.server_port}",
+            set_global=False,
+            metric_readers=[InMemoryMetricReader()],
         )
         assert config.protocol == "http/protobuf"
         with inferprof.request():
@@ -174,7 +185,8 @@ def test_existing_global_sdk_provider_is_used_and_nothing_installed():
         with inferprof.request():
             with inferprof.stage("tokenize"):
                 pass
-        assert sorted(s.name for s in exp.get_finished_spans()) == ["inferprof.request", "inferprof.tokenize"]
+        names = sorted(s.name for s in exp.get_finished_spans())
+        assert names == ["inferprof.request", "inferprof.tokenize"]
         config = inferprof.configure(service_name="x")
         assert not config.owns_providers
         assert trace.get_tracer_provider() is tp
@@ -192,7 +204,8 @@ def test_existing_global_sdk_provider_is_used_and_nothing_installed():
 
 def test_no_provider_is_set_at_import_time():
     script = (
-        "import inferprof, inferprof.fastapi, inferprof.batching.dynamic, inferprof.instrumentation.stage\n"
+        "import inferprof, inferprof.fastapi, inferprof.batching.dynamic\n"
+        "import inferprof.instrumentation.stage\n"
         "from opentelemetry import trace\n"
         "assert type(trace.get_tracer_provider()).__name__ == 'ProxyTracerProvider'\n"
         "print('OK')\n"

@@ -37,7 +37,9 @@ def test_dead_exporter_drops_and_counts_without_slowing_requests(monkeypatch):
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "1")
     reader = InMemoryMetricReader()
     inferprof.configure(
-        endpoint=f"http://127.0.0.1:{_closed_port()}", set_global=False, metric_readers=[reader],
+        endpoint=f"http://127.0.0.1:{_closed_port()}",
+        set_global=False,
+        metric_readers=[reader],
     )
     processor = _config._runtime.tracer_provider._active_span_processor._span_processors[0]
 

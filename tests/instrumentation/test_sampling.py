@@ -62,7 +62,9 @@ def test_bad_sampler_arguments(kwargs):
 
 
 def test_production_mode_end_to_end_weights_and_tail(cap):
-    inferprof.configure(tracer_provider=cap.provider, mode="production", sample_rate=0.2, tail_quantile=0.9)
+    inferprof.configure(
+        tracer_provider=cap.provider, mode="production", sample_rate=0.2, tail_quantile=0.9
+    )
     random.seed(11)
     rng = np.random.default_rng(11)
     n = 3000
@@ -80,7 +82,7 @@ def test_production_mode_end_to_end_weights_and_tail(cap):
     # every kept request has its stages; no orphan stage spans from discarded ones
     assert len(cap.stages("compute")) == len(requests)
     kept = {r.attributes["i"] for r in requests}
-    slowest = np.argsort(latencies)[-int(0.05 * n):]
+    slowest = np.argsort(latencies)[-int(0.05 * n) :]
     assert all(int(i) in kept for i in slowest if i >= 100)  # past warm-up, the tail is kept
     snap = inferprof.instrumentation.stats()
     assert snap.traces_kept == len(requests)

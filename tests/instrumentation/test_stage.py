@@ -9,7 +9,17 @@ import inferprof
 from inferprof import semconv
 from tests.instrumentation.helpers import Captured, children_of
 
-STAGES = ["receive", "tokenize", "queue", "batch_assembly", "h2d", "compute", "d2h", "postprocess", "serialize"]
+STAGES = [
+    "receive",
+    "tokenize",
+    "queue",
+    "batch_assembly",
+    "h2d",
+    "compute",
+    "d2h",
+    "postprocess",
+    "serialize",
+]
 
 
 def test_every_stage_is_a_child_of_the_request_span_in_its_trace(cap):
