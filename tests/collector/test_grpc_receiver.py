@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 import httpx
 import pytest
+from grpc import Compression
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
@@ -38,9 +39,12 @@ def _gpu_metrics(n_gpus: int = 2):
     return data
 
 
-def test_sdk_grpc_exporter_spans_become_a_breakdown():
+@pytest.mark.parametrize("compression", [None, Compression.Gzip])
+def test_sdk_grpc_exporter_spans_become_a_breakdown(compression):
     with running_app() as app:
-        exporter = OTLPSpanExporter(endpoint=app.otlp_grpc_endpoint, insecure=True, timeout=10)
+        exporter = OTLPSpanExporter(
+            endpoint=app.otlp_grpc_endpoint, insecure=True, timeout=10, compression=compression
+        )
         try:
             assert exporter.export(make_requests(30)) is SpanExportResult.SUCCESS
         finally:
