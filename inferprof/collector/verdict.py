@@ -180,7 +180,9 @@ def decide(
         members[group].append((stage, share))
     if not groups:
         return _unknown("no request in the window has any latency to attribute")
-    ranked = sorted(groups.items(), key=lambda kv: kv[1], reverse=True)
+    # Largest share first; ties go to the cheaper explanation (the order of _GROUPS).
+    order = {name: i for i, (name, _, _) in enumerate(_GROUPS)}
+    ranked = sorted(groups.items(), key=lambda kv: (-kv[1], order.get(kv[0], len(order))))
     top, top_share = ranked[0]
     runner_up = ranked[1][1] if len(ranked) > 1 else 0.0
     margin = (top_share - runner_up) / top_share if top_share > 0 else 0.0
