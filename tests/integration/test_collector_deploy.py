@@ -1,0 +1,62 @@
+"""The deployment examples under deploy/ agree with the code and with each other."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import yaml
+
+from inferprof.collector import settings as st
+from inferprof.collector.command import collect
+
+DEPLOY = pathlib.Path(__file__).resolve().parents[2] / "deploy"
+FLAGS = {opt for param in collect.params for opt in getattr(param, "opts", ())}
+ENV_VARS = {getattr(st, name) for name in dir(st) if name.startswith("ENV_")}
+
+
+def _yaml_docs(path: pathlib.Path) -> list:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+
+
+def test_every_deploy_yaml_parses():
+    files = sorted(DEPLOY.rglob("*.yaml")) + sorted(DEPLOY.rglob("*.yml"))
+    assert len(files) >= 6
+    for path in files:
+        assert _yaml_docs(path), path
+
+
+def test_flags_and_variables_used_in_deploy_files_exist():
+    for path in DEPLOY.rglob("*"):
+        if not path.is_file():
+            continue
+        text = path.read_text()
+        for flag in re.findall(r'"(--[a-z][a-z0-9-]+)"', text):
+            assert flag in FLAGS, (path, flag)
+        for var in re.findall(r"\b(INFERPROF_[A-Z_]+)\b", text):
+            assert var in ENV_VARS, (path, var)
+
+
+def test_otelcol_pipelines_only_name_defined_components():
+    for path in (DEPLOY / "otelcol").glob("*.yaml"):
+        (config,) = _yaml_docs(path)
+        for pipeline in config["service"]["pipelines"].values():
+            for kind in ("receivers", "processors", "exporters"):
+                for name in pipeline.get(kind, ()):
+                    assert name in config[kind], (path, kind, name)
+
+
+def test_loadbalancing_example_routes_by_trace_to_the_k8s_headless_service():
+    (otelcol,) = _yaml_docs(DEPLOY / "otelcol" / "loadbalancing-to-inferprof.yaml")
+    lb = otelcol["exporters"]["loadbalancing/inferprof"]
+    assert lb["routing_key"] == "traceID"
+    manifests = _yaml_docs(DEPLOY / "k8s" / "inferprof-collector.yaml")
+    headless = next(
+        m for m in manifests if m["kind"] == "Service" and m["spec"].get("clusterIP") == "None"
+    )
+    statefulset = next(m for m in manifests if m["kind"] == "StatefulSet")
+    host = f"{headless['metadata']['name']}.{headless['metadata']['namespace']}.svc.cluster.local"
+    assert lb["resolver"]["dns"]["hostname"] == host
+    assert statefulset["spec"]["serviceName"] == headless["metadata"]["name"]
+    pod0 = f"{statefulset['metadata']['name']}-0.{host}:4317"
+    assert otelcol["exporters"]["otlp/inferprof-0"]["endpoint"] == pod0
