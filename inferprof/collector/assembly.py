@@ -65,6 +65,18 @@ def _any_value(v: Any) -> Any:
     return getattr(v, kind) if kind else None
 
 
+def _pop_older(d: dict, horizon: float) -> list:
+    """Remove and return the leading keys of ``d`` whose value is below ``horizon``."""
+    out = []
+    while d:
+        key = next(iter(d))
+        if d[key] >= horizon:
+            break
+        del d[key]
+        out.append(key)
+    return out
+
+
 def trace_state_weight(trace_state: str) -> float | None:
     """Adjusted count from an OpenTelemetry ``ot=th:<hex>`` tracestate, or None.
 
@@ -288,6 +300,7 @@ class Assembler:
             trace = self.traces.pop(tid)
             self.pending -= len(trace.spans)
             self._finalise_trace(tid, trace, out, now)
+            self.recent_done.pop(tid, None)  # re-insert at the end: keeps clock order
             self.recent_done[tid] = now
         for tid in expired:
             trace = self.traces.pop(tid)
@@ -301,13 +314,10 @@ class Assembler:
             else:
                 self.ignored += n
         # Linked batch spans whose member requests never came (or came and went).
-        stale = [
-            lk
-            for lk, created in self.link_created.items()
-            if everything or now - created >= self.trace_timeout_s
-        ]
-        for lk in stale:
-            del self.link_created[lk]
+        # link_created, recent_done and seen_batches are filled in clock order, so the
+        # expired entries are at the front: pruning costs what it removes, not the size.
+        link_horizon = math.inf if everything else now - self.trace_timeout_s
+        for lk in _pop_older(self.link_created, link_horizon):
             records = self.links.pop(lk, None)
             if records:
                 # A linked span is pending once however many members it has; count it
@@ -315,12 +325,11 @@ class Assembler:
                 self._release_linked(records)
                 reason = sc.DROP_LATE if lk[0] in self.recent_done else sc.DROP_ORPHAN_STAGE
                 self._drop(reason, len(records))
-        horizon = now - self.trace_timeout_s
-        if self.recent_done and not everything:
-            for tid in [t for t, ts in self.recent_done.items() if ts < horizon]:
-                del self.recent_done[tid]
-        for key in [k for k, ts in self.seen_batches.items() if ts < now - _BATCH_MEMORY_S]:
-            del self.seen_batches[key]
+        if not everything:
+            for _ in _pop_older(self.recent_done, now - self.trace_timeout_s):
+                pass
+        for _ in _pop_older(self.seen_batches, now - _BATCH_MEMORY_S):
+            pass
         return out
 
     def _release_linked(self, records: list[tuple]) -> None:

@@ -65,7 +65,10 @@ def _fix_ids(obj: dict, where: str) -> None:
             obj[key] = _hex_to_b64(obj[key], size, f"{where}.{key}")
 
 
-def _list(obj: dict, names: tuple[str, ...], where: str) -> list:
+def _items(obj: dict, names: tuple[str, ...], where: str) -> list[dict]:
+    """The object list under the first of ``names`` in ``obj``, as shallow copies stored
+    back into ``obj``: ids are rewritten in the copies, never in the caller's document,
+    at the cost of one small dict copy per object instead of a deep copy of everything."""
     for name in names:
         if name in obj:
             value = obj[name]
@@ -73,30 +76,27 @@ def _list(obj: dict, names: tuple[str, ...], where: str) -> list:
                 return []
             if not isinstance(value, list):
                 raise ValueError(f"{where}.{name}: expected a list")
-            return value
+            copies = []
+            for i, item in enumerate(value):
+                if not isinstance(item, dict):
+                    raise ValueError(f"{where}.{name}[{i}]: expected an object")
+                copies.append(dict(item))
+            obj[name] = copies
+            return copies
     return []
-
-
-def _dict_items(items: list, where: str) -> Iterator[tuple[int, dict]]:
-    for i, item in enumerate(items):
-        if not isinstance(item, dict):
-            raise ValueError(f"{where}[{i}]: expected an object")
-        yield i, item
 
 
 def _load(data: bytes | str | dict) -> dict:
     if isinstance(data, dict):
-        # Ids are rewritten in place: work on a copy so the caller's dict is untouched.
-        doc = json.loads(json.dumps(data))
-    else:
-        if isinstance(data, (bytes, bytearray, memoryview)):
-            data = bytes(data).decode("utf-8")
-        if not isinstance(data, str):
-            raise ValueError(f"OTLP/JSON: expected bytes, str or dict, got {type(data).__name__}")
-        try:
-            doc = json.loads(data)
-        except RecursionError:
-            raise ValueError("OTLP/JSON: document nested too deeply") from None
+        return dict(data)  # shallow: see _items
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        data = bytes(data).decode("utf-8")
+    if not isinstance(data, str):
+        raise ValueError(f"OTLP/JSON: expected bytes, str or dict, got {type(data).__name__}")
+    try:
+        doc = json.loads(data)
+    except RecursionError:
+        raise ValueError("OTLP/JSON: document nested too deeply") from None
     if not isinstance(doc, dict):
         raise ValueError("OTLP/JSON: the document must be a JSON object")
     return doc
@@ -112,15 +112,13 @@ def _parse(doc: dict, message: Any, what: str) -> Any:
 def parse_trace_request_json(data: bytes | str | dict) -> ExportTraceServiceRequest:
     """Decode an OTLP/JSON ``ExportTraceServiceRequest``; ``ValueError`` if malformed."""
     doc = _load(data)
-    for i, rs in _dict_items(_list(doc, ("resourceSpans", "resource_spans"), "$"), "resourceSpans"):
-        for j, ss in _dict_items(
-            _list(rs, ("scopeSpans", "scope_spans"), f"resourceSpans[{i}]"), f"resourceSpans[{i}].scopeSpans"
-        ):
-            where = f"resourceSpans[{i}].scopeSpans[{j}].spans"
-            for k, span in _dict_items(_list(ss, ("spans",), where), where):
-                _fix_ids(span, f"{where}[{k}]")
-                for m, link in _dict_items(_list(span, ("links",), f"{where}[{k}]"), f"{where}[{k}].links"):
-                    _fix_ids(link, f"{where}[{k}].links[{m}]")
+    for i, rs in enumerate(_items(doc, ("resourceSpans", "resource_spans"), "$")):
+        for j, ss in enumerate(_items(rs, ("scopeSpans", "scope_spans"), f"resourceSpans[{i}]")):
+            where = f"resourceSpans[{i}].scopeSpans[{j}]"
+            for k, span in enumerate(_items(ss, ("spans",), where)):
+                _fix_ids(span, f"{where}.spans[{k}]")
+                for m, link in enumerate(_items(span, ("links",), f"{where}.spans[{k}]")):
+                    _fix_ids(link, f"{where}.spans[{k}].links[{m}]")
     return _parse(doc, ExportTraceServiceRequest(), "trace export")
 
 
@@ -130,21 +128,19 @@ _POINT_KINDS = ("gauge", "sum", "histogram", "exponentialHistogram", "exponentia
 def parse_metrics_request_json(data: bytes | str | dict) -> ExportMetricsServiceRequest:
     """Decode an OTLP/JSON ``ExportMetricsServiceRequest``; ``ValueError`` if malformed."""
     doc = _load(data)
-    for i, rm in _dict_items(_list(doc, ("resourceMetrics", "resource_metrics"), "$"), "resourceMetrics"):
-        for j, sm in _dict_items(
-            _list(rm, ("scopeMetrics", "scope_metrics"), f"resourceMetrics[{i}]"),
-            f"resourceMetrics[{i}].scopeMetrics",
-        ):
-            where = f"resourceMetrics[{i}].scopeMetrics[{j}].metrics"
-            for k, metric in _dict_items(_list(sm, ("metrics",), where), where):
+    for i, rm in enumerate(_items(doc, ("resourceMetrics", "resource_metrics"), "$")):
+        for j, sm in enumerate(_items(rm, ("scopeMetrics", "scope_metrics"), f"resourceMetrics[{i}]")):
+            where = f"resourceMetrics[{i}].scopeMetrics[{j}]"
+            for k, metric in enumerate(_items(sm, ("metrics",), where)):
                 for kind in _POINT_KINDS:
                     body = metric.get(kind)
                     if not isinstance(body, dict):
                         continue
-                    pw = f"{where}[{k}].{kind}.dataPoints"
-                    for p, point in _dict_items(_list(body, ("dataPoints", "data_points"), pw), pw):
-                        for e, ex in _dict_items(_list(point, ("exemplars",), f"{pw}[{p}]"), f"{pw}[{p}].exemplars"):
-                            _fix_ids(ex, f"{pw}[{p}].exemplars[{e}]")
+                    body = metric[kind] = dict(body)
+                    pw = f"{where}.metrics[{k}].{kind}"
+                    for p, point in enumerate(_items(body, ("dataPoints", "data_points"), pw)):
+                        for e, ex in enumerate(_items(point, ("exemplars",), f"{pw}.dataPoints[{p}]")):
+                            _fix_ids(ex, f"{pw}.dataPoints[{p}].exemplars[{e}]")
     return _parse(doc, ExportMetricsServiceRequest(), "metrics export")
 
 
