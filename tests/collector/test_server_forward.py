@@ -86,9 +86,12 @@ def _sent(app, signal):
     return 0.0
 
 
-def test_http_forwarding_to_a_second_inferprof_collector():
-    with running_app() as downstream:
-        with running_app(forward=(downstream.otlp_http_endpoint,)) as upstream:
+def test_http_forwarding_to_a_second_inferprof_collector_with_its_token():
+    with running_app(auth_token="down-token") as downstream:
+        with running_app(
+            forward=(downstream.otlp_http_endpoint,),
+            forward_headers=(("Authorization", "Bearer down-token"),),
+        ) as upstream:
             exporter = OTLPSpanExporter(
                 endpoint=upstream.otlp_grpc_endpoint, insecure=True, timeout=10
             )
@@ -99,8 +102,17 @@ def test_http_forwarding_to_a_second_inferprof_collector():
             finally:
                 exporter.shutdown()
         # upstream.stop() drained its queue: the downstream has every request.
-        doc = breakdown(downstream, "chain").json()
-        assert doc["requests"] == 6
+        downstream.engine.flush()
+        assert downstream.engine.breakdown("chain")["requests"] == 6
+        # Without the header the downstream would have refused everything.
+        metrics = upstream.registry
+        assert (
+            metrics.get_sample_value(
+                "inferprof_forward_sent_total",
+                {"destination": downstream.otlp_http_endpoint, "signal": "traces"},
+            )
+            == 1.0
+        )
 
 
 @pytest.fixture
