@@ -22,15 +22,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest  # noqa: E402
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from inferprof import semconv as sc  # noqa: E402
-from inferprof.collector.engine import Engine  # noqa: E402
-from tests.collector.synth import TraceBuilder  # noqa: E402
+from inferprof import semconv as sc
+from inferprof.collector.engine import Engine
+from tests.collector.synth import TraceBuilder
 
 STAGES = [
-    ("receive", 0.0005), ("tokenize", 0.001), ("queue", 0.01), ("batch_assembly", 0.0005),
-    ("compute", 0.02), ("d2h", 0.0002), ("serialize", 0.0003),
+    ("receive", 0.0005),
+    ("tokenize", 0.001),
+    ("queue", 0.01),
+    ("batch_assembly", 0.0005),
+    ("compute", 0.02),
+    ("d2h", 0.0002),
+    ("serialize", 0.0003),
 ]
 
 
@@ -45,7 +50,12 @@ def build(n_exports: int, per_export: int) -> list[bytes]:
             for stage, d in STAGES:
                 extra = {}
                 if stage in ("batch_assembly", "compute"):
-                    extra = dict(batch_id=f"b{e}-{i // 8}", batch_size=8, effective=100, padded=128)
+                    extra = {
+                        "batch_id": f"b{e}-{i // 8}",
+                        "batch_size": 8,
+                        "effective": 100,
+                        "padded": 128,
+                    }
                 b.stage(req, stage, cursor, cursor + d, **extra)
                 cursor += d
         out.append(b.export().SerializeToString())
@@ -70,8 +80,13 @@ def bench_minimal(blobs):
         for rs in req.resource_spans:
             for ss in rs.scope_spans:
                 for span in ss.spans:
-                    _ = (span.trace_id, span.span_id, span.parent_span_id,
-                         span.start_time_unix_nano, span.end_time_unix_nano)
+                    _ = (
+                        span.trace_id,
+                        span.span_id,
+                        span.parent_span_id,
+                        span.start_time_unix_nano,
+                        span.end_time_unix_nano,
+                    )
                     for kv in span.attributes:
                         if kv.key == key:
                             _ = kv.value.string_value
@@ -100,7 +115,11 @@ def main() -> None:
     args = parser.parse_args()
     blobs = build(args.exports, args.requests_per_export)
     rows = []
-    for name, fn in (("decode", bench_decode), ("minimal pass", bench_minimal), ("engine", bench_engine)):
+    for name, fn in (
+        ("decode", bench_decode),
+        ("minimal pass", bench_minimal),
+        ("engine", bench_engine),
+    ):
         best = None
         for _ in range(args.repeat):
             n, dt = fn(blobs)
@@ -111,7 +130,9 @@ def main() -> None:
     minimal_rate = rows[1][2]
     print(f"{'path':<14}{'spans':>10}{'spans/s':>14}{'vs decode':>11}{'vs minimal':>12}")
     for name, n, rate in rows:
-        print(f"{name:<14}{n:>10}{rate:>14,.0f}{rate / decode_rate:>11.2f}{rate / minimal_rate:>12.2f}")
+        print(
+            f"{name:<14}{n:>10}{rate:>14,.0f}{rate / decode_rate:>11.2f}{rate / minimal_rate:>12.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -26,7 +26,8 @@ metric scrapes on an instrumented server) is not an inference request and is ign
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from inferprof import semconv as sc
 from inferprof.collector.attribution import partition
@@ -122,7 +123,7 @@ class FinalRequest(NamedTuple):
 
 
 class _Trace:
-    __slots__ = ("spans", "candidates", "due", "created", "has_stage")
+    __slots__ = ("candidates", "created", "due", "has_stage", "spans")
 
     def __init__(self, created: float) -> None:
         # span id -> (parent id, start, end, stage, resource, attrs, is_candidate, flags)
@@ -204,12 +205,18 @@ class Assembler:
                     tid = span.trace_id
                     sid = span.span_id
                     if len(tid) != 16 or len(sid) != 8 or tid == _ZERO_TRACE or sid == _ZERO_SPAN:
-                        reject(sc.DROP_INVALID_ID, f"span {sid.hex()!r} in trace {tid.hex()!r}: invalid trace or span id")
+                        reject(
+                            sc.DROP_INVALID_ID,
+                            f"span {sid.hex()!r} in trace {tid.hex()!r}: invalid trace or span id",
+                        )
                         continue
                     start = span.start_time_unix_nano
                     end = span.end_time_unix_nano
                     if end < start:
-                        reject(sc.DROP_NEGATIVE_DURATION, f"span {sid.hex()}: end time before start time")
+                        reject(
+                            sc.DROP_NEGATIVE_DURATION,
+                            f"span {sid.hex()}: end time before start time",
+                        )
                         continue
                     if end - start > _DAY_NS:
                         reject(sc.DROP_ABSURD_DURATION, f"span {sid.hex()}: duration over one day")
@@ -223,7 +230,11 @@ class Assembler:
                             v = kv.value
                             # Typed read first (the contract's types); the generic
                             # decode only when the sender used another type.
-                            attrs[k] = (v.string_value or _any_value(v)) if k in string_keys else _any_value(v)
+                            attrs[k] = (
+                                (v.string_value or _any_value(v))
+                                if k in string_keys
+                                else _any_value(v)
+                            )
                     stage = None
                     if attrs is not None:
                         stage = attrs.get(sc.ATTR_STAGE)
@@ -235,14 +246,20 @@ class Assembler:
                             ):
                                 valid_stages.add(stage)
                             else:
-                                reject(sc.DROP_INVALID_STAGE, f"span {sid.hex()}: invalid stage value {stage!r}")
+                                reject(
+                                    sc.DROP_INVALID_STAGE,
+                                    f"span {sid.hex()}: invalid stage value {stage!r}",
+                                )
                                 continue
                     parent = span.parent_span_id
                     if stage is not None and span.links:
                         # Batch encoding (b): attributed through its links only.
                         ident = (tid, sid)
                         if ident in self.link_refs:
-                            reject(sc.DROP_DUPLICATE, f"span {sid.hex()}: duplicate span id in trace {tid.hex()}")
+                            reject(
+                                sc.DROP_DUPLICATE,
+                                f"span {sid.hex()}: duplicate span id in trace {tid.hex()}",
+                            )
                             continue
                         record = (stage, start, end, resource, attrs, ident)
                         self.link_refs[ident] = len(span.links)
@@ -260,14 +277,22 @@ class Assembler:
                     if trace is None:
                         trace = traces[tid] = _Trace(now)
                     elif sid in trace.spans:
-                        reject(sc.DROP_DUPLICATE, f"span {sid.hex()}: duplicate span id in trace {tid.hex()}")
+                        reject(
+                            sc.DROP_DUPLICATE,
+                            f"span {sid.hex()}: duplicate span id in trace {tid.hex()}",
+                        )
                         continue
                     if len(trace.spans) >= max_spans:
-                        reject(sc.DROP_TRACE_TOO_LARGE, f"trace {tid.hex()}: more than {max_spans} spans")
+                        reject(
+                            sc.DROP_TRACE_TOO_LARGE,
+                            f"trace {tid.hex()}: more than {max_spans} spans",
+                        )
                         continue
                     kind = span.kind
-                    candidate = kind == _KIND_SERVER or kind == _KIND_CONSUMER or (
-                        attrs is not None and attrs.get(sc.ATTR_REQUEST) is True
+                    candidate = (
+                        kind == _KIND_SERVER
+                        or kind == _KIND_CONSUMER
+                        or (attrs is not None and attrs.get(sc.ATTR_REQUEST) is True)
                     )
                     if candidate:
                         trace.candidates.append(sid)
@@ -279,7 +304,17 @@ class Assembler:
                         trace_state = None
                     if stage is not None:
                         trace.has_stage = True
-                    trace.spans[sid] = (parent, start, end, stage, resource, attrs, candidate, span.flags, trace_state)
+                    trace.spans[sid] = (
+                        parent,
+                        start,
+                        end,
+                        stage,
+                        resource,
+                        attrs,
+                        candidate,
+                        span.flags,
+                        trace_state,
+                    )
                     accepted += 1
         self.received += accepted + rejected
         self.accepted += accepted
@@ -343,7 +378,9 @@ class Assembler:
             else:
                 refs[ident] = left
 
-    def _finalise_trace(self, tid: bytes, trace: _Trace, out: list[FinalRequest], now: float) -> None:
+    def _finalise_trace(
+        self, tid: bytes, trace: _Trace, out: list[FinalRequest], now: float
+    ) -> None:
         spans = trace.spans
         # Confirm local roots among the candidates.
         requests: set[bytes] = set()
@@ -406,17 +443,24 @@ class Assembler:
             memo[p] = result
         return result
 
-    def _finalise_request(self, req: tuple, stage_spans: list[tuple], now: float) -> FinalRequest | None:
+    def _finalise_request(
+        self, req: tuple, stage_spans: list[tuple], now: float
+    ) -> FinalRequest | None:
         _, start, end, _, resource, attrs, _, _, trace_state = req
         if not stage_spans and not attrs:
             self.ignored += 1
             return None
-        service, host, instance = resource
+        service = resource[0]
         model = attrs.get(sc.ATTR_MODEL_NAME) if attrs else None
         weight = None
         if attrs:
             w = attrs.get(sc.ATTR_SAMPLE_WEIGHT)
-            if isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) and w >= 1:
+            if (
+                isinstance(w, (int, float))
+                and not isinstance(w, bool)
+                and math.isfinite(w)
+                and w >= 1
+            ):
                 weight = float(w)
         if weight is None:
             weight = trace_state_weight(trace_state) or 1.0

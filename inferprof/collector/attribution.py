@@ -31,7 +31,7 @@ exact computation).
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -61,10 +61,8 @@ def partition(
     clipped: list[tuple[int, int, str]] = []
     stage_ns: dict[str, int] = {}
     for stage, s, e in spans:
-        if s < req_start:
-            s = req_start
-        if e > req_end:
-            e = req_end
+        s = max(s, req_start)
+        e = min(e, req_end)
         d = e - s
         if d > 0:
             clipped.append((s, e, stage))
@@ -154,7 +152,10 @@ def tail_shares(
 
 
 def exact_tail_shares(
-    e2e: Sequence[float], weights: Sequence[float], exclusive: Sequence[dict[str, float]], p95: float
+    e2e: Sequence[float],
+    weights: Sequence[float],
+    exclusive: Sequence[dict[str, float]],
+    p95: float,
 ) -> dict[str, float]:
     """Exact §6 ``share_of_p95`` of per-request exclusive times (reference for tests)."""
     num: dict[str, float] = defaultdict(float)
@@ -167,4 +168,4 @@ def exact_tail_shares(
     return {k: v / den for k, v in num.items()} if den > 0 else {}
 
 
-__all__ = ["partition", "tail_codes", "tail_shares", "exact_tail_shares", "series_range"]
+__all__ = ["exact_tail_shares", "partition", "series_range", "tail_codes", "tail_shares"]

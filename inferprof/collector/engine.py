@@ -27,7 +27,8 @@ import math
 import threading
 import time
 from collections import defaultdict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -39,18 +40,39 @@ from inferprof.collector.attribution import (
     COL_TRACED,
     COL_WEIGHT,
     MAX_STAGE_COLUMNS,
-    series_range,
     tail_codes,
     tail_shares,
 )
 from inferprof.collector.records import EngineStats, IngestResult
-from inferprof.collector.sketch import KEY_BITS, KEY_MASK, KeyMapping, concat_reduce, rank_index, reduce_codes
+from inferprof.collector.sketch import (
+    KEY_BITS,
+    KEY_MASK,
+    KeyMapping,
+    concat_reduce,
+    rank_index,
+    reduce_codes,
+)
 from inferprof.collector.verdict import GpuSamples, decide, gpu_evidence, is_gpu_metric
 
 #: Upper bounds (seconds) of the Prometheus histogram buckets: 0.5 ms .. 60 s, the
 #: range of serving latencies from a single small-model stage to a long generation.
 HISTOGRAM_BOUNDS = (
-    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
 )
 _BOUNDS = np.asarray(HISTOGRAM_BOUNDS)
 _NB = len(HISTOGRAM_BOUNDS) + 1
@@ -81,7 +103,7 @@ class Overloaded(Exception):
 
 
 class _Slice:
-    __slots__ = ("q_chunks", "t_chunks", "padding", "compute")
+    __slots__ = ("compute", "padding", "q_chunks", "t_chunks")
 
     def __init__(self) -> None:
         self.q_chunks: list[tuple[np.ndarray, np.ndarray]] = []
@@ -101,7 +123,12 @@ class _Slice:
 
 
 def _positive(name: str, value: float) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0 or not math.isfinite(value):
+    if (
+        not isinstance(value, (int, float))
+        or isinstance(value, bool)
+        or not value > 0
+        or not math.isfinite(value)
+    ):
         raise ValueError(f"{name} must be a positive number, got {value!r}")
     return float(value)
 
@@ -134,13 +161,14 @@ class Engine:
         if not windows_s:
             raise ValueError("windows_s must name at least one window")
         self.windows_s = tuple(_positive("windows_s", w) for w in windows_s)
-        self.retention_s = (
-            max(self.windows_s) if retention_s is None else float(retention_s)
-        )
+        self.retention_s = max(self.windows_s) if retention_s is None else float(retention_s)
         if not self.retention_s > 0:  # math.inf keeps everything (offline reports)
             raise ValueError(f"retention_s must be > 0 or math.inf, got {retention_s!r}")
-        for name, value in (("max_series", max_series), ("max_spans_per_trace", max_spans_per_trace),
-                            ("max_pending_spans", max_pending_spans)):
+        for name, value in (
+            ("max_series", max_series),
+            ("max_spans_per_trace", max_spans_per_trace),
+            ("max_pending_spans", max_pending_spans),
+        ):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         self.max_series = max_series
@@ -206,7 +234,11 @@ class Engine:
                             for kv in dp.attributes:
                                 if kv.key == sc.ATTR_HW_ID:
                                     hw_id = kv.value.string_value
-                            v = dp.as_double if dp.WhichOneof("value") == "as_double" else float(dp.as_int)
+                            v = (
+                                dp.as_double
+                                if dp.WhichOneof("value") == "as_double"
+                                else float(dp.as_int)
+                            )
                             if not math.isfinite(v):
                                 continue
                             self._gpu.add(host, hw_id, metric.name, dp.time_unix_nano * 1e-9, v)
@@ -383,14 +415,16 @@ class Engine:
             self._advance(self.clock())
             by_service: dict[str, dict] = {}
             for (service, model), sid in self._series.items():
-                entry = by_service.setdefault(service, {"service": service, "models": [], "requests": 0.0})
+                entry = by_service.setdefault(
+                    service, {"service": service, "models": [], "requests": 0.0}
+                )
                 entry["models"].append(model)
                 entry["requests"] += self._series_requests[sid]
             out = []
             for service in sorted(by_service):
                 entry = by_service[service]
                 entry["models"].sort()
-                entry["requests"] = int(round(entry["requests"]))
+                entry["requests"] = round(entry["requests"])
                 out.append(entry)
             return out
 
@@ -412,7 +446,9 @@ class Engine:
                 out.append((service, model, name, arr.copy(), self._hist_sum[(sid, stage)]))
             return out
 
-    def breakdown(self, service: str, model: str | None = None, window_s: float | None = 300.0) -> dict | None:
+    def breakdown(
+        self, service: str, model: str | None = None, window_s: float | None = 300.0
+    ) -> dict | None:
         """Contract §5 document for ``service`` (all its models when ``model`` is None)
         over the last ``window_s`` seconds (all retained data when None); None when the
         service (or that model of it) was never seen."""
@@ -436,8 +472,14 @@ class Engine:
                 first = math.floor((now - window_s) / self.slice_s) + 1
                 slices = [sl for idx, sl in self._slices.items() if idx >= first]
                 since = now - window_s
-            return self._document(service, model if model is not None else (
-                next(iter(models)) if len(models) == 1 else None), window_s, sids, slices, since)
+            return self._document(
+                service,
+                model if model is not None else (next(iter(models)) if len(models) == 1 else None),
+                window_s,
+                sids,
+                slices,
+                since,
+            )
 
     def _gather(self, store: tuple[np.ndarray, np.ndarray], sids: list[int], shift: int):
         codes, weights = store
@@ -517,10 +559,14 @@ class Engine:
             if name == sc.STAGE_UNATTRIBUTED and idx not in per_stage:
                 continue
             stages.append(
-                {"stage": name, "count": int(round(count)), **qs,
-                 "share_of_p95": float(shares.get(name, 0.0)),
-                 "share_of_p50": float(shares50.get(name, 0.0)),
-                 "share_of_p99": float(shares99.get(name, 0.0))}
+                {
+                    "stage": name,
+                    "count": round(count),
+                    **qs,
+                    "share_of_p95": float(shares.get(name, 0.0)),
+                    "share_of_p50": float(shares50.get(name, 0.0)),
+                    "share_of_p99": float(shares99.get(name, 0.0)),
+                }
             )
         gpu = gpu_evidence(self._gpu, compute, since)
         eff, pad, batches = padding
@@ -528,7 +574,7 @@ class Engine:
             "service": service,
             "model": model,
             "window_s": window_s,
-            "requests": int(round(requests)),
+            "requests": round(requests),
             "traced_requests": int(traced),
             "latency": latency,
             "stages": stages,
@@ -544,4 +590,4 @@ class Engine:
         return doc
 
 
-__all__ = ["Engine", "Overloaded", "IngestResult", "EngineStats", "HISTOGRAM_BOUNDS"]
+__all__ = ["HISTOGRAM_BOUNDS", "Engine", "EngineStats", "IngestResult", "Overloaded"]

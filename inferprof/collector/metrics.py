@@ -25,7 +25,7 @@ left out of that scrape.
 from __future__ import annotations
 
 import logging
-from typing import Iterator
+from collections.abc import Iterator
 
 from inferprof import semconv as sc
 from inferprof._optional import require
@@ -59,11 +59,13 @@ class EngineCollector:
         svc, mdl, stg = sc.PROM_LABEL_SERVICE, sc.PROM_LABEL_MODEL, sc.PROM_LABEL_STAGE
 
         stage_hist = core.HistogramMetricFamily(
-            sc.PROM_STAGE_DURATION, "Time per request spent in each stage (weighted by sampling weight).",
+            sc.PROM_STAGE_DURATION,
+            "Time per request spent in each stage (weighted by sampling weight).",
             labels=[svc, mdl, stg],
         )
         req_hist = core.HistogramMetricFamily(
-            sc.PROM_REQUEST_DURATION, "End-to-end request latency (weighted by sampling weight).",
+            sc.PROM_REQUEST_DURATION,
+            "End-to-end request latency (weighted by sampling weight).",
             labels=[svc, mdl],
         )
         self.engine.advance()  # fold what is due, so histograms and gauges agree
@@ -95,13 +97,14 @@ class EngineCollector:
             labels=[svc, mdl, stg],
         )
         verdict = core.GaugeMetricFamily(
-            sc.PROM_BOTTLENECK, "1 for the current bottleneck verdict, 0 for the others.",
+            sc.PROM_BOTTLENECK,
+            "1 for the current bottleneck verdict, 0 for the others.",
             labels=[svc, mdl, sc.PROM_LABEL_VERDICT],
         )
         for service, model in series:
             try:
                 doc = self.engine.breakdown(service, model, self.window_s)
-            except Exception:  # a scrape must not fail because of one series
+            except Exception:  # noqa: BLE001 - a scrape must not fail because of one series
                 _log.exception("inferprof: breakdown of %s/%s failed", service, model)
                 continue
             if doc is None:
@@ -120,10 +123,13 @@ class EngineCollector:
 
         stats = self.engine.stats
         yield core.CounterMetricFamily(
-            sc.PROM_SPANS_RECEIVED, "Spans received by the collector engine.", value=stats.spans_received
+            sc.PROM_SPANS_RECEIVED,
+            "Spans received by the collector engine.",
+            value=stats.spans_received,
         )
         dropped = core.CounterMetricFamily(
-            sc.PROM_SPANS_DROPPED, "Spans dropped by the collector engine, by reason.",
+            sc.PROM_SPANS_DROPPED,
+            "Spans dropped by the collector engine, by reason.",
             labels=[sc.PROM_LABEL_REASON],
         )
         for reason, n in sorted(stats.spans_dropped.items()):

@@ -25,7 +25,8 @@ import binascii
 import gzip
 import json
 import os
-from typing import Any, Callable, Iterator, Union
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
@@ -36,18 +37,21 @@ PB_MAGIC = b"INFERPROF-OTLP-PB 1\n"
 PB_KIND_TRACES = b"T"
 PB_KIND_METRICS = b"M"
 
-OtlpRequest = Union[ExportTraceServiceRequest, ExportMetricsServiceRequest]
+OtlpRequest = ExportTraceServiceRequest | ExportMetricsServiceRequest
 
 _ID_FIELDS = {
-    "traceId": 16, "trace_id": 16,
-    "spanId": 8, "span_id": 8,
-    "parentSpanId": 8, "parent_span_id": 8,
+    "traceId": 16,
+    "trace_id": 16,
+    "spanId": 8,
+    "span_id": 8,
+    "parentSpanId": 8,
+    "parent_span_id": 8,
 }
 
 
 def _hex_to_b64(value: Any, size: int, where: str) -> str:
     if not isinstance(value, str):
-        raise ValueError(f"{where}: expected a hex string, got {type(value).__name__}")
+        raise ValueError(f"{where}: expected a hex string, got {type(value).__name__}")  # noqa: TRY004 - malformed input is a ValueError (module contract)
     if value == "":
         return ""
     if len(value) != 2 * size:
@@ -79,7 +83,7 @@ def _items(obj: dict, names: tuple[str, ...], where: str) -> list[dict]:
             copies = []
             for i, item in enumerate(value):
                 if not isinstance(item, dict):
-                    raise ValueError(f"{where}.{name}[{i}]: expected an object")
+                    raise ValueError(f"{where}.{name}[{i}]: expected an object")  # noqa: TRY004 - malformed input is a ValueError (module contract)
                 copies.append(dict(item))
             obj[name] = copies
             return copies
@@ -92,20 +96,26 @@ def _load(data: bytes | str | dict) -> dict:
     if isinstance(data, (bytes, bytearray, memoryview)):
         data = bytes(data).decode("utf-8")
     if not isinstance(data, str):
-        raise ValueError(f"OTLP/JSON: expected bytes, str or dict, got {type(data).__name__}")
+        raise ValueError(f"OTLP/JSON: expected bytes, str or dict, got {type(data).__name__}")  # noqa: TRY004 - malformed input is a ValueError (module contract)
     try:
         doc = json.loads(data)
     except RecursionError:
         raise ValueError("OTLP/JSON: document nested too deeply") from None
     if not isinstance(doc, dict):
-        raise ValueError("OTLP/JSON: the document must be a JSON object")
+        raise ValueError("OTLP/JSON: the document must be a JSON object")  # noqa: TRY004
     return doc
 
 
 def _parse(doc: dict, message: Any, what: str) -> Any:
     try:
         return json_format.ParseDict(doc, message, ignore_unknown_fields=True)
-    except (json_format.ParseError, TypeError, AttributeError, RecursionError, OverflowError) as exc:
+    except (
+        json_format.ParseError,
+        TypeError,
+        AttributeError,
+        RecursionError,
+        OverflowError,
+    ) as exc:
         raise ValueError(f"malformed OTLP/JSON {what}: {exc}") from None
 
 
@@ -122,14 +132,23 @@ def parse_trace_request_json(data: bytes | str | dict) -> ExportTraceServiceRequ
     return _parse(doc, ExportTraceServiceRequest(), "trace export")
 
 
-_POINT_KINDS = ("gauge", "sum", "histogram", "exponentialHistogram", "exponential_histogram", "summary")
+_POINT_KINDS = (
+    "gauge",
+    "sum",
+    "histogram",
+    "exponentialHistogram",
+    "exponential_histogram",
+    "summary",
+)
 
 
 def parse_metrics_request_json(data: bytes | str | dict) -> ExportMetricsServiceRequest:
     """Decode an OTLP/JSON ``ExportMetricsServiceRequest``; ``ValueError`` if malformed."""
     doc = _load(data)
     for i, rm in enumerate(_items(doc, ("resourceMetrics", "resource_metrics"), "$")):
-        for j, sm in enumerate(_items(rm, ("scopeMetrics", "scope_metrics"), f"resourceMetrics[{i}]")):
+        for j, sm in enumerate(
+            _items(rm, ("scopeMetrics", "scope_metrics"), f"resourceMetrics[{i}]")
+        ):
             where = f"resourceMetrics[{i}].scopeMetrics[{j}]"
             for k, metric in enumerate(_items(sm, ("metrics",), where)):
                 for kind in _POINT_KINDS:
@@ -139,7 +158,9 @@ def parse_metrics_request_json(data: bytes | str | dict) -> ExportMetricsService
                     body = metric[kind] = dict(body)
                     pw = f"{where}.metrics[{k}].{kind}"
                     for p, point in enumerate(_items(body, ("dataPoints", "data_points"), pw)):
-                        for e, ex in enumerate(_items(point, ("exemplars",), f"{pw}.dataPoints[{p}]")):
+                        for e, ex in enumerate(
+                            _items(point, ("exemplars",), f"{pw}.dataPoints[{p}]")
+                        ):
                             _fix_ids(ex, f"{pw}.dataPoints[{p}].exemplars[{e}]")
     return _parse(doc, ExportMetricsServiceRequest(), "metrics export")
 
@@ -221,7 +242,10 @@ def _iter_pb(fh, path, raw, on_bytes) -> Iterator[OtlpRequest]:
         payload = fh.read(size or 0)
         if size is None or len(payload) != size:
             raise ValueError(f"{os.fspath(path)}: record {record} is truncated")
-        cls = {PB_KIND_TRACES: ExportTraceServiceRequest, PB_KIND_METRICS: ExportMetricsServiceRequest}.get(kind)
+        cls = {
+            PB_KIND_TRACES: ExportTraceServiceRequest,
+            PB_KIND_METRICS: ExportMetricsServiceRequest,
+        }.get(kind)
         if cls is None:
             raise ValueError(f"{os.fspath(path)}: record {record} has unknown kind {kind!r}")
         try:
@@ -254,10 +278,10 @@ def to_json(request: OtlpRequest) -> dict:
 
 
 __all__ = [
-    "parse_trace_request_json",
-    "parse_metrics_request_json",
-    "parse_json_line",
-    "iter_otlp_file",
-    "to_json",
     "PB_MAGIC",
+    "iter_otlp_file",
+    "parse_json_line",
+    "parse_metrics_request_json",
+    "parse_trace_request_json",
+    "to_json",
 ]

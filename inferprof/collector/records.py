@@ -6,9 +6,9 @@ engine is a frozen snapshot, so it can be used outside the engine's lock.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Mapping
 
 
 @dataclass(frozen=True)
@@ -65,4 +65,4 @@ class RequestRecord:
     end_unix: float
 
 
-__all__ = ["IngestResult", "EngineStats", "RequestRecord"]
+__all__ = ["EngineStats", "IngestResult", "RequestRecord"]

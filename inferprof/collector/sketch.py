@@ -27,7 +27,7 @@ Values ``<= 0`` (zero-length stages) go to a dedicated zero bucket whose value i
 from __future__ import annotations
 
 import math
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -130,7 +130,9 @@ def quantiles_from_buckets(
     return [float(values[rank_index(cum, q)]) for q in qs]
 
 
-def exact_weighted_quantile(values: Sequence[float], weights: Sequence[float] | None, q: float) -> float | None:
+def exact_weighted_quantile(
+    values: Sequence[float], weights: Sequence[float] | None, q: float
+) -> float | None:
     """Exact lower weighted quantile (the sketch's definition), for tests and checks."""
     v = np.asarray(values, dtype=np.float64)
     if v.size == 0:
@@ -142,12 +144,12 @@ def exact_weighted_quantile(values: Sequence[float], weights: Sequence[float] | 
 
 
 __all__ = [
-    "KeyMapping",
-    "reduce_codes",
-    "concat_reduce",
-    "quantiles_from_buckets",
-    "exact_weighted_quantile",
-    "rank_index",
     "KEY_BITS",
     "KEY_MASK",
+    "KeyMapping",
+    "concat_reduce",
+    "exact_weighted_quantile",
+    "quantiles_from_buckets",
+    "rank_index",
+    "reduce_codes",
 ]

@@ -31,7 +31,7 @@ period and a strict "inside" rule would match nothing.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 
@@ -144,7 +144,9 @@ def _summary(values: np.ndarray) -> dict | None:
     return {"p50": float(np.median(values)), "mean": float(values.mean())}
 
 
-def gpu_evidence(samples: GpuSamples, intervals: list[tuple[str, str, float, float]], since: float | None) -> dict:
+def gpu_evidence(
+    samples: GpuSamples, intervals: list[tuple[str, str, float, float]], since: float | None
+) -> dict:
     """The breakdown's ``gpu`` section."""
     util = samples.during(sc.METRIC_GPU_UTILIZATION, intervals)
     section: dict = {
@@ -152,17 +154,17 @@ def gpu_evidence(samples: GpuSamples, intervals: list[tuple[str, str, float, flo
         "samples": int(util.size),
         "samples_received": samples.count(since),
     }
-    for name, metric in (("sm_active_during_compute", sc.METRIC_DCGM_SM_ACTIVE),
-                         ("sm_occupancy_during_compute", sc.METRIC_DCGM_SM_OCCUPANCY)):
+    for name, metric in (
+        ("sm_active_during_compute", sc.METRIC_DCGM_SM_ACTIVE),
+        ("sm_occupancy_during_compute", sc.METRIC_DCGM_SM_OCCUPANCY),
+    ):
         summary = _summary(samples.during(metric, intervals))
         if summary is not None:
             section[name] = summary
     return section
 
 
-def decide(
-    shares: Mapping[str, float], traced: int, tail_traced: int, gpu: Mapping
-) -> dict:
+def decide(shares: Mapping[str, float], traced: int, tail_traced: int, gpu: Mapping) -> dict:
     """The ``verdict`` section from stage shares of p95 and the ``gpu`` section."""
     if traced < MIN_TRACED_REQUESTS:
         return _unknown(
@@ -255,7 +257,9 @@ def decide(
         if occ["p50"] < LOW_SM_OCCUPANCY:
             low.append("occupancy")
     if low:
-        evidence.append(f"the GPU is busy but with low {' and '.join(low)}: the kernels use it poorly")
+        evidence.append(
+            f"the GPU is busy but with low {' and '.join(low)}: the kernels use it poorly"
+        )
         return _verdict(sc.VERDICT_KERNEL, confidence * gpu_factor, evidence + rest)
     evidence.append("high utilisation, SM activity and occupancy: the GPU itself is the limit")
     return _verdict(sc.VERDICT_HARDWARE, confidence * gpu_factor, evidence + rest)
@@ -273,4 +277,4 @@ def _unknown(*evidence: str) -> dict:
     return _verdict(sc.VERDICT_UNKNOWN, 0.0, list(evidence))
 
 
-__all__ = ["GpuSamples", "decide", "gpu_evidence", "is_gpu_metric", "MIN_TRACED_REQUESTS"]
+__all__ = ["MIN_TRACED_REQUESTS", "GpuSamples", "decide", "gpu_evidence", "is_gpu_metric"]

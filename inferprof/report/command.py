@@ -22,9 +22,10 @@ _OFFLINE_MAX_PENDING = 5_000_000
 
 
 def _feed(engine, files, progress: bool) -> int:
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
     from inferprof.collector.engine import Overloaded
     from inferprof.collector.otlp_json import iter_otlp_file
-    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
     total = sum(os.path.getsize(f) for f in files)
     bar = None
@@ -35,6 +36,7 @@ def _feed(engine, files, progress: bool) -> int:
     exports = 0
     try:
         for path in files:
+
             def on_bytes(n: int, _base=done) -> None:
                 if bar is not None:
                     bar.n = _base + n
@@ -59,8 +61,9 @@ def _feed(engine, files, progress: bool) -> int:
     return exports
 
 
-def build_documents(files, service: str | None = None, model: str | None = None,
-                    progress: bool = False) -> list[dict]:
+def build_documents(
+    files, service: str | None = None, model: str | None = None, progress: bool = False
+) -> list[dict]:
     """Breakdown documents (contract §5, ``window_s`` null) of ``files``, one per
     (service, model), filtered by ``service``/``model``."""
     from inferprof.collector.engine import Engine
@@ -85,16 +88,30 @@ def build_documents(files, service: str | None = None, model: str | None = None,
 
 
 @click.command("report")
-@click.argument("files", nargs=-1, required=True,
-                type=click.Path(exists=True, dir_okay=False, readable=True))
-@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
-              show_default=True, help="Text tables, or the contract §5 JSON document(s).")
+@click.argument(
+    "files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, readable=True)
+)
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["table", "json"]),
+    default="table",
+    show_default=True,
+    help="Text tables, or the contract §5 JSON document(s).",
+)
 @click.option("--service", help="Only this service (service.name).")
 @click.option("--model", help="Only this model (inferprof.model.name; '' for none).")
-@click.option("--html", "html_out", type=click.Path(dir_okay=False, writable=True),
-              help="Also write a self-contained HTML report with charts to this file.")
-@click.option("--progress/--no-progress", default=None,
-              help="Progress bar on stderr (default: when stderr is a terminal).")
+@click.option(
+    "--html",
+    "html_out",
+    type=click.Path(dir_okay=False, writable=True),
+    help="Also write a self-contained HTML report with charts to this file.",
+)
+@click.option(
+    "--progress/--no-progress",
+    default=None,
+    help="Progress bar on stderr (default: when stderr is a terminal).",
+)
 def report(files, fmt, service, model, html_out, progress) -> None:
     """Per-stage latency breakdown of OTLP FILES (collector file-exporter JSON lines,
     optionally .gz, or inferprof protobuf dumps)."""
@@ -122,4 +139,4 @@ def report(files, fmt, service, model, html_out, progress) -> None:
         click.echo(f"wrote {html_out}", err=True)
 
 
-__all__ = ["report", "build_documents"]
+__all__ = ["build_documents", "report"]

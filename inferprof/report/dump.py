@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Iterable
+from collections.abc import Iterable
 
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -64,4 +64,4 @@ def write_json_lines(path: str | os.PathLike, requests: Iterable) -> int:
     return n
 
 
-__all__ = ["write_pb", "write_json_lines"]
+__all__ = ["write_json_lines", "write_pb"]

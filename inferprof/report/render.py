@@ -10,7 +10,7 @@ from __future__ import annotations
 import html
 import io
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 from inferprof import semconv as sc
 from inferprof._optional import require
@@ -48,7 +48,9 @@ def format_table(doc: dict) -> str:
     traced_part = f" ({traced} traced)" if traced is not None and traced != doc["requests"] else ""
     lines.append(f"{doc['requests']} requests{traced_part}")
     lines.append("")
-    header = f"{'stage':<16}{'count':>9}{'p50 ms':>10}{'p95 ms':>10}{'p99 ms':>10}{'share of p95':>14}"
+    header = (
+        f"{'stage':<16}{'count':>9}{'p50 ms':>10}{'p95 ms':>10}{'p99 ms':>10}{'share of p95':>14}"
+    )
     lines.append(header)
     lines.append("-" * len(header))
     for st in doc["stages"]:
@@ -86,10 +88,18 @@ def format_table(doc: dict) -> str:
 
 
 _COLORS = {
-    sc.STAGE_RECEIVE: "#9ecae1", sc.STAGE_TOKENIZE: "#6baed6", sc.STAGE_QUEUE: "#fd8d3c",
-    sc.STAGE_BATCH_ASSEMBLY: "#fdae6b", sc.STAGE_H2D: "#a1d99b", sc.STAGE_COMPUTE: "#31a354",
-    sc.STAGE_PREFILL: "#74c476", sc.STAGE_DECODE: "#006d2c", sc.STAGE_D2H: "#c7e9c0",
-    sc.STAGE_POSTPROCESS: "#4292c6", sc.STAGE_SERIALIZE: "#2171b5", sc.STAGE_NETWORK: "#756bb1",
+    sc.STAGE_RECEIVE: "#9ecae1",
+    sc.STAGE_TOKENIZE: "#6baed6",
+    sc.STAGE_QUEUE: "#fd8d3c",
+    sc.STAGE_BATCH_ASSEMBLY: "#fdae6b",
+    sc.STAGE_H2D: "#a1d99b",
+    sc.STAGE_COMPUTE: "#31a354",
+    sc.STAGE_PREFILL: "#74c476",
+    sc.STAGE_DECODE: "#006d2c",
+    sc.STAGE_D2H: "#c7e9c0",
+    sc.STAGE_POSTPROCESS: "#4292c6",
+    sc.STAGE_SERIALIZE: "#2171b5",
+    sc.STAGE_NETWORK: "#756bb1",
     sc.STAGE_UNATTRIBUTED: "#bdbdbd",
 }
 
@@ -99,7 +109,7 @@ def _svg(fig) -> str:
     fig.savefig(buf, format="svg", bbox_inches="tight", metadata={"Date": None})
     text = buf.getvalue()
     # Drop the XML prolog and DOCTYPE so the SVG can sit inline in HTML.
-    return text[text.index("<svg"):]
+    return text[text.index("<svg") :]
 
 
 def _charts(doc: dict) -> tuple[str, str]:
@@ -118,18 +128,35 @@ def _charts(doc: dict) -> tuple[str, str]:
             value = st.get(key, 0.0) or 0.0
             if value <= 0:
                 continue
-            ax.barh(y, value, left=left, color=_COLORS.get(st["stage"], "#e7969c"),
-                    edgecolor="white", label=st["stage"] if y == 1 else None)
+            ax.barh(
+                y,
+                value,
+                left=left,
+                color=_COLORS.get(st["stage"], "#e7969c"),
+                edgecolor="white",
+                label=st["stage"] if y == 1 else None,
+            )
             if value >= 0.06:
-                ax.text(left + value / 2, y, f"{st['stage']}\n{100 * value:.0f}%",
-                        ha="center", va="center", fontsize=7)
+                ax.text(
+                    left + value / 2,
+                    y,
+                    f"{st['stage']}\n{100 * value:.0f}%",
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                )
             left += value
     ax.set_yticks(range(len(rows)), [r[0] for r in rows])
     ax.set_xlim(0, 1)
     ax.set_xlabel("share of the latency of requests at or above the quantile")
     ax.invert_yaxis()
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=min(7, max(1, len(names))),
-              fontsize=8, frameon=False)
+    ax.legend(
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.3),
+        ncol=min(7, max(1, len(names))),
+        fontsize=8,
+        frameon=False,
+    )
     shares_svg = _svg(fig)
 
     fig = Figure(figsize=(9, 3.6))
@@ -179,8 +206,8 @@ def _section(doc: dict) -> str:
     return f"""
 <section>
 <h2>{e(title(doc))}</h2>
-<div class="verdict"><b>Bottleneck: {e(verdict['bottleneck'])}</b>
- (confidence {verdict['confidence']:.2f})<ul>{evidence}</ul></div>
+<div class="verdict"><b>Bottleneck: {e(verdict["bottleneck"])}</b>
+ (confidence {verdict["confidence"]:.2f})<ul>{evidence}</ul></div>
 <table><tr><th>stage</th><th>count</th><th>p50 ms</th><th>p95 ms</th><th>p99 ms</th>
 <th>share of p95</th></tr>{rows}</table>
 <h3>Where the time goes, by latency quantile</h3>
@@ -195,7 +222,7 @@ def write_html(docs: Sequence[dict], path: str | os.PathLike) -> None:
     """Write one self-contained HTML page with a section per breakdown document."""
     body = "".join(_section(doc) for doc in docs)
     page = (
-        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         "<title>inferprof report</title>"
         f"<style>{_CSS}</style></head><body><h1>inferprof report</h1>{body}</body></html>\n"
     )

@@ -13,8 +13,9 @@ so tests are reproducible.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -60,7 +61,11 @@ def new_span_id() -> bytes:
 
 class TraceBuilder:
     def __init__(
-        self, service: str = "svc", *, host: str = "host-1", instance: str = "i-1",
+        self,
+        service: str = "svc",
+        *,
+        host: str = "host-1",
+        instance: str = "i-1",
         base_unix: float = BASE_UNIX,
     ) -> None:
         self.resource = {
@@ -73,19 +78,33 @@ class TraceBuilder:
 
     def ns(self, t: float) -> int:
         # Integer base + offset: float seconds since 1970 would lose sub-microsecond digits.
-        return int(round(self.base * 1e9)) + int(round(t * 1e9))
+        return round(self.base * 1e9) + round(t * 1e9)
 
     def span(
-        self, name: str, start: float, end: float, *, parent: Ref | None = None,
-        trace_id: bytes | None = None, kind: int = INTERNAL, attrs: dict | None = None,
-        links: Sequence[Ref] = (), trace_state: str = "", span_id: bytes | None = None,
+        self,
+        name: str,
+        start: float,
+        end: float,
+        *,
+        parent: Ref | None = None,
+        trace_id: bytes | None = None,
+        kind: int = INTERNAL,
+        attrs: dict | None = None,
+        links: Sequence[Ref] = (),
+        trace_state: str = "",
+        span_id: bytes | None = None,
     ) -> Ref:
         tid = parent.trace_id if parent is not None else (trace_id or new_trace_id())
         sid = span_id or new_span_id()
         span = trace_pb2.Span(
-            trace_id=tid, span_id=sid, name=name, kind=kind, trace_state=trace_state,
+            trace_id=tid,
+            span_id=sid,
+            name=name,
+            kind=kind,
+            trace_state=trace_state,
             parent_span_id=parent.span_id if parent is not None else b"",
-            start_time_unix_nano=self.ns(start), end_time_unix_nano=self.ns(end),
+            start_time_unix_nano=self.ns(start),
+            end_time_unix_nano=self.ns(end),
             attributes=attributes(attrs or {}),
             links=[trace_pb2.Span.Link(trace_id=l.trace_id, span_id=l.span_id) for l in links],
         )
@@ -93,29 +112,59 @@ class TraceBuilder:
         return Ref(tid, sid)
 
     def request(
-        self, start: float, end: float, *, model: str | None = "m", weight: float | None = None,
-        trace_state: str = "", parent: Ref | None = None, kind: int = SERVER, **attrs: Any,
+        self,
+        start: float,
+        end: float,
+        *,
+        model: str | None = "m",
+        weight: float | None = None,
+        trace_state: str = "",
+        parent: Ref | None = None,
+        kind: int = SERVER,
+        **attrs: Any,
     ) -> Ref:
         a = {sc.ATTR_MODEL_NAME: model, sc.ATTR_SAMPLE_WEIGHT: weight, **attrs}
-        return self.span("POST /infer", start, end, parent=parent, kind=kind, attrs=a,
-                         trace_state=trace_state)
+        return self.span(
+            "POST /infer", start, end, parent=parent, kind=kind, attrs=a, trace_state=trace_state
+        )
 
     def stage(
-        self, parent: Ref | None, stage: str, start: float, end: float, *,
-        links: Sequence[Ref] = (), batch_id: str | None = None, batch_size: int | None = None,
-        effective: int | None = None, padded: int | None = None, gpu_id: str | None = None,
-        model: str | None = None, **attrs: Any,
+        self,
+        parent: Ref | None,
+        stage: str,
+        start: float,
+        end: float,
+        *,
+        links: Sequence[Ref] = (),
+        batch_id: str | None = None,
+        batch_size: int | None = None,
+        effective: int | None = None,
+        padded: int | None = None,
+        gpu_id: str | None = None,
+        model: str | None = None,
+        **attrs: Any,
     ) -> Ref:
         a = {
-            sc.ATTR_STAGE: stage, sc.ATTR_BATCH_ID: batch_id, sc.ATTR_BATCH_SIZE: batch_size,
-            sc.ATTR_TOKENS_EFFECTIVE: effective, sc.ATTR_TOKENS_PADDED: padded,
-            sc.ATTR_GPU_ID: gpu_id, sc.ATTR_MODEL_NAME: model, **attrs,
+            sc.ATTR_STAGE: stage,
+            sc.ATTR_BATCH_ID: batch_id,
+            sc.ATTR_BATCH_SIZE: batch_size,
+            sc.ATTR_TOKENS_EFFECTIVE: effective,
+            sc.ATTR_TOKENS_PADDED: padded,
+            sc.ATTR_GPU_ID: gpu_id,
+            sc.ATTR_MODEL_NAME: model,
+            **attrs,
         }
         return self.span(sc.span_name(stage), start, end, parent=parent, attrs=a, links=links)
 
     def sequential(
-        self, start: float, stages: Iterable[tuple[str, float]], *, tail_gap: float = 0.0,
-        model: str | None = "m", weight: float | None = None, **kw: Any,
+        self,
+        start: float,
+        stages: Iterable[tuple[str, float]],
+        *,
+        tail_gap: float = 0.0,
+        model: str | None = "m",
+        weight: float | None = None,
+        **kw: Any,
     ) -> tuple[Ref, float]:
         """A request whose stages run back to back, then ``tail_gap`` uncovered seconds.
 
@@ -143,8 +192,12 @@ class TraceBuilder:
 
 
 def gpu_metrics(
-    samples: Iterable[tuple[float, float]], *, metric: str = sc.METRIC_GPU_UTILIZATION,
-    host: str = "host-1", hw_id: str = "GPU-0", base_unix: float = BASE_UNIX,
+    samples: Iterable[tuple[float, float]],
+    *,
+    metric: str = sc.METRIC_GPU_UTILIZATION,
+    host: str = "host-1",
+    hw_id: str = "GPU-0",
+    base_unix: float = BASE_UNIX,
 ) -> ExportMetricsServiceRequest:
     """One gauge with a data point per ``(t, value)`` sample."""
     req = ExportMetricsServiceRequest()
@@ -154,7 +207,7 @@ def gpu_metrics(
     m.name = metric
     for t, v in samples:
         dp = m.gauge.data_points.add()
-        dp.time_unix_nano = int(round(base_unix * 1e9)) + int(round(t * 1e9))
+        dp.time_unix_nano = round(base_unix * 1e9) + round(t * 1e9)
         dp.as_double = v
         dp.attributes.extend(attributes({sc.ATTR_HW_ID: hw_id}))
     return req
@@ -172,4 +225,4 @@ class FakeClock:
         return self.t
 
 
-__all__ = ["TraceBuilder", "Ref", "gpu_metrics", "FakeClock", "attributes", "any_value"]
+__all__ = ["FakeClock", "Ref", "TraceBuilder", "any_value", "attributes", "gpu_metrics"]

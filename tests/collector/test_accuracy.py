@@ -27,17 +27,26 @@ QS = (0.01, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 0.999)
 def _distributions(rng: np.random.Generator, n: int) -> dict[str, np.ndarray]:
     return {
         "lognormal": rng.lognormal(math.log(0.05), 1.0, n),
-        "bimodal": np.where(rng.random(n) < 0.8, rng.normal(0.02, 0.002, n), rng.normal(0.5, 0.05, n)).clip(1e-6),
+        "bimodal": np.where(
+            rng.random(n) < 0.8, rng.normal(0.02, 0.002, n), rng.normal(0.5, 0.05, n)
+        ).clip(1e-6),
         "pareto": (rng.pareto(1.2, n) + 1) * 0.001,
         "constant": np.full(n, 0.0421),
-        "tiny_and_huge": np.concatenate([rng.uniform(1e-6, 1e-5, n // 2), rng.uniform(100, 1000, n - n // 2)]),
+        "tiny_and_huge": np.concatenate(
+            [rng.uniform(1e-6, 1e-5, n // 2), rng.uniform(100, 1000, n - n // 2)]
+        ),
     }
 
 
 def _sketch_quantiles(mapping: KeyMapping, values: np.ndarray, weights: np.ndarray, qs) -> list:
     # Fold in several chunks, as the engine does across finalisation batches and slices.
-    parts = [reduce_codes(mapping.key(v), w) for v, w in zip(np.array_split(values, 7), np.array_split(weights, 7))]
-    keys, w = reduce_codes(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
+    parts = [
+        reduce_codes(mapping.key(v), w)
+        for v, w in zip(np.array_split(values, 7), np.array_split(weights, 7))
+    ]
+    keys, w = reduce_codes(
+        np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+    )
     return quantiles_from_buckets(mapping, keys, w, qs)
 
 
@@ -56,11 +65,17 @@ def test_sketch_quantiles_within_one_percent(name, weighted):
 
 @settings(max_examples=60, deadline=None)
 @given(
-    values=st.lists(st.floats(min_value=1e-6, max_value=1e4, allow_nan=False), min_size=1, max_size=300),
+    values=st.lists(
+        st.floats(min_value=1e-6, max_value=1e4, allow_nan=False), min_size=1, max_size=300
+    ),
     data=st.data(),
 )
 def test_sketch_bound_holds_for_any_data(values, data):
-    weights = data.draw(st.lists(st.floats(min_value=1.0, max_value=50.0), min_size=len(values), max_size=len(values)))
+    weights = data.draw(
+        st.lists(
+            st.floats(min_value=1.0, max_value=50.0), min_size=len(values), max_size=len(values)
+        )
+    )
     q = data.draw(st.sampled_from((0.0, 0.5, 0.95, 0.99, 1.0)))
     v, w = np.asarray(values), np.asarray(weights)
     mapping = KeyMapping(0.005)
@@ -72,7 +87,10 @@ def test_sketch_bound_holds_for_any_data(values, data):
 def test_zero_values_and_empty():
     mapping = KeyMapping(0.005)
     keys, w = reduce_codes(mapping.key(np.array([0.0, 0.0, 0.3])), np.ones(3))
-    assert quantiles_from_buckets(mapping, keys, w, (0.5, 0.99)) == [0.0, pytest.approx(0.3, rel=BOUND)]
+    assert quantiles_from_buckets(mapping, keys, w, (0.5, 0.99)) == [
+        0.0,
+        pytest.approx(0.3, rel=BOUND),
+    ]
     empty = np.empty(0, np.int64)
     assert quantiles_from_buckets(mapping, empty, np.empty(0), (0.5,)) == [None]
     assert exact_weighted_quantile([], None, 0.5) is None
@@ -120,4 +138,4 @@ def test_engine_end_to_end_quantiles_within_bound(name):
     for key, q in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99)):
         exact = exact_weighted_quantile(carried, weights, q)
         assert abs(compute[key] - exact) <= BOUND * exact + 2e-9, (key, compute[key], exact)
-    assert compute["count"] == int(round(weights.sum()))
+    assert compute["count"] == round(weights.sum())

@@ -17,15 +17,19 @@ MS = 1_000_000  # ns
 
 
 def test_partition_sequential_stages():
-    stage_time, exclusive, unattributed = partition(0, 100 * MS, [("queue", 0, 40 * MS), ("compute", 40 * MS, 90 * MS)])
+    stage_time, exclusive, unattributed = partition(
+        0, 100 * MS, [("queue", 0, 40 * MS), ("compute", 40 * MS, 90 * MS)]
+    )
     assert stage_time == pytest.approx({"queue": 0.04, "compute": 0.05})
     assert exclusive == stage_time
     assert unattributed == pytest.approx(0.01)
 
 
 def test_partition_clips_to_request_and_keeps_empty_stages():
-    stage_time, exclusive, unattributed = partition(
-        10 * MS, 110 * MS, [("compute", 0, 50 * MS), ("d2h", 200 * MS, 210 * MS), ("queue", 50 * MS, 50 * MS)]
+    stage_time, _, unattributed = partition(
+        10 * MS,
+        110 * MS,
+        [("compute", 0, 50 * MS), ("d2h", 200 * MS, 210 * MS), ("queue", 50 * MS, 50 * MS)],
     )
     assert stage_time == pytest.approx({"compute": 0.04, "d2h": 0.0, "queue": 0.0})
     assert unattributed == pytest.approx(0.06)
@@ -58,9 +62,16 @@ def test_share_of_p95_matches_exact_computation(seed):
     e2e, exclusive = [], []
     for i in range(n):
         stages = [("receive", recv[i]), ("queue", queue[i]), ("compute", compute[i])]
-        _, total = b.sequential(i * 0.001, [(s, float(d)) for s, d in stages], tail_gap=float(gap[i]), weight=float(weights[i]))
+        _, total = b.sequential(
+            i * 0.001,
+            [(s, float(d)) for s, d in stages],
+            tail_gap=float(gap[i]),
+            weight=float(weights[i]),
+        )
         e2e.append(total)
-        exclusive.append({"receive": recv[i], "queue": queue[i], "compute": compute[i], "unattributed": gap[i]})
+        exclusive.append(
+            {"receive": recv[i], "queue": queue[i], "compute": compute[i], "unattributed": gap[i]}
+        )
         if i % 1000 == 999:
             engine.ingest_traces(b.export())
     clock.tick(5)

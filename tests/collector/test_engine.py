@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from inferprof import semconv as sc
-from inferprof.collector.engine import Engine, Overloaded
 from inferprof.collector.assembly import trace_state_weight
+from inferprof.collector.engine import Engine, Overloaded
 from tests.collector.synth import CLIENT, INTERNAL, FakeClock, TraceBuilder
 
 REL = 0.011  # sketch bound (1%) plus float slack
@@ -116,8 +116,17 @@ def test_batch_encoding_b_links_in_any_order_and_export(order):
     members_b = TraceBuilder()
     members = _batch_members(members_b, 3)
     batch_b = TraceBuilder()
-    batch_b.stage(None, "compute", 0.040, 0.090, links=members, batch_id="b7", batch_size=3,
-                  effective=10, padded=12)
+    batch_b.stage(
+        None,
+        "compute",
+        0.040,
+        0.090,
+        links=members,
+        batch_id="b7",
+        batch_size=3,
+        effective=10,
+        padded=12,
+    )
     batch_b.stage(None, "d2h", 0.090, 0.095, links=members, batch_id="b7", batch_size=3)
     if order == "links_first":
         engine.ingest_traces(batch_b.export())
@@ -271,10 +280,22 @@ def test_tail_biased_weighted_sample_matches_full_data():
     [
         (lambda s: setattr(s, "trace_id", b"\x00" * 16), sc.DROP_INVALID_ID),
         (lambda s: setattr(s, "span_id", b"\x01" * 4), sc.DROP_INVALID_ID),
-        (lambda s: setattr(s, "end_time_unix_nano", s.start_time_unix_nano - 1), sc.DROP_NEGATIVE_DURATION),
-        (lambda s: setattr(s, "end_time_unix_nano", s.start_time_unix_nano + 2 * 86_400 * 10**9), sc.DROP_ABSURD_DURATION),
-        (lambda s: s.attributes[0].value.__setattr__("string_value", "Bad Stage!"), sc.DROP_INVALID_STAGE),
-        (lambda s: s.attributes[0].value.__setattr__("string_value", "unattributed"), sc.DROP_INVALID_STAGE),
+        (
+            lambda s: setattr(s, "end_time_unix_nano", s.start_time_unix_nano - 1),
+            sc.DROP_NEGATIVE_DURATION,
+        ),
+        (
+            lambda s: setattr(s, "end_time_unix_nano", s.start_time_unix_nano + 2 * 86_400 * 10**9),
+            sc.DROP_ABSURD_DURATION,
+        ),
+        (
+            lambda s: s.attributes[0].value.__setattr__("string_value", "Bad Stage!"),
+            sc.DROP_INVALID_STAGE,
+        ),
+        (
+            lambda s: s.attributes[0].value.__setattr__("string_value", "unattributed"),
+            sc.DROP_INVALID_STAGE,
+        ),
     ],
 )
 def test_bad_spans_dropped_by_reason_others_unaffected(mutate, reason):
@@ -294,7 +315,7 @@ def test_bad_spans_dropped_by_reason_others_unaffected(mutate, reason):
 
 
 def test_duplicate_span_and_oversize_trace_dropped():
-    engine, clock = make_engine(max_spans_per_trace=3)
+    engine, _clock = make_engine(max_spans_per_trace=3)
     b = TraceBuilder()
     req, _ = b.sequential(0.0, [("queue", 0.01), ("compute", 0.02)])
     dup = b.spans[1]
@@ -377,7 +398,13 @@ def test_overlapping_stages_partition_keeps_shares_summing_to_one():
 
 
 def test_constructor_rejects_bad_arguments():
-    for kw in ({"settle_s": -1}, {"slice_s": 0}, {"windows_s": ()}, {"max_series": 0},
-               {"relative_accuracy": 0.2}, {"max_pending_spans": 1.5}):
+    for kw in (
+        {"settle_s": -1},
+        {"slice_s": 0},
+        {"windows_s": ()},
+        {"max_series": 0},
+        {"relative_accuracy": 0.2},
+        {"max_pending_spans": 1.5},
+    ):
         with pytest.raises(ValueError):
             Engine(**kw)

@@ -22,8 +22,11 @@ def scraped():
     b = TraceBuilder()
     for i in range(120):
         # queue dominates: verdict batching; one request of weight 3.
-        b.sequential(i * 0.1, [("queue", 0.020 + 0.0001 * i), ("compute", 0.003)],
-                     weight=3.0 if i == 0 else None)
+        b.sequential(
+            i * 0.1,
+            [("queue", 0.020 + 0.0001 * i), ("compute", 0.003)],
+            weight=3.0 if i == 0 else None,
+        )
     b.span("orphan", 0, 1, attrs={sc.ATTR_STAGE: "Bad"})
     engine.ingest_traces(b.export())
     clock.tick(5)
@@ -56,7 +59,10 @@ def test_histograms_are_weighted_and_cumulative(scraped):
 
 def test_quantiles_shares_and_one_hot_verdict(scraped):
     _, fam = scraped
-    q = {(s.labels["stage"], s.labels["quantile"]): s.value for s in _samples(fam, sc.PROM_STAGE_QUANTILE)}
+    q = {
+        (s.labels["stage"], s.labels["quantile"]): s.value
+        for s in _samples(fam, sc.PROM_STAGE_QUANTILE)
+    }
     assert q[("compute", "0.5")] == pytest.approx(0.003, rel=0.01)
     assert ("queue", "0.99") in q and ("unattributed", "0.5") in q
     shares = {s.labels["stage"]: s.value for s in _samples(fam, sc.PROM_STAGE_SHARE_OF_P95)}
@@ -81,9 +87,12 @@ def test_self_metrics(scraped):
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed")
 def test_exposition_passes_promtool(scraped):
     text, _ = scraped
-    result = subprocess.run(["promtool", "check", "metrics"], input=text.encode(), capture_output=True)
+    result = subprocess.run(
+        ["promtool", "check", "metrics"], input=text.encode(), capture_output=True, check=False
+    )
     problems = [
-        line for line in result.stderr.decode().splitlines() + result.stdout.decode().splitlines()
+        line
+        for line in result.stderr.decode().splitlines() + result.stdout.decode().splitlines()
         # The contract (§5) names this gauge's label ``quantile``; promtool's lint prefers
         # that label on summaries only. Everything else must be clean.
         if line.strip() and 'non-summary metrics should not have "quantile" label' not in line

@@ -52,11 +52,17 @@ def test_spec_example_hex_ids_int_enums_int64_strings():
     "bad,fragment",
     [
         ('{"resourceSpans":[{"scopeSpans":[{"spans":[{"traceId":"abc"}]}]}]}', "32 hex digits"),
-        ('{"resourceSpans":[{"scopeSpans":[{"spans":[{"spanId":"zzzzzzzzzzzzzzzz"}]}]}]}', "not hex"),
+        (
+            '{"resourceSpans":[{"scopeSpans":[{"spans":[{"spanId":"zzzzzzzzzzzzzzzz"}]}]}]}',
+            "not hex",
+        ),
         ('{"resourceSpans":{"a":1}}', "expected a list"),
-        ('[1,2]', "JSON object"),
+        ("[1,2]", "JSON object"),
         ('{"resourceSpans":[{"scopeSpans":[{"spans":[{"name":5}]}]}]}', "malformed"),
-        ('{"resourceSpans":[{"scopeSpans":[{"spans":[{"startTimeUnixNano":"-5"}]}]}]}', "malformed"),
+        (
+            '{"resourceSpans":[{"scopeSpans":[{"spans":[{"startTimeUnixNano":"-5"}]}]}]}',
+            "malformed",
+        ),
         ("{", ""),
     ],
 )
@@ -73,8 +79,12 @@ def test_metrics_json_round_trip_with_exemplar_ids():
     ex.span_id = bytes(range(8))
     ex.as_double = 1.0
     doc = to_json(req)
-    assert doc["resourceMetrics"][0]["scopeMetrics"][0]["metrics"][0]["gauge"]["dataPoints"][0][
-        "exemplars"][0]["traceId"] == bytes(range(16)).hex()
+    assert (
+        doc["resourceMetrics"][0]["scopeMetrics"][0]["metrics"][0]["gauge"]["dataPoints"][0][
+            "exemplars"
+        ][0]["traceId"]
+        == bytes(range(16)).hex()
+    )
     assert parse_metrics_request_json(json.dumps(doc)) == req
 
 
@@ -97,12 +107,20 @@ _attrs = st.lists(st.builds(KeyValue, key=_text, value=_value), max_size=3)
 @st.composite
 def _spans(draw):
     return trace_pb2.Span(
-        trace_id=draw(_ids16), span_id=draw(_ids8), parent_span_id=draw(st.one_of(st.just(b""), _ids8)),
-        trace_state=draw(_text), name=draw(_text), kind=draw(st.integers(0, 5)),
-        start_time_unix_nano=draw(_u64), end_time_unix_nano=draw(_u64), attributes=draw(_attrs),
+        trace_id=draw(_ids16),
+        span_id=draw(_ids8),
+        parent_span_id=draw(st.one_of(st.just(b""), _ids8)),
+        trace_state=draw(_text),
+        name=draw(_text),
+        kind=draw(st.integers(0, 5)),
+        start_time_unix_nano=draw(_u64),
+        end_time_unix_nano=draw(_u64),
+        attributes=draw(_attrs),
         flags=draw(st.integers(0, 2**32 - 1)),
-        links=[trace_pb2.Span.Link(trace_id=t, span_id=s, attributes=a)
-               for t, s, a in draw(st.lists(st.tuples(_ids16, _ids8, _attrs), max_size=2))],
+        links=[
+            trace_pb2.Span.Link(trace_id=t, span_id=s, attributes=a)
+            for t, s, a in draw(st.lists(st.tuples(_ids16, _ids8, _attrs), max_size=2))
+        ],
         status=trace_pb2.Status(code=draw(st.integers(0, 2)), message=draw(_text)),
     )
 
@@ -138,15 +156,33 @@ def test_random_bytes_raise_only_value_error(data):
             pass
 
 
-_json_leaf = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), st.text(max_size=5))
+_json_leaf = st.one_of(
+    st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), st.text(max_size=5)
+)
 _json = st.recursive(
     _json_leaf,
     lambda children: st.one_of(
         st.lists(children, max_size=3),
         st.dictionaries(
-            st.sampled_from(["resourceSpans", "scopeSpans", "spans", "traceId", "spanId", "links",
-                             "attributes", "key", "value", "kind", "name", "resource", "x"]),
-            children, max_size=4,
+            st.sampled_from(
+                [
+                    "resourceSpans",
+                    "scopeSpans",
+                    "spans",
+                    "traceId",
+                    "spanId",
+                    "links",
+                    "attributes",
+                    "key",
+                    "value",
+                    "kind",
+                    "name",
+                    "resource",
+                    "x",
+                ]
+            ),
+            children,
+            max_size=4,
         ),
     ),
     max_leaves=20,

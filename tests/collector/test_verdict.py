@@ -15,8 +15,14 @@ ENOUGH = MIN_TRACED_REQUESTS
 @pytest.mark.parametrize(
     "shares,expected",
     [
-        ({"queue": 0.31, "batch_assembly": 0.07, "compute": 0.30, "unattributed": 0.32}, sc.VERDICT_BATCHING),
-        ({"tokenize": 0.3, "serialize": 0.25, "compute": 0.4, "unattributed": 0.05}, sc.VERDICT_HOST),
+        (
+            {"queue": 0.31, "batch_assembly": 0.07, "compute": 0.30, "unattributed": 0.32},
+            sc.VERDICT_BATCHING,
+        ),
+        (
+            {"tokenize": 0.3, "serialize": 0.25, "compute": 0.4, "unattributed": 0.05},
+            sc.VERDICT_HOST,
+        ),
         ({"h2d": 0.4, "d2h": 0.2, "compute": 0.4}, sc.VERDICT_TRANSFER),
         ({"network": 0.7, "compute": 0.3}, sc.VERDICT_NETWORK),
         ({"unattributed": 0.8, "compute": 0.2}, sc.VERDICT_UNKNOWN),
@@ -51,13 +57,31 @@ def test_compute_without_gpu_samples_is_unknown_with_reason():
 @pytest.mark.parametrize(
     "gpu,expected",
     [
-        ({"utilization_during_compute": {"p50": 0.3, "mean": 0.32}, "samples": 50}, sc.VERDICT_RUNTIME),
-        ({"utilization_during_compute": {"p50": 0.9, "mean": 0.9}, "samples": 50}, sc.VERDICT_KERNEL),
-        ({"utilization_during_compute": {"p50": 0.9, "mean": 0.9}, "samples": 50,
-          "sm_active_during_compute": {"p50": 0.3, "mean": 0.3}}, sc.VERDICT_KERNEL),
-        ({"utilization_during_compute": {"p50": 0.9, "mean": 0.9}, "samples": 50,
-          "sm_active_during_compute": {"p50": 0.8, "mean": 0.8},
-          "sm_occupancy_during_compute": {"p50": 0.6, "mean": 0.6}}, sc.VERDICT_HARDWARE),
+        (
+            {"utilization_during_compute": {"p50": 0.3, "mean": 0.32}, "samples": 50},
+            sc.VERDICT_RUNTIME,
+        ),
+        (
+            {"utilization_during_compute": {"p50": 0.9, "mean": 0.9}, "samples": 50},
+            sc.VERDICT_KERNEL,
+        ),
+        (
+            {
+                "utilization_during_compute": {"p50": 0.9, "mean": 0.9},
+                "samples": 50,
+                "sm_active_during_compute": {"p50": 0.3, "mean": 0.3},
+            },
+            sc.VERDICT_KERNEL,
+        ),
+        (
+            {
+                "utilization_during_compute": {"p50": 0.9, "mean": 0.9},
+                "samples": 50,
+                "sm_active_during_compute": {"p50": 0.8, "mean": 0.8},
+                "sm_occupancy_during_compute": {"p50": 0.6, "mean": 0.6},
+            },
+            sc.VERDICT_HARDWARE,
+        ),
     ],
 )
 def test_compute_rules_read_gpu_evidence(gpu, expected):
@@ -81,7 +105,9 @@ def _compute_bound_engine(util: float | None, *, dcgm: dict | None = None, gpu_i
         samples = [(i * 0.05, util) for i in range(600)]
         engine.ingest_metrics(gpu_metrics(samples))
         for metric, value in (dcgm or {}).items():
-            engine.ingest_metrics(gpu_metrics([(i * 0.05, value) for i in range(600)], metric=metric))
+            engine.ingest_metrics(
+                gpu_metrics([(i * 0.05, value) for i in range(600)], metric=metric)
+            )
     clock.tick(5)
     return engine.breakdown("svc", window_s=None)
 

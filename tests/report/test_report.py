@@ -15,7 +15,13 @@ from inferprof.report.dump import write_json_lines, write_pb
 from inferprof.report.render import format_table
 from tests.collector.synth import FakeClock, TraceBuilder, gpu_metrics
 
-STAGES = [("receive", 0.001), ("tokenize", 0.002), ("queue", None), ("compute", 0.015), ("serialize", 0.001)]
+STAGES = [
+    ("receive", 0.001),
+    ("tokenize", 0.002),
+    ("queue", None),
+    ("compute", 0.015),
+    ("serialize", 0.001),
+]
 
 
 def _exports(service: str = "svc", model: str = "m", n: int = 150):
@@ -73,8 +79,12 @@ def test_json_equals_engine_breakdown_for_both_formats(files):
         expected_gpu = expected.get("gpu")
         assert doc == {k: v for k, v in expected.items() if k != "gpu"}
         assert gpu["utilization_during_compute"] == expected_gpu["utilization_during_compute"]
-    assert json.loads(CliRunner().invoke(main, ["report", str(pb), "--format", "json"]).output)["gpu"][
-        "samples_received"] == 1
+    assert (
+        json.loads(CliRunner().invoke(main, ["report", str(pb), "--format", "json"]).output)["gpu"][
+            "samples_received"
+        ]
+        == 1
+    )
 
 
 def test_several_services_give_a_list_and_filters_select(tmp_path):
@@ -83,7 +93,9 @@ def test_several_services_give_a_list_and_filters_select(tmp_path):
     runner = CliRunner()
     docs = json.loads(runner.invoke(main, ["report", str(path), "--format", "json"]).output)
     assert [(d["service"], d["model"]) for d in docs] == [("a", "m1"), ("b", "m2")]
-    one = json.loads(runner.invoke(main, ["report", str(path), "--format", "json", "--service", "b"]).output)
+    one = json.loads(
+        runner.invoke(main, ["report", str(path), "--format", "json", "--service", "b"]).output
+    )
     assert one["service"] == "b" and one["requests"] == 20
     missing = runner.invoke(main, ["report", str(path), "--service", "nope"])
     assert missing.exit_code == 1 and "no requests of service 'nope'" in missing.output
@@ -97,7 +109,13 @@ def test_html_is_self_contained_with_svg_charts(files, tmp_path):
     page = out.read_text()
     assert page.count("<svg") >= 2
     assert "Bottleneck: batching" in page
-    for external in ('src="http', "href=\"http", "<link", "@import", "url(http"):  # no external assets
+    for external in (
+        'src="http',
+        'href="http',
+        "<link",
+        "@import",
+        "url(http",
+    ):  # no external assets
         assert external not in page
     assert "<script" not in page
 
@@ -112,9 +130,19 @@ def test_malformed_file_is_a_clear_error(tmp_path):
 
 def test_format_table_of_empty_document():
     doc = {
-        "service": "s", "model": "", "window_s": 60.0, "requests": 0, "latency": {"p50": None, "p95": None, "p99": None},
-        "stages": [], "gpu": {}, "padding": {}, "verdict": {"bottleneck": sc.VERDICT_UNKNOWN, "confidence": 0.0,
-                                                              "evidence": ["not enough data"]},
+        "service": "s",
+        "model": "",
+        "window_s": 60.0,
+        "requests": 0,
+        "latency": {"p50": None, "p95": None, "p99": None},
+        "stages": [],
+        "gpu": {},
+        "padding": {},
+        "verdict": {
+            "bottleneck": sc.VERDICT_UNKNOWN,
+            "confidence": 0.0,
+            "evidence": ["not enough data"],
+        },
     }
     text = format_table(doc)
     assert "last 60 s" in text and "verdict: unknown" in text and "not enough data" in text
