@@ -213,7 +213,14 @@ class Engine:
         return IngestResult(accepted, rejected, tuple(errors))
 
     def ingest_metrics(self, request: Any) -> IngestResult:
-        accepted = ignored = 0
+        """Keep the GPU samples (contract §4) of an OTLP metrics export.
+
+        Other metrics are ignored (neither accepted nor rejected); GPU data points with a
+        non-finite value or without ``hw.id`` are rejected. ``accepted_spans`` /
+        ``rejected_spans`` count data points here.
+        """
+        accepted = ignored = rejected = 0
+        errors: list[str] = []
         with self._lock:
             for rm in request.resource_metrics:
                 host = ""
@@ -239,11 +246,15 @@ class Engine:
                                 if dp.WhichOneof("value") == "as_double"
                                 else float(dp.as_int)
                             )
-                            if not math.isfinite(v):
+                            if not math.isfinite(v) or not hw_id:
+                                rejected += 1
+                                if len(errors) < 5:
+                                    why = "non-finite value" if hw_id else f"no {sc.ATTR_HW_ID}"
+                                    errors.append(f"{metric.name} data point: {why}")
                                 continue
                             self._gpu.add(host, hw_id, metric.name, dp.time_unix_nano * 1e-9, v)
                             accepted += 1
-        return IngestResult(accepted, 0, ())
+        return IngestResult(accepted, rejected, tuple(errors))
 
     # --- finalisation ----------------------------------------------------------------
     def advance(self, now: float | None = None) -> None:
@@ -411,6 +422,7 @@ class Engine:
             )
 
     def services(self) -> list[dict]:
+        """Every service seen, its models and its (weighted) requests since start."""
         with self._lock:
             self._advance(self.clock())
             by_service: dict[str, dict] = {}

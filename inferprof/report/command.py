@@ -50,7 +50,10 @@ def _feed(engine, files, progress: bool) -> int:
                     except Overloaded:
                         # Input larger than memory allows: finalise what we have and go on.
                         engine.flush()
-                        engine.ingest_traces(request)
+                        try:
+                            engine.ingest_traces(request)
+                        except Overloaded as exc:
+                            raise ValueError(f"{path}: one export is too large: {exc}") from None
                 else:
                     engine.ingest_metrics(request)
             done += os.path.getsize(path)

@@ -408,3 +408,38 @@ def test_constructor_rejects_bad_arguments():
     ):
         with pytest.raises(ValueError):
             Engine(**kw)
+
+
+def test_spans_from_the_opentelemetry_sdk_encoded_by_its_otlp_encoder():
+    """What real services send: SDK spans, encoded by the OTLP exporter's own encoder."""
+    from opentelemetry import trace
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(resource=Resource.create({sc.RESOURCE_SERVICE_NAME: "sdk-svc"}))
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("test")
+    members = []
+    for _ in range(3):
+        with tracer.start_as_current_span("POST /infer", kind=trace.SpanKind.SERVER) as req:
+            req.set_attribute(sc.ATTR_MODEL_NAME, "bert")
+            with tracer.start_as_current_span(sc.span_name("queue")) as q:
+                q.set_attribute(sc.ATTR_STAGE, "queue")
+            members.append(req.get_span_context())
+    links = [trace.Link(ctx) for ctx in members]
+    with tracer.start_as_current_span(sc.span_name("compute"), links=links, context=None) as c:
+        c.set_attribute(sc.ATTR_STAGE, "compute")
+        c.set_attribute(sc.ATTR_BATCH_ID, "b1")
+    provider.shutdown()
+    engine, clock = make_engine()
+    result = engine.ingest_traces(encode_spans(exporter.get_finished_spans()))
+    assert result.accepted_spans == 7 and result.rejected_spans == 0
+    settle(engine, clock)
+    doc = engine.breakdown("sdk-svc", "bert")
+    assert doc["requests"] == 3
+    assert stage_of(doc, "queue")["count"] == 3
+    assert stage_of(doc, "compute")["count"] == 3

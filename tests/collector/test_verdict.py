@@ -131,3 +131,14 @@ def test_engine_compute_bound_without_samples_or_with_unjoinable_samples():
     other = _compute_bound_engine(0.5, gpu_id="GPU-other")
     assert other["gpu"]["samples_received"] == 600 and other["gpu"]["samples"] == 0
     assert "inferprof.gpu.id" in other["verdict"]["evidence"][0]
+
+
+def test_gpu_samples_without_hw_id_or_finite_value_rejected():
+    engine = Engine(clock=FakeClock())
+    good = engine.ingest_metrics(gpu_metrics([(0.0, 0.5), (0.1, float("nan"))]))
+    assert (good.accepted_spans, good.rejected_spans) == (1, 1)
+    anonymous = engine.ingest_metrics(gpu_metrics([(0.2, 0.5)], hw_id=""))
+    assert anonymous.rejected_spans == 1 and "hw.id" in anonymous.errors[0]
+    ignored = engine.ingest_metrics(gpu_metrics([(0.3, 1.0)], metric="process.cpu.time"))
+    assert (ignored.accepted_spans, ignored.rejected_spans) == (0, 0)
+    assert engine.stats.gpu_samples_received == 1
