@@ -177,6 +177,10 @@ class Assembler:
         wanted = _WANTED
         string_keys = _STRING_KEYS
         max_spans = self.max_spans_per_trace
+        link_refs = self.link_refs
+        settle_s = self.settle_s
+        attr_stage = sc.ATTR_STAGE
+        attr_request = sc.ATTR_REQUEST
         accepted = rejected = 0
         errors: list[str] = []
 
@@ -237,7 +241,7 @@ class Assembler:
                             )
                     stage = None
                     if attrs is not None:
-                        stage = attrs.get(sc.ATTR_STAGE)
+                        stage = attrs.get(attr_stage)
                         if stage is not None and stage not in valid_stages:
                             if (
                                 isinstance(stage, str)
@@ -252,18 +256,19 @@ class Assembler:
                                 )
                                 continue
                     parent = span.parent_span_id
-                    if stage is not None and span.links:
+                    span_links = span.links if stage is not None else None
+                    if span_links:
                         # Batch encoding (b): attributed through its links only.
                         ident = (tid, sid)
-                        if ident in self.link_refs:
+                        if ident in link_refs:
                             reject(
                                 sc.DROP_DUPLICATE,
                                 f"span {sid.hex()}: duplicate span id in trace {tid.hex()}",
                             )
                             continue
                         record = (stage, start, end, resource, attrs, ident)
-                        self.link_refs[ident] = len(span.links)
-                        for link in span.links:
+                        link_refs[ident] = len(span_links)
+                        for link in span_links:
                             lk = (link.trace_id, link.span_id)
                             lst = links.get(lk)
                             if lst is None:
@@ -276,13 +281,14 @@ class Assembler:
                     trace = traces.get(tid)
                     if trace is None:
                         trace = traces[tid] = _Trace(now)
-                    elif sid in trace.spans:
+                        trace_spans = trace.spans
+                    elif sid in (trace_spans := trace.spans):
                         reject(
                             sc.DROP_DUPLICATE,
                             f"span {sid.hex()}: duplicate span id in trace {tid.hex()}",
                         )
                         continue
-                    if len(trace.spans) >= max_spans:
+                    if len(trace_spans) >= max_spans:
                         reject(
                             sc.DROP_TRACE_TOO_LARGE,
                             f"trace {tid.hex()}: more than {max_spans} spans",
@@ -292,19 +298,21 @@ class Assembler:
                     candidate = (
                         kind == _KIND_SERVER
                         or kind == _KIND_CONSUMER
-                        or (attrs is not None and attrs.get(sc.ATTR_REQUEST) is True)
+                        or (attrs is not None and attrs.get(attr_request) is True)
                     )
                     if candidate:
                         trace.candidates.append(sid)
-                        due = now + self.settle_s
+                        due = now + settle_s
                         if trace.due is None or due > trace.due:
                             trace.due = due
                         trace_state = span.trace_state
+                        flags = span.flags  # only request spans need the is-remote bits
                     else:
                         trace_state = None
+                        flags = 0
                     if stage is not None:
                         trace.has_stage = True
-                    trace.spans[sid] = (
+                    trace_spans[sid] = (
                         parent,
                         start,
                         end,
@@ -312,7 +320,7 @@ class Assembler:
                         resource,
                         attrs,
                         candidate,
-                        span.flags,
+                        flags,
                         trace_state,
                     )
                     accepted += 1
