@@ -76,9 +76,42 @@ def build_export(n_requests: int, seed: int) -> trace_service_pb2.ExportTraceSer
     return request
 
 
+class NullEngine:
+    """Accepts and counts, folds nothing: isolates the transport's own cost."""
+
+    def __init__(self) -> None:
+        self.received = 0
+
+    def ingest_traces(self, request):
+        from inferprof.collector.records import IngestResult
+
+        n = sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+        self.received += n
+        return IngestResult(n, 0, ())
+
+    def advance(self, now=None) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    @property
+    def stats(self):
+        return type("Stats", (), {"spans_received": self.received})()
+
+
+ENGINE = {"factory": None}
+
+
+def _app(settings: CollectorSettings) -> CollectorApp:
+    # Nothing scrapes /metrics here, so the null engine never meets the Prometheus collector.
+    factory = ENGINE["factory"]
+    return CollectorApp(settings, engine=factory() if factory else None)
+
+
 def run_http(bodies: list[bytes], gzipped: bool) -> float:
     settings = CollectorSettings(grpc_port=0, http_port=0, api_port=0, settle_s=0.5)
-    with CollectorApp(settings) as app:
+    with _app(settings) as app:
         url = urllib.parse.urlsplit(app.otlp_http_endpoint)
         conn = http.client.HTTPConnection(url.hostname, url.port)
         headers = {"Content-Type": "application/x-protobuf"}
@@ -99,7 +132,7 @@ def run_http(bodies: list[bytes], gzipped: bool) -> float:
 
 def run_grpc(bodies: list[bytes]) -> float:
     settings = CollectorSettings(grpc_port=0, http_port=0, api_port=0, settle_s=0.5)
-    with CollectorApp(settings) as app:
+    with _app(settings) as app:
         channel = grpc.insecure_channel(f"127.0.0.1:{app.otlp_grpc_port}")
         export = channel.unary_unary(
             "/opentelemetry.proto.collector.trace.v1.TraceService/Export",
@@ -122,7 +155,14 @@ def main() -> None:
     parser.add_argument("--exports", type=int, default=100, help="exports per run")
     parser.add_argument("--requests", type=int, default=100, help="requests per export")
     parser.add_argument("--cores", type=int, default=1, help="pin to this many cores")
+    parser.add_argument(
+        "--null-engine",
+        action="store_true",
+        help="accept and count without folding: the transport's cost alone",
+    )
     args = parser.parse_args()
+    if args.null_engine:
+        ENGINE["factory"] = NullEngine
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, set(sorted(os.sched_getaffinity(0))[: args.cores]))
     exports = [build_export(args.requests, seed) for seed in range(args.exports)]
@@ -133,7 +173,8 @@ def main() -> None:
         f"{args.runs} runs x {args.exports} exports x {args.requests} requests "
         f"= {spans} spans/run, {sum(map(len, raw)) / len(raw) / 1024:.0f} KiB/export "
         f"({sum(map(len, packed)) / len(packed) / 1024:.0f} KiB gzipped), "
-        f"cores={len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else '?'}"
+        f"cores={len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else '?'}, "
+        f"engine={'null' if args.null_engine else 'real'}"
     )
     for name, fn in (
         ("OTLP/HTTP protobuf", lambda: run_http(raw, False)),

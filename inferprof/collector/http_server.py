@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from inferprof import semconv
 from inferprof._optional import require
 from inferprof.collector.decode import (
+    FORMAT_PROTOBUF,
     BodyError,
     body_format,
     decompress,
@@ -88,7 +89,7 @@ def otlp_app(intake: Intake, *, max_body_bytes: int, max_concurrent_requests: in
         data = decompress(raw, encoding, max_body_bytes)
         message = parse_request(data, fmt, signal)
         # Forward protobuf bytes: the decompressed body itself when it was protobuf.
-        payload = data if fmt == "protobuf" else None
+        payload = data if fmt == FORMAT_PROTOBUF else None
         return intake.ingest(transport, signal, message, payload)
 
     def endpoint(signal: str) -> Callable[[Request], Any]:
