@@ -82,14 +82,19 @@ def _windows(ctx: click.Context, param: click.Parameter, value: str | None) -> A
 )
 @click.option("--slice-s", type=float, help="Granularity of the sliding windows.")
 @click.option("--relative-accuracy", type=float, help="Relative accuracy of the quantile sketches.")
-@click.option("--max-series", type=int, help="Most (service, model, stage) series kept.")
+@click.option("--max-series", type=int, help="Most (service, model) series kept.")
 @click.option("--max-spans-per-trace", type=int, help="Spans kept per trace.")
 @click.option("--max-pending-spans", type=int, help="Spans held unfolded before answering 429.")
 @click.option("--metrics-window-s", type=float, help="Window of the /metrics gauges.")
 @click.option("--advance-interval-s", type=float, help="How often settled traces are folded.")
 @click.option("--log-level", default="INFO", show_default=True, help="Python logging level.")
 def collect(config: str | None, log_level: str, **options: Any) -> None:
-    """Receive OTLP traces and GPU metrics; serve per-stage breakdowns and /metrics."""
+    """Receive OTLP traces and GPU metrics; serve per-stage breakdowns and /metrics.
+
+    Every option also reads an environment variable (INFERPROF_COLLECTOR_<NAME>, or
+    INFERPROF_AUTH_TOKEN[_FILE] and INFERPROF_TLS_CERT/KEY); a flag beats the variable,
+    which beats --config, which beats the default. See docs/collector.md.
+    """
     logging.basicConfig(
         level=getattr(logging, log_level.upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
