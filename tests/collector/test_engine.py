@@ -443,3 +443,89 @@ def test_spans_from_the_opentelemetry_sdk_encoded_by_its_otlp_encoder():
     assert doc["requests"] == 3
     assert stage_of(doc, "queue")["count"] == 3
     assert stage_of(doc, "compute")["count"] == 3
+
+
+def _workload() -> tuple[list, list]:
+    """Spans of 30 requests (per-request stages, encoding (a) and (b) batches)."""
+    members_b, batch_b = TraceBuilder(), TraceBuilder()
+    for batch in range(10):
+        t = batch * 0.5
+        members = [members_b.request(t, t + 0.2 + 0.01 * k) for k in range(3)]
+        for k, m in enumerate(members):
+            members_b.stage(m, "queue", t, t + 0.05 + 0.01 * k)
+            members_b.stage(m, "batch_assembly", t + 0.08, t + 0.09, batch_id=f"a{batch}")
+        batch_b.stage(None, "compute", t + 0.09, t + 0.19, links=members, batch_id=f"c{batch}")
+    return members_b.spans, batch_b.spans
+
+
+def _doc_after(chunks) -> dict:
+    engine, clock = make_engine()
+    b = TraceBuilder()
+    for chunk in chunks:
+        engine.ingest_traces(b.export(chunk))
+        clock.tick(0.01)  # all within settle_s of each other
+        engine.advance()
+    settle(engine, clock)
+    return engine.breakdown("svc")
+
+
+def test_any_arrival_order_and_export_split_gives_the_same_breakdown():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    members, batches = _workload()
+    spans = members + batches
+    expected = _doc_after([spans])
+    assert expected["requests"] == 30
+    assert stage_of(expected, "compute")["count"] == 30
+
+    @settings(max_examples=25, deadline=None)
+    @given(st.permutations(range(len(spans))), st.lists(st.integers(1, 20), min_size=1, max_size=8))
+    def check(order, sizes):
+        shuffled = [spans[i] for i in order]
+        chunks, pos, k = [], 0, 0
+        while pos < len(shuffled):
+            size = sizes[k % len(sizes)]
+            chunks.append(shuffled[pos : pos + size])
+            pos += size
+            k += 1
+        assert _doc_after(chunks) == expected
+
+    check()
+
+
+def test_concurrent_ingest_and_readers():
+    import threading
+
+    engine, clock = make_engine()
+    errors = []
+
+    def writer(seed: int) -> None:
+        try:
+            b = TraceBuilder(f"svc{seed % 2}")
+            for i in range(200):
+                b.sequential(i * 0.01, [("queue", 0.01), ("compute", 0.02)])
+                if i % 20 == 19:
+                    engine.ingest_traces(b.export())
+        except Exception as exc:  # noqa: BLE001 - collected and asserted below
+            errors.append(exc)
+
+    def reader() -> None:
+        try:
+            for _ in range(30):
+                engine.services()
+                engine.breakdown("svc0")
+                engine.advance()
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(4)]
+    threads.append(threading.Thread(target=reader))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    settle(engine, clock)
+    assert {s["service"]: s["requests"] for s in engine.services()} == {"svc0": 400, "svc1": 400}
+    assert engine.stats.spans_received == 4 * 600 and engine.pending_spans() == 0
