@@ -315,6 +315,7 @@ class Engine:
         p_time: list[float] = []
         p_excl: list[float] = []
         overflow_key = (sc.OVERFLOW_SERIES, "")
+        stage_index = self._stage_index
         for i, f in enumerate(finals):
             sid = self._series_id(f.service, f.model)
             if self._series_keys[sid] == overflow_key and (f.service, f.model) != overflow_key:
@@ -329,7 +330,9 @@ class Engine:
             p_excl.append(f.unattributed)
             excl = f.exclusive
             for stage, t in f.stage_time.items():
-                idx = self._stage_id(stage)
+                idx = stage_index.get(stage)
+                if idx is None:
+                    idx = self._stage_id(stage)
                 if idx is None:
                     self._asm._drop(sc.DROP_TOO_MANY_STAGES)
                     continue
