@@ -28,7 +28,7 @@ from typing import Any
 from inferprof import semconv
 from inferprof._config import active_runtime, batch_encoding_setting
 from inferprof.instrumentation.records import SCOPE, BatchRecord, RequestRecord, StageRecord
-from inferprof.instrumentation.runtime import new_span_id
+from inferprof.instrumentation.runtime import new_span_id, new_trace_id
 from inferprof.instrumentation.stage import Stage, _check_stage
 
 _logger = logging.getLogger(__name__)
@@ -162,7 +162,9 @@ class Batch:
                 attrs[semconv.ATTR_MODEL_NAME] = model
             attrs.update(self.attrs)
             encoding = self.encoding or rt.batch_encoding
-            record = BatchRecord(rt, rt.new_batch_id(), attrs, members, encoding)
+            record = BatchRecord(
+                rt, rt.new_batch_id(), attrs, members, encoding, trace_id=new_trace_id()
+            )
             attrs[semconv.ATTR_BATCH_ID] = record.batch_id
             for m in members:
                 m.batches.append(record)

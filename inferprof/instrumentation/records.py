@@ -150,10 +150,17 @@ class BatchRecord:
         "lock",
         "emitted",
         "tokens",
+        "trace_id",
     )
 
     def __init__(
-        self, runtime: Any, batch_id: str, attrs: dict, members: list, encoding: str
+        self,
+        runtime: Any,
+        batch_id: str,
+        attrs: dict,
+        members: list,
+        encoding: str,
+        trace_id: int = 0,
     ) -> None:
         self.runtime = runtime
         self.batch_id = batch_id
@@ -168,6 +175,12 @@ class BatchRecord:
         self.emitted = False
         #: token counts, put on batch_assembly and compute-type stages only (contract §3).
         self.tokens: dict[str, int] = {}
+        #: the batch's own trace (``links`` encoding), fixed up front so member request
+        #: spans can link back to the batch spans.
+        self.trace_id = trace_id
+        #: the batch's own trace (``links`` encoding), fixed up front so member request
+        #: spans can link back to the batch spans.
+        self.trace_id = trace_id
 
     def set_attribute(self, key: str, value: Any) -> None:
         self.attrs[key] = value

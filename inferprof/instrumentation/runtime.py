@@ -253,6 +253,16 @@ class Runtime:
         end = rec.end
         specs: list[tuple] = []
         if rec.emit_request_span and rec.live_span is None:
+            # links encoding: the request span links to its batches' spans, so a trace view
+            # of the request leads to them (the collector attributes through the batch
+            # spans' own links; links on a request span carry no attribution).
+            back_links = tuple(
+                Link(trace_api.SpanContext(b.trace_id, st.span_id, False, _SAMPLED))
+                for b in rec.batches
+                if b.encoding == semconv.BATCH_ENCODING_LINKS and b.trace_id
+                for st in b.stages
+                if st.parent_id is None
+            )
             attrs = dict(rec.attrs)
             if rec.kind is not SpanKind.SERVER and rec.kind is not SpanKind.CONSUMER:
                 attrs[semconv.ATTR_REQUEST] = True
@@ -260,7 +270,17 @@ class Runtime:
                 attrs[semconv.ATTR_SAMPLE_WEIGHT] = float(weight)
             parent = rec.parent
             specs.append(
-                (rec.name, rec.span_id, parent, rec.kind, rec.start, end, attrs, rec.error, ())
+                (
+                    rec.name,
+                    rec.span_id,
+                    parent,
+                    rec.kind,
+                    rec.start,
+                    end,
+                    attrs,
+                    rec.error,
+                    back_links,
+                )
             )
         root = rec.span_id
         for st in rec.stages:
@@ -365,7 +385,7 @@ class Runtime:
                     links,
                 )
             )
-        self._emit(new_trace_id(), specs)
+        self._emit(batch.trace_id or new_trace_id(), specs)
 
     # --- the sink ----------------------------------------------------------------------
     def _emit(self, trace_id: int, specs: Iterable[tuple]) -> None:

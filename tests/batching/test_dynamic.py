@@ -97,6 +97,14 @@ async def test_links_encoding_one_span_per_stage_linked_to_every_member():
             assert span.attributes[semconv.ATTR_MODEL_NAME] == "m"  # from the members
         # per-request stages stay in each request's trace
         assert len(cap.stages("queue")) == 3
+        # and each request span links back to the batch's spans (trace view navigation)
+        batch_spans = {
+            (s.context.trace_id, s.context.span_id)
+            for s in cap.stages()
+            if s.attributes[semconv.ATTR_STAGE] != "queue"
+        }
+        for r in requests:
+            assert {(lk.context.trace_id, lk.context.span_id) for lk in r.links} == batch_spans
         assert all(
             not cap.stages("compute")[0].attributes.get(semconv.ATTR_REQUEST, False) for _ in [0]
         )
