@@ -143,9 +143,14 @@ class DynamicBatcher:
 
     def start(self) -> None:
         """Start the batching task on the running event loop (``submit`` does it if needed)."""
-        if self.running:
-            return
         loop = asyncio.get_running_loop()
+        if self.running and self._loop is loop:
+            return
+        if self._loop is not None and self._loop is not loop:
+            # Started on an event loop that is gone (a test's asyncio.run, a reloaded
+            # server): its task and waiters cannot be resumed from here; start afresh.
+            self._queue.clear()
+            self._inflight.clear()
         self._loop = loop
         self._wakeup = asyncio.Event()
         self._slots = asyncio.Semaphore(self.max_concurrent_batches)
@@ -197,7 +202,7 @@ class DynamicBatcher:
             isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0
         ):
             raise ValueError(f"tokens must be a non-negative int, got {tokens!r}")
-        if not self.running:
+        if not self.running or self._loop is not asyncio.get_running_loop():
             self.start()
         if self.max_queue_size is not None and len(self._queue) >= self.max_queue_size:
             raise asyncio.QueueFull(f"DynamicBatcher queue is full ({self.max_queue_size} waiting)")

@@ -314,3 +314,14 @@ async def test_stop_fails_requests_still_queued(cap):
 def test_bad_constructor_arguments(kwargs):
     with pytest.raises(ValueError):
         inferprof.DynamicBatcher(lambda xs: xs, **kwargs)
+
+
+def test_batcher_survives_a_new_event_loop():
+    b = inferprof.DynamicBatcher(lambda xs: [x + 1 for x in xs], max_batch_size=4, max_delay_ms=1)
+
+    async def use():
+        return await asyncio.gather(*(b.submit(i) for i in range(3)))
+
+    assert asyncio.run(use()) == [1, 2, 3]  # the first loop closes with the batcher running
+    assert asyncio.run(use()) == [1, 2, 3]
+    asyncio.run(b.stop())
