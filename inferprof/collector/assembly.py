@@ -158,6 +158,7 @@ class Assembler:
         self.recent_done: dict[bytes, float] = {}
         self.seen_batches: dict[Any, float] = {}
         self.pending = 0
+        self.next_check = math.inf
         self.valid_stages: set[str] = set()
         self.dropped: dict[str, int] = {}
         self.received = 0
@@ -181,6 +182,9 @@ class Assembler:
         settle_s = self.settle_s
         attr_stage = sc.ATTR_STAGE
         attr_request = sc.ATTR_REQUEST
+        # Earliest time a trace of this export can become due or expire (see advance).
+        next_check = self.next_check
+        expiry = now + self.trace_timeout_s
         accepted = rejected = 0
         errors: list[str] = []
 
@@ -281,6 +285,8 @@ class Assembler:
                     trace = traces.get(tid)
                     if trace is None:
                         trace = traces[tid] = _Trace(now)
+                        if expiry < next_check:  # noqa: PLR1730 - hot path
+                            next_check = expiry
                         trace_spans = trace.spans
                     elif sid in (trace_spans := trace.spans):
                         reject(
@@ -305,6 +311,8 @@ class Assembler:
                         due = now + settle_s
                         if trace.due is None or due > trace.due:
                             trace.due = due
+                            if due < next_check:  # noqa: PLR1730 - hot path
+                                next_check = due
                         trace_state = span.trace_state
                         flags = span.flags  # only request spans need the is-remote bits
                     else:
@@ -324,6 +332,7 @@ class Assembler:
                         trace_state,
                     )
                     accepted += 1
+        self.next_check = next_check
         self.received += accepted + rejected
         self.accepted += accepted
         self.pending += accepted
@@ -334,11 +343,25 @@ class Assembler:
         out: list[FinalRequest] = []
         done = []
         expired = []
-        for tid, trace in self.traces.items():
-            if trace.due is not None and (everything or trace.due <= now):
-                done.append(tid)
-            elif trace.due is None and (everything or now - trace.created >= self.trace_timeout_s):
-                expired.append(tid)
+        # Scanning every pending trace is skipped until the earliest due/expiry time a
+        # trace can have (a lower bound kept by ingest): advance runs every second.
+        if everything or now >= self.next_check:
+            timeout = self.trace_timeout_s
+            next_check = math.inf
+            for tid, trace in self.traces.items():
+                due = trace.due
+                if due is not None:
+                    if everything or due <= now:
+                        done.append(tid)
+                    elif due < next_check:
+                        next_check = due
+                else:
+                    expiry = trace.created + timeout
+                    if everything or expiry <= now:
+                        expired.append(tid)
+                    elif expiry < next_check:
+                        next_check = expiry
+            self.next_check = next_check
         for tid in done:
             trace = self.traces.pop(tid)
             self.pending -= len(trace.spans)
