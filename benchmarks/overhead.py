@@ -177,21 +177,26 @@ def table(cfgs: list[Config], args: argparse.Namespace, sink_spans: int) -> str:
         f"{sys.version.split()[0]}.",
         "",
         "| config | exporter | throughput (req/s) | x (a) | client p50 (ms) | x (a) "
-        "| client p99 (ms) | x (a) | service CPU / req (ms) | x (a) | errors | RSS growth (MiB) |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| client p99 (ms) | x (a) | service CPU / req (ms) | range | x (a) | errors "
+        "| RSS growth (MiB) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in cfgs:
         m = {k: med(c.runs, k) for k in ("rps", "p50", "p99", "cpu_per_req")}
         errors = sum(r["errors"] for r in c.runs)
         growth = med(c.runs, "rss_growth") / 2**20
+        lo, hi = min(r["cpu_per_req"] for r in c.runs), max(r["cpu_per_req"] for r in c.runs)
         lines.append(
             f"| ({c.key}) {c.label} | {c.exporter} | {m['rps']:.0f} | {m['rps'] / base['rps']:.2f} "
             f"| {m['p50'] * 1e3:.1f} | {m['p50'] / base['p50']:.2f} "
             f"| {m['p99'] * 1e3:.1f} | {m['p99'] / base['p99']:.2f} "
-            f"| {m['cpu_per_req'] * 1e3:.2f} | {m['cpu_per_req'] / base['cpu_per_req']:.2f} "
+            f"| {m['cpu_per_req'] * 1e3:.2f} | {lo * 1e3:.2f}-{hi * 1e3:.2f} "
+            f"| {m['cpu_per_req'] / base['cpu_per_req']:.2f} "
             f"| {errors} | {growth:+.1f} |"
         )
-    lines += ["", f"Spans received by the local sink: {sink_spans}."]
+    lines += ["", f"Spans received by the local sink: {sink_spans}. `range`: the lowest and "
+              "highest CPU per request over the repetitions; ratios within that spread of 1.00 "
+              "are noise, not overhead."]
     return "\n".join(lines)
 
 
