@@ -150,7 +150,7 @@ class _Telemetry:
 
             instrument(app, excluded_paths=(HEALTH_PATH,), model_name=self.settings.model_name)
         elif self._provider is not None:
-            instrumentor = require("opentelemetry.instrumentation.fastapi", "dev")
+            instrumentor = require("opentelemetry.instrumentation.fastapi", "demo")
             instrumentor.FastAPIInstrumentor.instrument_app(
                 app, tracer_provider=self._provider, excluded_urls=HEALTH_PATH
             )
