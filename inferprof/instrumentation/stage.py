@@ -185,12 +185,52 @@ def stage(name: str, *, device: Any = None, **attributes: Any) -> Stage:
     current stream and resolved when the batch (or request) ends, so asynchronous kernel
     launches are timed by when the GPU ran them, not when Python queued them.
     """
-    _check_stage(name)
+    if name not in _VALID:
+        _check_stage(name)
     if device is not None:
         from inferprof.batching.device import parse_cuda_device
 
         parse_cuda_device(device)  # ValueError for a bad device, at the call site
+    elif not attributes and SCOPE.get() is None and active_runtime() is None:
+        # Off / unconfigured, outside any request: a shared do-nothing object, so the
+        # uninstrumented path costs no allocation.
+        noop = _NOOPS.get(name)
+        if noop is None:
+            noop = _NOOPS[name] = _NoopStage(name)
+        return noop  # type: ignore[return-value]
     return Stage(name, device, attributes)
+
+
+class _NoopStage:
+    """``stage()`` when nothing is recorded. As a decorator it defers to a real Stage, which
+    decides at each call (inferprof may be configured after the decorated function is
+    defined)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        pass
+
+    def __enter__(self) -> "_NoopStage":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        return False
+
+    async def __aenter__(self) -> "_NoopStage":
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb) -> bool:
+        return False
+
+    def __call__(self, fn: Callable) -> Callable:
+        return Stage(self.name, None, {})(fn)
+
+
+_NOOPS: dict[str, _NoopStage] = {}
 
 
 # --- requests --------------------------------------------------------------------------------

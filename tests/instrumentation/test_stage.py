@@ -231,3 +231,20 @@ def test_span_context_flags_follow_the_head_decision(cap):
         assert req.span_context.trace_flags.sampled
         current = trace_api.get_current_span().get_span_context()
         assert current.span_id == req.span_id
+
+
+def test_decorator_defined_before_configure_records_after_configure():
+    inferprof.shutdown()
+
+    @inferprof.stage("postprocess")
+    def post(x):
+        return x
+
+    with inferprof.stage("tokenize") as noop:  # unconfigured: a shared no-op
+        noop.set_attribute("k", "v")
+    from tests.instrumentation.helpers import captured
+
+    with captured() as cap:
+        with inferprof.request():
+            assert post(5) == 5
+        assert len(cap.stages("postprocess")) == 1
