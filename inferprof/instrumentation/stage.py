@@ -214,13 +214,13 @@ class _NoopStage:
     def set_attribute(self, key: str, value: Any) -> None:
         pass
 
-    def __enter__(self) -> "_NoopStage":
+    def __enter__(self) -> _NoopStage:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         return False
 
-    async def __aenter__(self) -> "_NoopStage":
+    async def __aenter__(self) -> _NoopStage:
         return self
 
     async def __aexit__(self, exc_type, exc, tb) -> bool:
