@@ -25,6 +25,7 @@ from typing import Any
 from opentelemetry import trace as trace_api
 from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
+from opentelemetry.sdk.trace.sampling import Decision
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
@@ -93,6 +94,18 @@ def _sampler_ratio(sampler: Any, parent: trace_api.SpanContext | None) -> float:
     return 1.0
 
 
+def _roots_always_on(sampler: Any) -> bool:
+    from opentelemetry.sdk.trace import sampling
+
+    if isinstance(sampler, sampling.ParentBased):
+        sampler = sampler._root
+    return (
+        sampler is sampling.ALWAYS_ON
+        or isinstance(sampler, sampling.StaticSampler)
+        and (sampler._decision is Decision.RECORD_AND_SAMPLE)
+    )
+
+
 class Runtime:
     """Configured state: providers, the span sink, the sampler and the counters."""
 
@@ -130,6 +143,9 @@ class Runtime:
             self._processor = tracer_provider._active_span_processor  # see module docstring
             self._resource = tracer_provider.resource
             self._sampler = tracer_provider.sampler
+            self._root_weight = 1.0 / _sampler_ratio(self._sampler, None)
+            # The SDK's default sampler keeps every root span: skip the call for those.
+            self._roots_always_on = _roots_always_on(self._sampler)
         self._register_metrics()
 
     # --- self metrics ----------------------------------------------------------------
@@ -199,8 +215,8 @@ class Runtime:
         )
 
     def _consult_sampler(self, trace_id, name, kind, attrs, parent) -> tuple[bool, float]:
-        from opentelemetry.sdk.trace.sampling import Decision
-
+        if parent is None and self._roots_always_on:
+            return True, 1.0
         ctx = trace_api.set_span_in_context(trace_api.NonRecordingSpan(parent)) if parent else None
         try:
             result = self._sampler.should_sample(ctx, trace_id, name, kind, attrs)
@@ -209,6 +225,8 @@ class Runtime:
             return True, 1.0
         if result.decision is not Decision.RECORD_AND_SAMPLE:
             return False, 1.0
+        if parent is None:
+            return True, self._root_weight
         return True, 1.0 / _sampler_ratio(self._sampler, parent)
 
     def live_weight(self, live: Any) -> float:
