@@ -144,6 +144,7 @@ PROM_LABEL_REASON: Final = "reason"
 PROM_OTLP_REQUESTS: Final = "inferprof_otlp_requests_total"
 PROM_OTLP_REQUEST_BYTES: Final = "inferprof_otlp_request_body_bytes"
 PROM_OTLP_DECODE_ERRORS: Final = "inferprof_otlp_decode_errors_total"
+PROM_OTLP_IN_FLIGHT: Final = "inferprof_otlp_requests_in_flight"
 PROM_FORWARD_SENT: Final = "inferprof_forward_sent_total"
 PROM_FORWARD_DROPPED: Final = "inferprof_forward_dropped_total"
 PROM_FORWARD_QUEUE_LENGTH: Final = "inferprof_forward_queue_length"
@@ -211,6 +212,8 @@ INSTRUMENTATION_SCOPE: Final = "inferprof"
 #: Opt-in only (``record_content=True``): a prefix of the request / response body.
 ATTR_REQUEST_BODY: Final = "inferprof.request.body"
 ATTR_RESPONSE_BODY: Final = "inferprof.response.body"
+#: Stages past the per-request (per-batch) cap that were timed but not recorded.
+ATTR_STAGES_DROPPED: Final = "inferprof.stages.dropped"
 #: Set on a request span whose request was cancelled (client went away, task cancelled).
 ATTR_CANCELLED: Final = "inferprof.cancelled"
 #: Batch-stage encodings (§2): a copy under every member, or one span with links.

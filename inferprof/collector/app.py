@@ -54,6 +54,12 @@ class TransportMetrics:
             [semconv.PROM_LABEL_TRANSPORT, semconv.PROM_LABEL_REASON],
             registry=registry,
         )
+        self.in_flight = prom.Gauge(
+            semconv.PROM_OTLP_IN_FLIGHT,
+            "OTLP export requests being read, decoded or ingested now.",
+            [semconv.PROM_LABEL_TRANSPORT],
+            registry=registry,
+        )
         self.forward_sent = prom.Counter(
             semconv.PROM_FORWARD_SENT,
             "Export requests forwarded downstream.",
@@ -82,6 +88,12 @@ class TransportMetrics:
 
     def decode_error(self, transport: str, reason: str) -> None:
         _guard(lambda: self.decode_errors.labels(transport, reason).inc())
+
+    def enter(self, transport: str) -> None:
+        _guard(lambda: self.in_flight.labels(transport).inc())
+
+    def leave(self, transport: str) -> None:
+        _guard(lambda: self.in_flight.labels(transport).dec())
 
     def sent(self, destination: str, signal: str) -> None:
         _guard(lambda: self.forward_sent.labels(destination, signal).inc())

@@ -68,6 +68,14 @@ class _ExportHandler:
         self._response_type = _SERVICES[signal][1]
 
     def __call__(self, payload: bytes, context: grpc.ServicerContext) -> bytes:
+        metrics = self._intake.metrics
+        metrics.enter(semconv.TRANSPORT_GRPC)
+        try:
+            return self._export(payload, context)
+        finally:
+            metrics.leave(semconv.TRANSPORT_GRPC)
+
+    def _export(self, payload: bytes, context: grpc.ServicerContext) -> bytes:
         intake = self._intake
         transport = semconv.TRANSPORT_GRPC
         intake.metrics.observe_body(transport, self._signal, len(payload))

@@ -106,6 +106,7 @@ def otlp_app(intake: Intake, *, max_body_bytes: int, max_concurrent_requests: in
             if in_flight >= max_concurrent_requests:
                 return overloaded(signal, "too many concurrent exports; retry later", fmt)
             in_flight += 1
+            intake.metrics.enter(transport)
             try:
                 chunks = bytearray()
                 try:
@@ -127,6 +128,7 @@ def otlp_app(intake: Intake, *, max_body_bytes: int, max_concurrent_requests: in
                 return fail(signal, exc, fmt)
             finally:
                 in_flight -= 1
+                intake.metrics.leave(transport)
             if outcome.overloaded:
                 return overloaded(signal, outcome.error_message, fmt, count=False)
             if outcome.failed:

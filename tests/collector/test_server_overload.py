@@ -3,7 +3,9 @@ accepts nothing of the refused export, and loses nothing it accepted."""
 
 from __future__ import annotations
 
+import socket
 import threading
+import time
 
 import grpc
 import httpx
@@ -87,7 +89,10 @@ def test_sdk_grpc_exporter_retries_after_resource_exhausted_and_delivers():
         )
         worker.start()
         try:
-            text = lambda: httpx.get(f"{app.api_url}/metrics").text
+
+            def text() -> str:
+                return httpx.get(f"{app.api_url}/metrics").text
+
             assert wait_until(
                 lambda: 'outcome="overloaded",signal="traces",transport="grpc"' in text()
             )
@@ -101,36 +106,79 @@ def test_sdk_grpc_exporter_retries_after_resource_exhausted_and_delivers():
 
 def test_http_concurrency_bound_answers_429_while_the_intake_is_full():
     with running_app(max_concurrent_requests=1) as app:
-        url = f"{app.otlp_http_endpoint}/v1/traces"
-        release = threading.Event()
-        first_status = []
-
-        def slow_body():
-            yield b"\x0a"
-            release.wait(10)
-            yield b"\x00"
-
-        def upload():
-            first_status.append(httpx.post(url, content=slow_body(), headers=PB).status_code)
-
-        uploader = threading.Thread(target=upload)
-        uploader.start()
-        try:
+        host, port = "127.0.0.1", app.otlp_http_port
+        # A client that sends half its body and stalls: it holds the only intake slot.
+        with socket.create_connection((host, port)) as stalled:
+            stalled.sendall(
+                b"POST /v1/traces HTTP/1.1\r\nHost: x\r\n"
+                b"Content-Type: application/x-protobuf\r\nContent-Length: 2\r\n\r\n\x0a"
+            )
+            assert wait_until(lambda: _in_flight(app) == 1)
             body = encode_spans(make_requests(1)).SerializeToString()
-
-            def second_refused() -> bool:
-                resp = httpx.post(url, content=body, headers=PB)
-                return resp.status_code == 429 and "retry-after" in resp.headers
-
-            assert wait_until(second_refused, timeout=5)
-        finally:
-            release.set()
-            uploader.join(10)
-        assert first_status == [200]  # the slow one (an empty request) completes normally
+            url = f"{app.otlp_http_endpoint}/v1/traces"
+            resp = httpx.post(url, content=body, headers=PB)
+            assert resp.status_code == 429 and int(resp.headers["retry-after"]) >= 1
+            stalled.sendall(b"\x00")  # the rest of an (empty) export: it completes normally
+            assert stalled.recv(4096).startswith(b"HTTP/1.1 200")
+        assert wait_until(lambda: _in_flight(app) == 0)
         assert httpx.post(url, content=body, headers=PB).status_code == 200
+
+
+def _in_flight(app) -> float:
+    return (
+        app.registry.get_sample_value("inferprof_otlp_requests_in_flight", {"transport": "http"})
+        or 0.0
+    )
 
 
 @pytest.mark.parametrize("bad", [0, -1, "5"])
 def test_caps_must_be_positive(bad):
     with pytest.raises(ValueError):
         running_app(max_concurrent_requests=bad).__enter__()
+
+
+def test_concurrent_clients_that_retry_get_every_request_in_exactly_once():
+    # Small cap, traces fold quickly: clients hit 429/RESOURCE_EXHAUSTED now and then and
+    # retry, as the OTLP exporters do. In the end every request is in, none twice.
+    threads, exports_each = 6, 8
+    with running_app(max_pending_spans=60, settle_s=0.05, advance_interval_s=0.02) as app:
+        url = f"{app.otlp_http_endpoint}/v1/traces"
+        refusals = []
+        errors = []
+
+        def client(k: int) -> None:
+            channel = grpc.insecure_channel(f"127.0.0.1:{app.otlp_grpc_port}")
+            stub = trace_service_pb2_grpc.TraceServiceStub(channel)
+            try:
+                for _ in range(exports_each):
+                    body = encode_spans(make_requests(REQUESTS_PER_EXPORT, service="many"))
+                    for _attempt in range(200):
+                        if k % 2:
+                            resp = httpx.post(url, content=body.SerializeToString(), headers=PB)
+                            if resp.status_code == 200:
+                                break
+                            assert resp.status_code == 429, resp.status_code
+                        else:
+                            try:
+                                stub.Export(body, timeout=5)
+                                break
+                            except grpc.RpcError as exc:
+                                assert exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+                        refusals.append(k)
+                        time.sleep(0.02)
+                    else:
+                        raise AssertionError("export never accepted")
+            except BaseException as exc:  # surfaced to the test thread below
+                errors.append(exc)
+            finally:
+                channel.close()
+
+        workers = [threading.Thread(target=client, args=(k,)) for k in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(60)
+        assert not errors, errors
+        total = threads * exports_each * REQUESTS_PER_EXPORT
+        assert app.engine.stats.spans_received == total * 4
+        assert breakdown(app, "many").json()["requests"] == total
