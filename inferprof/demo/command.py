@@ -24,7 +24,6 @@ import click
 
 from inferprof import semconv
 from inferprof.demo.settings import (
-    DEFAULT_MODEL_NAME,
     INSTRUMENTATION_NONE,
     INSTRUMENTATION_OTEL,
     INSTRUMENTATIONS,
@@ -84,14 +83,14 @@ def run_demo(*, duration_s: float = DEFAULT_DURATION_S, concurrency: int | None 
     """Run the demo end to end; return ``{"settings", "client", "breakdown"}``.
 
     ``breakdown`` is the collector's contract §5 document (None for modes that emit no
-    inferprof spans, or when the collector saw no request).
+    inferprof stages — ``none``, ``off``, ``otel`` — or when the collector saw no request).
     """
     from inferprof.collector.app import CollectorApp
     from inferprof.collector.settings import CollectorSettings
     from inferprof.demo.processes import ServiceProcess, run_loadgen
 
-    # otel mode has request spans but no stages: the collector still reports latency.
-    traced = mode not in (INSTRUMENTATION_NONE, semconv.MODE_OFF)
+    # Only inferprof's own modes emit stage spans; the collector folds traces that have them.
+    traced = mode in (semconv.MODE_FULL, semconv.MODE_PRODUCTION)
     collector = CollectorApp(CollectorSettings(grpc_port=0, http_port=0, api_port=0)).start()
     try:
         settings = DemoSettings(
@@ -133,7 +132,8 @@ def _collect(collector: Any, expected: int) -> dict[str, Any] | None:
     doc = None
     while time.monotonic() < deadline:
         collector.engine.flush()
-        doc = collector.engine.breakdown(SERVICE_NAME, DEFAULT_MODEL_NAME, window_s=None)
+        # model=None: every model of the service (otel mode has request spans without one).
+        doc = collector.engine.breakdown(SERVICE_NAME, None, window_s=None)
         if doc is not None and doc.get("requests", 0) >= expected:
             break
         time.sleep(0.25)
@@ -147,8 +147,11 @@ def render(result: dict[str, Any]) -> str:
     doc = result["breakdown"]
     mode = result["settings"]["mode"]
     if doc is None:
-        if mode in (INSTRUMENTATION_NONE, semconv.MODE_OFF):
-            lines.append(f"(instrumentation '{mode}' emits no inferprof stages: no breakdown)")
+        if mode == INSTRUMENTATION_OTEL:
+            lines.append("(instrumentation 'otel' exports one server span per request and no "
+                         "stages: there is nothing to attribute, which is what inferprof adds)")
+        elif mode in (INSTRUMENTATION_NONE, semconv.MODE_OFF):
+            lines.append(f"(instrumentation '{mode}' emits no spans: no breakdown)")
         else:
             lines.append("the collector received no complete request traces")
         return "\n".join(lines)
