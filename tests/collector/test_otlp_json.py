@@ -10,10 +10,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, KeyValue, KeyValueList
 from opentelemetry.proto.trace.v1 import trace_pb2
 
 from inferprof.collector.otlp_json import (
+    _fast_trace_request,
     iter_otlp_file,
     parse_metrics_request_json,
     parse_trace_request_json,
@@ -94,14 +95,25 @@ _ids16 = st.binary(min_size=16, max_size=16)
 _ids8 = st.binary(min_size=8, max_size=8)
 _u64 = st.integers(min_value=0, max_value=2**64 - 1)
 _text = st.text(max_size=12)
-_value = st.one_of(
+_scalar = st.one_of(
     _text.map(lambda s: AnyValue(string_value=s)),
     st.integers(min_value=-(2**63), max_value=2**63 - 1).map(lambda i: AnyValue(int_value=i)),
     st.floats(allow_nan=False).map(lambda f: AnyValue(double_value=f)),
     st.booleans().map(lambda b: AnyValue(bool_value=b)),
     st.binary(max_size=8).map(lambda b: AnyValue(bytes_value=b)),
 )
+_value = st.recursive(
+    _scalar,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3).map(lambda vs: AnyValue(array_value=ArrayValue(values=vs))),
+        st.lists(st.builds(KeyValue, key=_text, value=inner), max_size=3).map(
+            lambda kvs: AnyValue(kvlist_value=KeyValueList(values=kvs))
+        ),
+    ),
+    max_leaves=6,
+)
 _attrs = st.lists(st.builds(KeyValue, key=_text, value=_value), max_size=3)
+_u32 = st.integers(min_value=0, max_value=2**32 - 1)
 
 
 @st.composite
@@ -122,6 +134,13 @@ def _spans(draw):
             for t, s, a in draw(st.lists(st.tuples(_ids16, _ids8, _attrs), max_size=2))
         ],
         status=trace_pb2.Status(code=draw(st.integers(0, 2)), message=draw(_text)),
+        events=[
+            trace_pb2.Span.Event(time_unix_nano=t, name=n, attributes=a, dropped_attributes_count=d)
+            for t, n, a, d in draw(st.lists(st.tuples(_u64, _text, _attrs, _u32), max_size=2))
+        ],
+        dropped_attributes_count=draw(_u32),
+        dropped_events_count=draw(_u32),
+        dropped_links_count=draw(_u32),
     )
 
 
@@ -135,6 +154,9 @@ def _requests(draw):
         for _ in range(draw(st.integers(0, 2))):
             ss = rs.scope_spans.add()
             ss.scope.name = draw(_text)
+            ss.scope.version = draw(_text)
+            ss.scope.attributes.extend(draw(_attrs))
+            ss.schema_url = draw(_text)
             ss.spans.extend(draw(st.lists(_spans(), max_size=3)))
     return req
 
@@ -144,6 +166,8 @@ def _requests(draw):
 def test_round_trip_random_requests(req):
     text = json.dumps(to_json(req))
     assert parse_trace_request_json(text) == req
+    # The fast converter handles every well-formed export itself (no fallback needed).
+    assert _fast_trace_request(json.loads(text)) == req
 
 
 @settings(max_examples=300, deadline=None)
