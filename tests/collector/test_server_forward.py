@@ -138,8 +138,9 @@ def test_a_hung_downstream_never_slows_ingest_and_drops_are_counted(black_hole):
         statuses = [httpx.post(url, content=body, headers=PB).status_code for body in bodies]
         elapsed = time.monotonic() - started
         assert statuses == [200] * 10
-        # Ten exports finish well within ONE forwarding timeout: ingest never waits on it.
-        assert elapsed < 1.0
+        # Forwarding inline would cost >= 1 s (the timeout) per export, 10 s in all; the
+        # queue keeps ingest independent of the downstream (loose bound: shared CI machines).
+        assert elapsed < 5.0
         destination = destination_label(black_hole)
         metrics = httpx.get(f"{app.api_url}/metrics").text
         line = next(
