@@ -3,9 +3,11 @@
 OTLP/JSON is protobuf's canonical JSON mapping with the OTLP specification's
 exceptions: trace and span ids are lower-case **hex** (not base64), enums are integers,
 64-bit integers may be strings or numbers, field names are lowerCamelCase (the original
-snake_case names are accepted too) and unknown fields are ignored. We rewrite the ids to
-what ``google.protobuf.json_format`` expects and let it do the rest, so every other
-field follows the protobuf mapping exactly.
+snake_case names are accepted too) and unknown fields are ignored. Trace exports are
+converted by constructing the messages directly (the bulk of the traffic; several times
+faster than ``json_format``); anything that converter does not expect, and metrics
+exports, go through ``google.protobuf.json_format`` after the ids are rewritten to the
+base64 it expects, so every field follows the protobuf mapping exactly.
 
 Every malformed input raises ``ValueError`` with the reason (``UnicodeDecodeError`` and
 ``json.JSONDecodeError`` are ``ValueError`` subclasses too); nothing else escapes.

@@ -1,7 +1,7 @@
 """Writing OTLP exports to files ``inferprof report`` (and ``iter_otlp_file``) read.
 
-``write_pb`` writes inferprof's length-delimited protobuf dump (compact and about ten
-times faster to read back than JSON); ``write_json_lines`` writes what the OpenTelemetry
+``write_pb`` writes inferprof's length-delimited protobuf dump (a third of the size of
+JSON and several times faster to read back); ``write_json_lines`` writes what the OpenTelemetry
 Collector's ``file`` exporter writes with ``format: json``, so either can be produced by
 a test, a benchmark or a capture tool and read by the same command.
 """
