@@ -41,6 +41,26 @@ def title(doc: dict) -> str:
     return f"service {doc['service']!r}{model_part} — {scope}"
 
 
+def _notes(doc: dict) -> list[str]:
+    """Padding and GPU lines (empty when the document has neither)."""
+    lines = []
+    pad = doc.get("padding") or {}
+    if pad.get("padded_tokens"):
+        lines.append(
+            f"padding: {_pct(pad['waste_ratio'])} of padded tokens are padding "
+            f"({pad['effective_tokens']} effective / {pad['padded_tokens']} padded"
+            + (f", {pad['batches']} batches)" if pad.get("batches") else ")")
+        )
+    gpu = doc.get("gpu") or {}
+    util = gpu.get("utilization_during_compute")
+    if util:
+        lines.append(
+            f"GPU utilisation during compute: median {_pct(util['p50'])}, mean {_pct(util['mean'])} "
+            f"({gpu.get('samples', 0)} samples)"
+        )
+    return lines
+
+
 def format_table(doc: dict) -> str:
     """The breakdown as a fixed-width text table followed by padding, GPU and verdict."""
     lines = [title(doc)]
@@ -66,20 +86,7 @@ def format_table(doc: dict) -> str:
         f"{_ms(lat['p99']):>10}{_pct(total):>14}"
     )
     lines.append("")
-    pad = doc.get("padding") or {}
-    if pad.get("padded_tokens"):
-        lines.append(
-            f"padding: {_pct(pad['waste_ratio'])} of padded tokens are padding "
-            f"({pad['effective_tokens']} effective / {pad['padded_tokens']} padded"
-            + (f", {pad['batches']} batches)" if pad.get("batches") else ")")
-        )
-    gpu = doc.get("gpu") or {}
-    util = gpu.get("utilization_during_compute")
-    if util:
-        lines.append(
-            f"GPU utilisation during compute: median {_pct(util['p50'])}, mean {_pct(util['mean'])} "
-            f"({gpu.get('samples', 0)} samples)"
-        )
+    lines.extend(_notes(doc))
     verdict = doc["verdict"]
     lines.append(f"verdict: {verdict['bottleneck']} (confidence {verdict['confidence']:.2f})")
     for item in verdict["evidence"]:
@@ -203,12 +210,13 @@ def _section(doc: dict) -> str:
     )
     verdict = doc["verdict"]
     evidence = "".join(f"<li>{e(item)}</li>" for item in verdict["evidence"])
+    notes = "".join(f"<p>{e(line)}</p>" for line in _notes(doc))
     return f"""
 <section>
 <h2>{e(title(doc))}</h2>
 <div class="verdict"><b>Bottleneck: {e(verdict["bottleneck"])}</b>
  (confidence {verdict["confidence"]:.2f})<ul>{evidence}</ul></div>
-<table><tr><th>stage</th><th>count</th><th>p50 ms</th><th>p95 ms</th><th>p99 ms</th>
+{notes}<table><tr><th>stage</th><th>count</th><th>p50 ms</th><th>p95 ms</th><th>p99 ms</th>
 <th>share of p95</th></tr>{rows}</table>
 <h3>Where the time goes, by latency quantile</h3>
 {shares_svg}

@@ -109,6 +109,7 @@ def test_html_is_self_contained_with_svg_charts(files, tmp_path):
     page = out.read_text()
     assert page.count("<svg") >= 2
     assert "Bottleneck: batching" in page
+    assert "GPU utilisation during compute" not in page  # no samples in this file
     for external in (
         'src="http',
         'href="http',
@@ -146,3 +147,33 @@ def test_format_table_of_empty_document():
     }
     text = format_table(doc)
     assert "last 60 s" in text and "verdict: unknown" in text and "not enough data" in text
+
+
+def test_padding_and_gpu_lines_in_table_and_html(tmp_path):
+    b = TraceBuilder()
+    for i in range(120):
+        req = b.request(i, i + 0.1)
+        b.stage(req, "queue", i, i + 0.02)
+        b.stage(
+            req,
+            "compute",
+            i + 0.02,
+            i + 0.1,
+            batch_id=f"b{i}",
+            effective=75,
+            padded=100,
+            gpu_id="GPU-0",
+        )
+    path = tmp_path / "gpu.pb"
+    write_pb(path, [b.export(), gpu_metrics([(i * 0.05, 0.3) for i in range(2400)])])
+    out = tmp_path / "gpu.html"
+    result = CliRunner().invoke(main, ["report", str(path), "--html", str(out)])
+    assert result.exit_code == 0, result.output
+    assert (
+        "padding: 25.0% of padded tokens are padding (9000 effective / 12000 padded, 120 batches)"
+        in result.output
+    )
+    assert "GPU utilisation during compute: median 30.0%" in result.output
+    assert "verdict: runtime" in result.output
+    page = out.read_text()
+    assert "padding: 25.0%" in page and "GPU utilisation during compute" in page
