@@ -42,9 +42,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inferprof import semconv  # noqa: E402
-from inferprof.demo.processes import ServiceProcess, run_loadgen  # noqa: E402
-from inferprof.demo.settings import (  # noqa: E402
+from inferprof import semconv
+from inferprof.demo.processes import ServiceProcess, run_loadgen
+from inferprof.demo.settings import (
     INSTRUMENTATION_NONE,
     INSTRUMENTATION_OTEL,
     DemoSettings,
@@ -74,14 +74,14 @@ class NullSink:
         self._lock = threading.Lock()
 
         class Traces(trace_service_pb2_grpc.TraceServiceServicer):
-            def Export(self, request, context):  # noqa: N802
+            def Export(self, request, context):
                 n = sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
                 with sink._lock:
                     sink.spans += n
                 return trace_service_pb2.ExportTraceServiceResponse()
 
         class Metrics(metrics_service_pb2_grpc.MetricsServiceServicer):
-            def Export(self, request, context):  # noqa: N802
+            def Export(self, request, context):
                 return metrics_service_pb2.ExportMetricsServiceResponse()
 
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
@@ -90,7 +90,7 @@ class NullSink:
         port = self._server.add_insecure_port("127.0.0.1:0")
         self.endpoint = f"http://127.0.0.1:{port}"
 
-    def __enter__(self) -> "NullSink":
+    def __enter__(self) -> NullSink:
         self._server.start()
         return self
 
@@ -171,14 +171,14 @@ def med(runs: list[dict], key: str) -> float:
 def table(cfgs: list[Config], args: argparse.Namespace, sink_spans: int) -> str:
     base = {k: med(cfgs[0].runs, k) for k in ("rps", "p50", "p99", "cpu_per_req")}
     lines = [
-        f"Demo service saturated on 127.0.0.1 (model `{args.model_size}`, batch <= "
-        f"{args.max_batch_size}); closed loop, {args.concurrency} clients, {args.duration:g} s x "
-        f"{args.reps} interleaved repetitions; medians. {os.cpu_count()} CPU(s); Python "
-        f"{sys.version.split()[0]}.",
+        (f"Demo service saturated on 127.0.0.1 (model `{args.model_size}`, batch <= "
+         f"{args.max_batch_size}); closed loop, {args.concurrency} clients, {args.duration:g} s x "
+         f"{args.reps} interleaved repetitions; medians. {os.cpu_count()} CPU(s); Python "
+         f"{sys.version.split()[0]}."),
         "",
-        "| config | exporter | throughput (req/s) | x (a) | client p50 (ms) | x (a) "
-        "| client p99 (ms) | x (a) | service CPU / req (ms) | range | x (a) | errors "
-        "| RSS growth (MiB) |",
+        ("| config | exporter | throughput (req/s) | x (a) | client p50 (ms) | x (a) "
+         "| client p99 (ms) | x (a) | service CPU / req (ms) | range | x (a) | errors "
+         "| RSS growth (MiB) |"),
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in cfgs:
@@ -194,9 +194,9 @@ def table(cfgs: list[Config], args: argparse.Namespace, sink_spans: int) -> str:
             f"| {m['cpu_per_req'] / base['cpu_per_req']:.2f} "
             f"| {errors} | {growth:+.1f} |"
         )
-    lines += ["", f"Spans received by the local sink: {sink_spans}. `range`: the lowest and "
-              "highest CPU per request over the repetitions; ratios within that spread of 1.00 "
-              "are noise, not overhead."]
+    lines += ["", (f"Spans received by the local sink: {sink_spans}. `range`: the lowest and "
+                   "highest CPU per request over the repetitions; ratios within that spread of "
+                   "1.00 are noise, not overhead.")]
     return "\n".join(lines)
 
 

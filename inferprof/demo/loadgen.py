@@ -32,8 +32,9 @@ import random
 import sys
 import time
 import urllib.parse
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from inferprof.demo import corpus
 

@@ -16,8 +16,9 @@ sensible labels for prompts drawn from the shipped text.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -169,5 +170,13 @@ def build_model(tokenizer: Any, size: str = DEFAULT_MODEL_SIZE, seed: int = 0,
     return model
 
 
-__all__ = ["Batch", "DEFAULT_MODEL_SIZE", "MODEL_SIZES", "ModelSize", "Outputs", "TopicModel",
-           "build_model", "collate"]
+__all__ = [
+    "DEFAULT_MODEL_SIZE",
+    "MODEL_SIZES",
+    "Batch",
+    "ModelSize",
+    "Outputs",
+    "TopicModel",
+    "build_model",
+    "collate",
+]

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -21,11 +23,11 @@ from inferprof.demo.model import Batch, build_model, collate
 from inferprof.demo.settings import DemoSettings
 from inferprof.demo.tokenizer import build_tokenizer
 
-StageFactory = Callable[..., ContextManager[Any]]
+StageFactory = Callable[..., AbstractContextManager[Any]]
 TOP_TOKENS = 5
 
 
-def no_stage(name: str, **attributes: Any) -> ContextManager[None]:
+def no_stage(name: str, **attributes: Any) -> AbstractContextManager[None]:
     """The uninstrumented stand-in for ``inferprof.stage``."""
     return contextlib.nullcontext()
 
@@ -100,9 +102,10 @@ class DemoPipeline:
 
 def _set(span: Any, key: str, value: Any) -> None:
     # The no-op stage yields None; inferprof.stage yields its span.
-    if span is not None and hasattr(span, "set_attribute"):
-        if not (isinstance(value, float) and math.isnan(value)):
-            span.set_attribute(key, value)
+    if span is not None and hasattr(span, "set_attribute") and not (
+        isinstance(value, float) and math.isnan(value)
+    ):
+        span.set_attribute(key, value)
 
 
-__all__ = ["DemoPipeline", "RowOutput", "StageFactory", "TOP_TOKENS", "no_stage"]
+__all__ = ["TOP_TOKENS", "DemoPipeline", "RowOutput", "StageFactory", "no_stage"]

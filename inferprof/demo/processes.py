@@ -18,7 +18,8 @@ import sys
 import tempfile
 import time
 import urllib.request
-from typing import IO, Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import IO, Any
 
 from inferprof.demo.service import CLASSIFY_PATH, HEALTH_PATH
 from inferprof.demo.settings import (
@@ -82,7 +83,7 @@ class ServiceProcess:
     def url(self) -> str:
         return self.base_url + CLASSIFY_PATH
 
-    def start(self) -> "ServiceProcess":
+    def start(self) -> ServiceProcess:
         self._stderr = tempfile.TemporaryFile()
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "inferprof.demo.serve", "--port", "0"],
@@ -152,10 +153,10 @@ class ServiceProcess:
             self._stderr.close()
             self._stderr = None
 
-    def __enter__(self) -> "ServiceProcess":
+    def __enter__(self) -> ServiceProcess:
         return self.start()
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 

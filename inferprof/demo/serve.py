@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from inferprof._optional import require
 from inferprof.demo.settings import INSTRUMENTATIONS, DemoSettings

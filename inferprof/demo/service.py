@@ -20,7 +20,8 @@ Run it with ``uvicorn --factory inferprof.demo.service:create_app`` (options fro
 # at runtime, and the request model is local to create_app().
 import contextlib
 import logging
-from typing import Any, AsyncIterator, Callable, Optional
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from inferprof import semconv
 from inferprof._optional import require
@@ -39,7 +40,7 @@ HEALTH_PATH = "/healthz"
 MAX_TEXT_CHARS = 20_000
 
 
-def create_app(settings: Optional[DemoSettings] = None, **overrides: Any) -> Any:
+def create_app(settings: DemoSettings | None = None, **overrides: Any) -> Any:
     """Build the demo FastAPI app. With no arguments, settings come from the environment."""
     if settings is None:
         settings = DemoSettings.from_env(**overrides)

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from inferprof import semconv
 from inferprof.demo.model import DEFAULT_MODEL_SIZE, MODEL_SIZES
@@ -60,7 +61,7 @@ class DemoSettings:
                 raise ValueError(f"{name}: {error}")
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "DemoSettings":
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> DemoSettings:
         """Settings from ``INFERPROF_DEMO_*``; keyword arguments win over the environment."""
         env = os.environ if environ is None else environ
         values: dict[str, Any] = {}
@@ -118,7 +119,16 @@ _ENV: tuple[tuple[str, str, Callable[[str], Any]], ...] = (
 )
 
 __all__ = [
-    "DEFAULT_MODEL_NAME", "DemoSettings", "ENV_ENDPOINT", "ENV_INSTRUMENTATION", "ENV_MAX_BATCH_SIZE",
-    "ENV_MAX_DELAY_MS", "ENV_MAX_TOKENS", "ENV_MODEL_SIZE", "ENV_SERVICE_NAME", "INSTRUMENTATIONS",
-    "INSTRUMENTATION_NONE", "INSTRUMENTATION_OTEL",
+    "DEFAULT_MODEL_NAME",
+    "ENV_ENDPOINT",
+    "ENV_INSTRUMENTATION",
+    "ENV_MAX_BATCH_SIZE",
+    "ENV_MAX_DELAY_MS",
+    "ENV_MAX_TOKENS",
+    "ENV_MODEL_SIZE",
+    "ENV_SERVICE_NAME",
+    "INSTRUMENTATIONS",
+    "INSTRUMENTATION_NONE",
+    "INSTRUMENTATION_OTEL",
+    "DemoSettings",
 ]

@@ -63,8 +63,8 @@ class _Server:
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
-                length = int([ln for ln in head.split(b"\r\n")
-                              if ln.lower().startswith(b"content-length")][0].split(b":")[1])
+                length = int(next(ln for ln in head.split(b"\r\n")
+                                  if ln.lower().startswith(b"content-length")).split(b":")[1])
                 body = json.loads(await reader.readexactly(length))
                 self.requests.append(body)
                 if self.delay:

@@ -1,5 +1,6 @@
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from inferprof.demo import corpus
 from inferprof.demo.tokenizer import PAD_ID, PAD_TOKEN, build_tokenizer
