@@ -26,7 +26,6 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
@@ -46,11 +45,13 @@ from inferprof.collector.attribution import (
 from inferprof.collector.records import EngineStats, IngestResult
 from inferprof.collector.sketch import (
     KEY_BITS,
-    KEY_MASK,
     KeyMapping,
+    TimeSlice,
     concat_reduce,
+    gather,
     rank_index,
     reduce_codes,
+    split_groups,
 )
 from inferprof.collector.verdict import GpuSamples, decide, gpu_evidence, is_gpu_metric
 
@@ -100,26 +101,6 @@ class Overloaded(Exception):
         self.pending = pending
         self.incoming = incoming
         self.limit = limit
-
-
-class _Slice:
-    __slots__ = ("compute", "padding", "q_chunks", "t_chunks")
-
-    def __init__(self) -> None:
-        self.q_chunks: list[tuple[np.ndarray, np.ndarray]] = []
-        self.t_chunks: list[tuple[np.ndarray, np.ndarray]] = []
-        self.padding: dict[int, list[int]] = {}
-        self.compute: dict[int, list[tuple[str, str, float, float]]] = defaultdict(list)
-
-    def quantile_store(self) -> tuple[np.ndarray, np.ndarray]:
-        if len(self.q_chunks) > 1:
-            self.q_chunks = [concat_reduce(self.q_chunks)]
-        return self.q_chunks[0] if self.q_chunks else (np.empty(0, np.int64), np.empty(0))
-
-    def tail_store(self) -> tuple[np.ndarray, np.ndarray]:
-        if len(self.t_chunks) > 1:
-            self.t_chunks = [concat_reduce(self.t_chunks)]
-        return self.t_chunks[0] if self.t_chunks else (np.empty(0, np.int64), np.empty(0))
 
 
 def _positive(name: str, value: float) -> float:
@@ -187,7 +168,7 @@ class Engine:
         self._series: dict[tuple[str, str], int] = {}
         self._series_keys: list[tuple[str, str]] = []
         self._series_requests: list[float] = []
-        self._slices: dict[int, _Slice] = {}
+        self._slices: dict[int, TimeSlice] = {}
         self._hist: dict[tuple[int, int], np.ndarray] = {}
         self._hist_sum: dict[tuple[int, int], float] = {}
         self._gpu = GpuSamples()
@@ -305,7 +286,7 @@ class Engine:
             return
         slice_ = self._slices.get(int(now // self.slice_s))
         if slice_ is None:
-            slice_ = self._slices[int(now // self.slice_s)] = _Slice()
+            slice_ = self._slices[int(now // self.slice_s)] = TimeSlice()
         n = len(finals)
         req_series = np.empty(n, np.int64)
         req_e2e = np.empty(n)
@@ -496,16 +477,6 @@ class Engine:
                 since,
             )
 
-    def _gather(self, store: tuple[np.ndarray, np.ndarray], sids: list[int], shift: int):
-        codes, weights = store
-        out = []
-        for sid in sids:
-            lo = np.searchsorted(codes, sid << shift, side="left")
-            hi = np.searchsorted(codes, (sid + 1) << shift, side="left")
-            if hi > lo:
-                out.append((codes[lo:hi] & ((1 << shift) - 1), weights[lo:hi]))
-        return out
-
     def _document(self, service, model, window_s, sids, slices, since) -> dict:
         from inferprof.collector.attribution import COL_BITS
 
@@ -514,23 +485,15 @@ class Engine:
         padding = [0, 0, 0]
         compute: list[tuple[str, str, float, float]] = []
         for sl in slices:
-            q_parts.extend(self._gather(sl.quantile_store(), sids, _Q_LOCAL))
-            t_parts.extend(self._gather(sl.tail_store(), sids, KEY_BITS + COL_BITS))
+            q_parts.extend(gather(sl.quantile_store(), sids, _Q_LOCAL))
+            t_parts.extend(gather(sl.tail_store(), sids, KEY_BITS + COL_BITS))
             for sid in sids:
                 acc = sl.padding.get(sid)
                 if acc:
                     for i in range(3):
                         padding[i] += acc[i]
                 compute.extend(sl.compute.get(sid, ()))
-        q_codes, q_w = concat_reduce(q_parts)
-        stage_of = q_codes >> KEY_BITS
-        keys = q_codes & KEY_MASK
-        bounds = np.flatnonzero(np.diff(stage_of)) + 1
-        starts = np.concatenate([[0], bounds]) if q_codes.size else np.empty(0, np.int64)
-        ends = np.concatenate([bounds, [q_codes.size]]) if q_codes.size else np.empty(0, np.int64)
-        per_stage: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        for a, b in zip(starts.tolist(), ends.tolist()):
-            per_stage[int(stage_of[a])] = (keys[a:b], q_w[a:b])
+        per_stage = split_groups(*concat_reduce(q_parts))
 
         def quantiles(stage: int) -> tuple[float, dict[str, float | None], int | None]:
             if stage not in per_stage:

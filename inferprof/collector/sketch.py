@@ -27,6 +27,7 @@ Values ``<= 0`` (zero-length stages) go to a dedicated zero bucket whose value i
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -143,13 +144,80 @@ def exact_weighted_quantile(
     return float(v[order][rank_index(cum, q)])
 
 
+# --- windowed storage -----------------------------------------------------------------------
+
+
+class TimeSlice:
+    """What the engine keeps for one time slice of ``slice_s`` seconds.
+
+    ``q_chunks``: sparse quantile buckets, codes ``(series, stage, key)``;
+    ``t_chunks``: tail-attribution entries (``attribution.tail_codes``);
+    ``padding``: series -> [effective tokens, padded tokens, batches];
+    ``compute``: series -> compute-span windows for the GPU join.
+    Chunks are appended per finalisation batch and compacted on read.
+    """
+
+    __slots__ = ("compute", "padding", "q_chunks", "t_chunks")
+
+    def __init__(self) -> None:
+        self.q_chunks: list[tuple[np.ndarray, np.ndarray]] = []
+        self.t_chunks: list[tuple[np.ndarray, np.ndarray]] = []
+        self.padding: dict[int, list[int]] = {}
+        self.compute: dict[int, list[tuple[str, str, float, float]]] = defaultdict(list)
+
+    def quantile_store(self) -> tuple[np.ndarray, np.ndarray]:
+        if len(self.q_chunks) > 1:
+            self.q_chunks = [concat_reduce(self.q_chunks)]
+        return self.q_chunks[0] if self.q_chunks else (np.empty(0, np.int64), np.empty(0))
+
+    def tail_store(self) -> tuple[np.ndarray, np.ndarray]:
+        if len(self.t_chunks) > 1:
+            self.t_chunks = [concat_reduce(self.t_chunks)]
+        return self.t_chunks[0] if self.t_chunks else (np.empty(0, np.int64), np.empty(0))
+
+
+def gather(
+    store: tuple[np.ndarray, np.ndarray], ids: list[int], shift: int
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The entries of sorted ``store`` whose code's high bits (``code >> shift``) are in
+    ``ids``, with those bits stripped (so several series merge by key)."""
+    codes, weights = store
+    low = (1 << shift) - 1
+    out = []
+    for i in ids:
+        lo = np.searchsorted(codes, i << shift, side="left")
+        hi = np.searchsorted(codes, (i + 1) << shift, side="left")
+        if hi > lo:
+            out.append((codes[lo:hi] & low, weights[lo:hi]))
+    return out
+
+
+def split_groups(
+    codes: np.ndarray, weights: np.ndarray
+) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Sorted ``(group << KEY_BITS) | key`` codes -> {group: (keys, weights)}."""
+    if codes.size == 0:
+        return {}
+    group = codes >> KEY_BITS
+    keys = codes & KEY_MASK
+    bounds = np.flatnonzero(np.diff(group)) + 1
+    starts = np.concatenate([[0], bounds])
+    ends = np.concatenate([bounds, [codes.size]])
+    return {
+        int(group[a]): (keys[a:b], weights[a:b]) for a, b in zip(starts.tolist(), ends.tolist())
+    }
+
+
 __all__ = [
     "KEY_BITS",
     "KEY_MASK",
     "KeyMapping",
+    "TimeSlice",
     "concat_reduce",
     "exact_weighted_quantile",
+    "gather",
     "quantiles_from_buckets",
     "rank_index",
     "reduce_codes",
+    "split_groups",
 ]
