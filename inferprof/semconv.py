@@ -157,6 +157,7 @@ TRANSPORT_GRPC: Final = "grpc"
 TRANSPORT_HTTP: Final = "http"
 SIGNAL_TRACES: Final = "traces"
 SIGNAL_METRICS: Final = "metrics"
+SIGNAL_LOGS: Final = "logs"  # received and forwarded only
 OUTCOME_OK: Final = "ok"
 OUTCOME_PARTIAL: Final = "partial"
 OUTCOME_BAD_REQUEST: Final = "bad_request"

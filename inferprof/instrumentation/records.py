@@ -66,6 +66,7 @@ class RequestRecord:
         "runtime",
         "finished",
         "kept",
+        "stages_dropped",
     )
 
     def __init__(
@@ -103,6 +104,7 @@ class RequestRecord:
         self.emit_request_span = True
         self.finished = False
         self.kept = False
+        self.stages_dropped = 0
 
     # --- public -----------------------------------------------------------------------
     @property
@@ -151,6 +153,7 @@ class BatchRecord:
         "emitted",
         "tokens",
         "trace_id",
+        "stages_dropped",
     )
 
     def __init__(
@@ -178,9 +181,7 @@ class BatchRecord:
         #: the batch's own trace (``links`` encoding), fixed up front so member request
         #: spans can link back to the batch spans.
         self.trace_id = trace_id
-        #: the batch's own trace (``links`` encoding), fixed up front so member request
-        #: spans can link back to the batch spans.
-        self.trace_id = trace_id
+        self.stages_dropped = 0
 
     def set_attribute(self, key: str, value: Any) -> None:
         self.attrs[key] = value

@@ -286,6 +286,8 @@ class Runtime:
                 attrs[semconv.ATTR_REQUEST] = True
             if weight is not None and weight != 1.0:
                 attrs[semconv.ATTR_SAMPLE_WEIGHT] = float(weight)
+            if rec.stages_dropped:
+                attrs[semconv.ATTR_STAGES_DROPPED] = rec.stages_dropped
             parent = rec.parent
             specs.append(
                 (
@@ -345,6 +347,8 @@ class Runtime:
     def _batch_attrs(batch: BatchRecord, st: StageRecord) -> dict:
         attrs = {semconv.ATTR_STAGE: st.name}
         attrs.update(batch.attrs)
+        if batch.stages_dropped:
+            attrs[semconv.ATTR_STAGES_DROPPED] = batch.stages_dropped
         if st.name in _TOKEN_STAGES:
             attrs.update(batch.tokens)
         attrs.update(st.attrs)

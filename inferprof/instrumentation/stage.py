@@ -34,6 +34,9 @@ _logger = logging.getLogger(__name__)
 _time_ns = time.time_ns
 _VALID: set[str] = set()
 _VALID_MAX = 4096
+#: Most stages recorded per request (and per batch); the rest are counted in
+#: ``inferprof.stages.dropped`` on the request span (batch: on its batch-stage spans).
+MAX_STAGES = 1024
 
 
 def _check_stage(name: str) -> None:
@@ -80,8 +83,14 @@ class Stage:
             self._enter_standalone()
             return self
         owner, parent = scope
+        stages = owner.stages
+        if len(stages) >= MAX_STAGES:
+            # A runaway loop of stages (a per-token stage on a long stream) must not grow a
+            # request without bound: count the excess on the owner instead of recording it.
+            owner.stages_dropped += 1
+            return self
         rec = StageRecord(self.name, new_span_id(), parent, 0, self.attrs)
-        owner.stages.append(rec)
+        stages.append(rec)
         self._rec = rec
         self._prev = scope
         self._token = SCOPE.set((owner, rec.span_id))

@@ -248,3 +248,15 @@ def test_decorator_defined_before_configure_records_after_configure():
         with inferprof.request():
             assert post(5) == 5
         assert len(cap.stages("postprocess")) == 1
+
+
+def test_stages_per_request_are_capped_and_counted(cap):
+    from inferprof.instrumentation.stage import MAX_STAGES
+
+    with inferprof.request():
+        for _ in range(MAX_STAGES + 10):
+            with inferprof.stage("decode"):
+                pass
+    (request,) = cap.requests()
+    assert len(cap.stages("decode")) == MAX_STAGES
+    assert request.attributes[semconv.ATTR_STAGES_DROPPED] == 10
