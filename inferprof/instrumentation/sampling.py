@@ -27,6 +27,9 @@ import numpy as np
 _DEFAULT_WINDOW = 2048
 _DEFAULT_REFRESH = 64
 _DEFAULT_WARMUP = 64
+#: Distinct (name, model) keys with their own threshold (16 KiB each); later keys share one.
+_MAX_KEYS = 256
+_OVERFLOW_KEY = ("<overflow>",)
 
 
 class _Window:
@@ -80,7 +83,11 @@ class TailSampler:
         with self._lock:
             w = self._windows.get(key)
             if w is None:
-                w = self._windows[key] = _Window(self._window)
+                if len(self._windows) >= _MAX_KEYS:
+                    key = _OVERFLOW_KEY  # unbounded names must not grow memory
+                    w = self._windows.get(key)
+                if w is None:
+                    w = self._windows[key] = _Window(self._window)
             threshold = w.threshold
             w.buf[w.n % self._window] = latency_ns
             w.n += 1

@@ -96,3 +96,12 @@ def test_production_mode_head_decision_sets_traceparent_sampled_flag(cap):
         with inferprof.request() as req:
             flags.append(req.span_context.trace_flags.sampled)
     assert 100 < sum(flags) < 300
+
+
+def test_number_of_threshold_windows_is_bounded():
+    from inferprof.instrumentation import sampling
+
+    sampler = TailSampler(sample_rate=0.5, tail_quantile=0.9, window=8, warmup=2)
+    for i in range(sampling._MAX_KEYS + 50):
+        sampler.decide(1000, False, key=f"route-{i}")
+    assert len(sampler._windows) == sampling._MAX_KEYS + 1
