@@ -23,6 +23,7 @@ from google.protobuf.message import Message
 
 from inferprof import semconv
 from inferprof._optional import require
+from inferprof.collector.http_server import PATH_LOGS, PATH_METRICS
 from inferprof.collector.settings import CollectorSettings
 
 _log = logging.getLogger(__name__)
@@ -140,8 +141,10 @@ class Intake:
         try:
             if signal == semconv.SIGNAL_TRACES:
                 result = self._engine.ingest_traces(message)
-            else:
+            elif signal == semconv.SIGNAL_METRICS:
                 result = self._engine.ingest_metrics(message)
+            else:  # logs carry nothing inferprof folds: received only to be forwarded
+                result = None
         except self._overloaded as exc:
             self.metrics.request(transport, signal, semconv.OUTCOME_OVERLOADED)
             return IngestOutcome(
@@ -313,7 +316,10 @@ class CollectorApp:
         )
 
     def _http_rejected(self, path: str) -> None:
-        signal = semconv.SIGNAL_METRICS if path.endswith("metrics") else semconv.SIGNAL_TRACES
+        signal = {
+            PATH_METRICS: semconv.SIGNAL_METRICS,
+            PATH_LOGS: semconv.SIGNAL_LOGS,
+        }.get(path, semconv.SIGNAL_TRACES)
         self.metrics.request(semconv.TRANSPORT_HTTP, signal, semconv.OUTCOME_UNAUTHENTICATED)
 
     def _advance_loop(self) -> None:

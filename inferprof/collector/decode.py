@@ -9,12 +9,14 @@ costs at most ``max_bytes`` of memory.
 
 from __future__ import annotations
 
+import base64
 import json
 import zlib
-from typing import Literal
+from typing import Any, Literal
 
 from google.protobuf import json_format
 from google.protobuf.message import Message
+from opentelemetry.proto.collector.logs.v1 import logs_service_pb2
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
@@ -44,10 +46,18 @@ STATUS_UNSUPPORTED = 415
 _REQUEST_TYPES: dict[str, type[Message]] = {
     semconv.SIGNAL_TRACES: trace_service_pb2.ExportTraceServiceRequest,
     semconv.SIGNAL_METRICS: metrics_service_pb2.ExportMetricsServiceRequest,
+    semconv.SIGNAL_LOGS: logs_service_pb2.ExportLogsServiceRequest,
 }
 _RESPONSE_TYPES: dict[str, type[Message]] = {
     semconv.SIGNAL_TRACES: trace_service_pb2.ExportTraceServiceResponse,
     semconv.SIGNAL_METRICS: metrics_service_pb2.ExportMetricsServiceResponse,
+    semconv.SIGNAL_LOGS: logs_service_pb2.ExportLogsServiceResponse,
+}
+# partial_success field counting what was rejected, per signal.
+_REJECTED_FIELD = {
+    semconv.SIGNAL_TRACES: "rejected_spans",
+    semconv.SIGNAL_METRICS: "rejected_data_points",
+    semconv.SIGNAL_LOGS: "rejected_log_records",
 }
 
 
@@ -129,7 +139,9 @@ def parse_request(data: bytes, fmt: Format, signal: str) -> Message:
         doc = json.loads(data)
         if signal == semconv.SIGNAL_TRACES:
             return otlp_json.parse_trace_request_json(doc)
-        return otlp_json.parse_metrics_request_json(doc)
+        if signal == semconv.SIGNAL_METRICS:
+            return otlp_json.parse_metrics_request_json(doc)
+        return _parse_logs_json(doc)
     except BodyError:
         raise
     except RecursionError:
@@ -168,10 +180,7 @@ def encode_response(
     response = _RESPONSE_TYPES[signal]()
     if rejected or error_message:
         partial = response.partial_success
-        if signal == semconv.SIGNAL_TRACES:
-            partial.rejected_spans = rejected
-        else:
-            partial.rejected_data_points = rejected
+        setattr(partial, _REJECTED_FIELD[signal], rejected)
         partial.error_message = error_message
     if fmt == FORMAT_JSON:
         doc = json_format.MessageToDict(response)  # lowerCamelCase keys, as OTLP/JSON wants
@@ -188,6 +197,24 @@ def error_body(reason: str, fmt: Format | None) -> tuple[bytes, str]:
     if fmt == FORMAT_PROTOBUF:
         return status.SerializeToString(), CONTENT_TYPE_PROTOBUF
     return json.dumps({"message": reason}).encode(), CONTENT_TYPE_JSON
+
+
+def _parse_logs_json(doc: Any) -> Message:
+    """OTLP/JSON logs -> ExportLogsServiceRequest (logs are only forwarded, so the
+    engine's JSON parser does not cover them). OTLP/JSON writes trace and span ids as
+    hex where the proto3 JSON mapping expects base64; everything else maps directly."""
+    if not isinstance(doc, dict):
+        raise ValueError("an OTLP/JSON logs request is a JSON object")
+    for rl in doc.get("resourceLogs") or ():
+        for sl in (rl or {}).get("scopeLogs") or ():
+            for record in (sl or {}).get("logRecords") or ():
+                for key in ("traceId", "spanId"):
+                    value = record.get(key) if isinstance(record, dict) else None
+                    if isinstance(value, str) and value:
+                        record[key] = base64.b64encode(bytes.fromhex(value)).decode()
+    request = logs_service_pb2.ExportLogsServiceRequest()
+    json_format.ParseDict(doc, request, ignore_unknown_fields=True)
+    return request
 
 
 def _too_large(max_bytes: int, decompressed: bool = False) -> BodyError:

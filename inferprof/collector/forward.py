@@ -34,8 +34,13 @@ _log = logging.getLogger(__name__)
 GRPC_METHODS = {
     semconv.SIGNAL_TRACES: "/opentelemetry.proto.collector.trace.v1.TraceService/Export",
     semconv.SIGNAL_METRICS: "/opentelemetry.proto.collector.metrics.v1.MetricsService/Export",
+    semconv.SIGNAL_LOGS: "/opentelemetry.proto.collector.logs.v1.LogsService/Export",
 }
-HTTP_PATHS = {semconv.SIGNAL_TRACES: "/v1/traces", semconv.SIGNAL_METRICS: "/v1/metrics"}
+HTTP_PATHS = {
+    semconv.SIGNAL_TRACES: "/v1/traces",
+    semconv.SIGNAL_METRICS: "/v1/metrics",
+    semconv.SIGNAL_LOGS: "/v1/logs",
+}
 
 DROP_QUEUE_FULL = "queue_full"
 DROP_SEND_FAILED = "send_failed"

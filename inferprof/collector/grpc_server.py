@@ -17,12 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 from google.protobuf import duration_pb2
-from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
 from inferprof import semconv
 from inferprof.collector.auth import GrpcAuthInterceptor
-from inferprof.collector.decode import FORMAT_PROTOBUF, BodyError, parse_request
+from inferprof.collector.decode import FORMAT_PROTOBUF, BodyError, encode_response, parse_request
 
 if TYPE_CHECKING:  # pragma: no cover
     from inferprof.collector.app import Intake
@@ -30,14 +28,9 @@ if TYPE_CHECKING:  # pragma: no cover
 _log = logging.getLogger(__name__)
 
 _SERVICES = {
-    semconv.SIGNAL_TRACES: (
-        "opentelemetry.proto.collector.trace.v1.TraceService",
-        trace_service_pb2.ExportTraceServiceResponse,
-    ),
-    semconv.SIGNAL_METRICS: (
-        "opentelemetry.proto.collector.metrics.v1.MetricsService",
-        metrics_service_pb2.ExportMetricsServiceResponse,
-    ),
+    semconv.SIGNAL_TRACES: "opentelemetry.proto.collector.trace.v1.TraceService",
+    semconv.SIGNAL_METRICS: "opentelemetry.proto.collector.metrics.v1.MetricsService",
+    semconv.SIGNAL_LOGS: "opentelemetry.proto.collector.logs.v1.LogsService",
 }
 # Trailing-metadata keys that carry the retry delay: the standard rich-status
 # details and the key the Python OTLP exporter reads.
@@ -65,7 +58,6 @@ class _ExportHandler:
     def __init__(self, intake: Intake, signal: str) -> None:
         self._intake = intake
         self._signal = signal
-        self._response_type = _SERVICES[signal][1]
 
     def __call__(self, payload: bytes, context: grpc.ServicerContext) -> bytes:
         metrics = self._intake.metrics
@@ -93,20 +85,18 @@ class _ExportHandler:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, outcome.error_message)
         if outcome.failed:
             context.abort(grpc.StatusCode.INTERNAL, outcome.error_message)
-        response = self._response_type()
-        if outcome.rejected or outcome.error_message:
-            partial = response.partial_success
-            if self._signal == semconv.SIGNAL_TRACES:
-                partial.rejected_spans = outcome.rejected
-            else:
-                partial.rejected_data_points = outcome.rejected
-            partial.error_message = outcome.error_message
-        return response.SerializeToString()
+        body, _ = encode_response(
+            self._signal,
+            FORMAT_PROTOBUF,
+            rejected=outcome.rejected,
+            error_message=outcome.error_message,
+        )
+        return body
 
 
 def _handlers(intake: Intake) -> list[grpc.GenericRpcHandler]:
     out = []
-    for signal, (service, _) in _SERVICES.items():
+    for signal, service in _SERVICES.items():
         handler = grpc.unary_unary_rpc_method_handler(
             _ExportHandler(intake, signal),
             request_deserializer=None,  # keep the wire bytes
@@ -172,7 +162,10 @@ class GrpcReceiver:
 
 
 def _signal_of(method: str) -> str:
-    return semconv.SIGNAL_METRICS if "MetricsService" in (method or "") else semconv.SIGNAL_TRACES
+    for signal, service in _SERVICES.items():
+        if (method or "").startswith(f"/{service}/"):
+            return signal
+    return semconv.SIGNAL_TRACES
 
 
 __all__ = ["GrpcReceiver"]

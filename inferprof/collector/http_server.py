@@ -42,6 +42,7 @@ _log = logging.getLogger(__name__)
 
 PATH_TRACES = "/v1/traces"
 PATH_METRICS = "/v1/metrics"
+PATH_LOGS = "/v1/logs"
 PATH_HEALTHZ = "/healthz"
 PATH_METRICS_SCRAPE = "/metrics"
 PATH_BREAKDOWN = "/api/v1/breakdown"
@@ -60,7 +61,7 @@ def _json(status: int, doc: Any, headers: dict[str, str] | None = None) -> Any:
 
 
 def otlp_app(intake: Intake, *, max_body_bytes: int, max_concurrent_requests: int) -> Any:
-    """The ASGI app serving ``POST /v1/traces`` and ``POST /v1/metrics``."""
+    """The ASGI app serving ``POST /v1/traces``, ``/v1/metrics`` and ``/v1/logs``."""
     require("starlette", "collector")
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
@@ -148,6 +149,7 @@ def otlp_app(intake: Intake, *, max_body_bytes: int, max_concurrent_requests: in
         routes=[
             Route(PATH_TRACES, endpoint(semconv.SIGNAL_TRACES), methods=["POST"]),
             Route(PATH_METRICS, endpoint(semconv.SIGNAL_METRICS), methods=["POST"]),
+            Route(PATH_LOGS, endpoint(semconv.SIGNAL_LOGS), methods=["POST"]),
             Route(PATH_HEALTHZ, healthz, methods=["GET"]),
         ]
     )

@@ -35,7 +35,7 @@ content_types = st.sampled_from(
     ]
 )
 encodings = st.sampled_from(["", "identity", "gzip", "deflate", "br"])
-signals = st.sampled_from([sc.SIGNAL_TRACES, sc.SIGNAL_METRICS])
+signals = st.sampled_from([sc.SIGNAL_TRACES, sc.SIGNAL_METRICS, sc.SIGNAL_LOGS])
 
 
 def _decode(body, content_type, encoding, signal=sc.SIGNAL_TRACES, limit=LIMIT):
@@ -101,6 +101,11 @@ json_values = st.recursive(
                     "gauge",
                     "dataPoints",
                     "asDouble",
+                    "resourceLogs",
+                    "scopeLogs",
+                    "logRecords",
+                    "body",
+                    "severityNumber",
                 ]
             )
             | st.text(max_size=8),

@@ -187,3 +187,68 @@ def test_bad_forward_urls_are_rejected(url):
 def test_forward_queue_must_be_positive():
     with pytest.raises(ValueError):
         Forwarder("http://127.0.0.1:1", queue_size=0, timeout_s=1.0)
+
+
+def test_logs_are_received_and_forwarded_though_not_folded():
+    # Services often point all three signals at one endpoint: logs must pass through.
+    from opentelemetry._logs import LogRecord, SeverityNumber
+    from opentelemetry.exporter.otlp.proto.grpc._log_exporter import OTLPLogExporter
+    from opentelemetry.sdk._logs import LoggerProvider
+    from opentelemetry.sdk._logs.export import SimpleLogRecordProcessor
+
+    with running_app() as downstream:
+        target = f"otlp-grpc://127.0.0.1:{downstream.otlp_grpc_port}"
+        with running_app(forward=(target,)) as upstream:
+            provider = LoggerProvider()
+            provider.add_log_record_processor(
+                SimpleLogRecordProcessor(
+                    OTLPLogExporter(endpoint=upstream.otlp_grpc_endpoint, insecure=True, timeout=10)
+                )
+            )
+            try:
+                provider.get_logger("inferprof-test").emit(
+                    LogRecord(body="model warmed up", severity_number=SeverityNumber.WARN)
+                )
+            finally:
+                provider.shutdown()
+            doc = {
+                "resourceLogs": [
+                    {
+                        "scopeLogs": [
+                            {
+                                "logRecords": [
+                                    {
+                                        "timeUnixNano": "1700000000000000000",
+                                        "severityNumber": 9,
+                                        "body": {"stringValue": "hello"},
+                                        "traceId": "5b8efff798038103d269b633813fc60c",
+                                        "spanId": "eee19b7ec3c1b174",
+                                    }
+                                ]
+                            }
+                        ]
+                    }
+                ]
+            }
+            resp = httpx.post(
+                f"{upstream.otlp_http_endpoint}/v1/logs",
+                content=json.dumps(doc),
+                headers={"content-type": "application/json"},
+            )
+            assert resp.status_code == 200, resp.text
+            assert (
+                httpx.post(
+                    f"{upstream.otlp_http_endpoint}/v1/logs", content=b"\x0a\xff", headers=PB
+                ).status_code
+                == 400
+            )
+
+        def logs_ok(app):
+            return app.registry.get_sample_value(
+                "inferprof_otlp_requests_total",
+                {"transport": "grpc", "signal": "logs", "outcome": "ok"},
+            )
+
+        # upstream.stop() drained the queue: both log exports reached the downstream.
+        assert logs_ok(downstream) == 2.0
+        assert downstream.engine.stats.spans_received == 0
