@@ -529,3 +529,34 @@ def test_concurrent_ingest_and_readers():
     settle(engine, clock)
     assert {s["service"]: s["requests"] for s in engine.services()} == {"svc0": 400, "svc1": 400}
     assert engine.stats.spans_received == 4 * 600 and engine.pending_spans() == 0
+
+
+def test_weight_k_is_the_same_as_k_copies():
+    rng = np.random.default_rng(3)
+    weighted, clock_w = make_engine()
+    copies, clock_c = make_engine()
+    wb, cb = TraceBuilder(), TraceBuilder()
+    for i in range(150):
+        stages = [
+            ("queue", float(rng.exponential(0.02))),
+            ("compute", float(rng.uniform(0.01, 0.03))),
+        ]
+        k = int(rng.integers(1, 5))
+        wb.sequential(i, stages, weight=float(k))
+        for _ in range(k):
+            cb.sequential(i, stages)
+    weighted.ingest_traces(wb.export())
+    copies.ingest_traces(cb.export())
+    settle(weighted, clock_w)
+    settle(copies, clock_c)
+    a, b = weighted.breakdown("svc"), copies.breakdown("svc")
+    assert a["traced_requests"] == 150 and b["traced_requests"] == a["requests"]
+    for doc in (a, b):
+        doc.pop("traced_requests")
+        doc["verdict"].pop("confidence")  # rests on the traced count, by design
+    assert a["latency"] == b["latency"]
+    assert [(s["stage"], s["count"], s["p50"], s["p95"], s["p99"]) for s in a["stages"]] == [
+        (s["stage"], s["count"], s["p50"], s["p95"], s["p99"]) for s in b["stages"]
+    ]
+    for sa, sb in zip(a["stages"], b["stages"]):
+        assert sa["share_of_p95"] == pytest.approx(sb["share_of_p95"], rel=1e-9, abs=1e-12)
