@@ -245,10 +245,9 @@ _NOOPS: dict[str, _NoopStage] = {}
 # --- requests --------------------------------------------------------------------------------
 
 
-def _live_server_span() -> Any:
-    """The current span if another instrumentation opened it as this request's SERVER or
-    CONSUMER span (opentelemetry-instrumentation-fastapi, -grpc...), else None."""
-    span = trace_api.get_current_span()
+def _live_server_span(span: Any) -> Any:
+    """``span`` (the current one) if another instrumentation opened it as this request's
+    SERVER or CONSUMER span (opentelemetry-instrumentation-fastapi, -grpc...), else None."""
     if not span.is_recording():
         return None
     kind = getattr(span, "kind", None)
@@ -266,7 +265,8 @@ def begin_request(
     start: int | None = None,
 ) -> RequestRecord:
     """Open a request record (middleware and ``request()`` share this)."""
-    live = _live_server_span()
+    current = trace_api.get_current_span()
+    live = _live_server_span(current)
     start = start if start is not None else _time_ns()
     if live is not None:
         sc = live.get_span_context()
@@ -291,8 +291,8 @@ def begin_request(
             live.set_attributes(attrs)
         return rec
     if parent is None:
-        current = trace_api.get_current_span().get_span_context()
-        parent = current if current.is_valid else None
+        sc = current.get_span_context()
+        parent = sc if sc.is_valid else None
     return rt.start_request(name, kind, attrs, parent, start)
 
 
