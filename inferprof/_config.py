@@ -479,7 +479,10 @@ def _set_global(tp: Any, mp: Any) -> None:
         _logger.info("a global TracerProvider is already set; inferprof uses its own directly")
     else:
         trace_api.set_tracer_provider(tp)
-    if isinstance(metrics_api.get_meter_provider(), metrics_api._internal._ProxyMeterProvider):
+    from opentelemetry.sdk.metrics import MeterProvider
+
+    # The API's placeholder class is private; "not an SDK provider yet" is the public test.
+    if not isinstance(metrics_api.get_meter_provider(), MeterProvider):
         metrics_api.set_meter_provider(mp)
 
 

@@ -212,3 +212,29 @@ def test_no_provider_is_set_at_import_time():
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
+
+
+def test_configure_installs_global_providers_once_and_reconfigures_cleanly():
+    script = textwrap.dedent(
+        """
+        import inferprof
+        from opentelemetry import metrics, trace
+        from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+        c1 = inferprof.configure(service_name="a", endpoint="http://127.0.0.1:9",
+                                 metric_readers=[InMemoryMetricReader()])
+        tp = trace.get_tracer_provider()
+        assert type(tp).__name__ == "TracerProvider" and c1.owns_providers
+        assert type(metrics.get_meter_provider()).__name__ == "MeterProvider"
+        assert tp.resource.attributes["service.name"] == "a"
+        # a second configure() does not mistake inferprof's own global for the app's
+        c2 = inferprof.configure(service_name="b", endpoint="http://127.0.0.1:9",
+                                 metric_readers=[InMemoryMetricReader()])
+        assert c2.owns_providers
+        inferprof.shutdown(timeout_millis=500)
+        print("OK")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "OK" in out.stdout
