@@ -8,9 +8,10 @@ largest, the verdict is ``unknown`` and the evidence says what to instrument.
 
 Compute-bound cases are split by the GPU samples that fall inside the compute spans'
 windows: median ``hw.gpu.utilization`` below ``LOW_UTILIZATION`` -> ``runtime`` (the GPU
-idles between launches); otherwise, with DCGM profiling figures, median SM activity
-below ``LOW_SM_ACTIVE`` or SM occupancy below ``LOW_SM_OCCUPANCY`` -> ``kernel``, else
-``hardware``; without them (NVML only) -> ``kernel``, naming the missing evidence.
+idles between launches); otherwise, median SM activity below ``LOW_SM_ACTIVE`` or SM
+occupancy below ``LOW_SM_OCCUPANCY`` (DCGM profiling) -> ``kernel``; both received and
+high -> ``hardware``; either missing (NVML only) -> ``kernel``, naming the missing
+evidence: ``hardware`` is never said without both figures.
 
 ``confidence`` (0..1) is the product of
 * a sample-size factor ``min(1, tail_requests / FULL_CONFIDENCE_TAIL)`` — how many
@@ -261,6 +262,13 @@ def decide(shares: Mapping[str, float], traced: int, tail_traced: int, gpu: Mapp
             f"the GPU is busy but with low {' and '.join(low)}: the kernels use it poorly"
         )
         return _verdict(sc.VERDICT_KERNEL, confidence * gpu_factor, evidence + rest)
+    if sm is None or occ is None:
+        missing = "SM activity" if sm is None else "SM occupancy"
+        evidence.append(
+            f"no {missing} figures (DCGM profiling) were received, so a hardware limit "
+            "cannot be told apart from inefficient kernels"
+        )
+        return _verdict(sc.VERDICT_KERNEL, confidence * gpu_factor * 0.7, evidence + rest)
     evidence.append("high utilisation, SM activity and occupancy: the GPU itself is the limit")
     return _verdict(sc.VERDICT_HARDWARE, confidence * gpu_factor, evidence + rest)
 

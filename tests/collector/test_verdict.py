@@ -82,13 +82,23 @@ def test_compute_without_gpu_samples_is_unknown_with_reason():
             },
             sc.VERDICT_HARDWARE,
         ),
+        (
+            {
+                "utilization_during_compute": {"p50": 0.9, "mean": 0.9},
+                "samples": 50,
+                "sm_active_during_compute": {"p50": 0.8, "mean": 0.8},
+            },
+            sc.VERDICT_KERNEL,  # high SM activity but no occupancy: never "hardware"
+        ),
     ],
 )
 def test_compute_rules_read_gpu_evidence(gpu, expected):
     verdict = decide({"compute": 0.8, "queue": 0.2}, ENOUGH, 20, gpu)
     assert verdict["bottleneck"] == expected
-    if expected == sc.VERDICT_KERNEL and "sm_active_during_compute" not in gpu:
-        assert any("DCGM" in e for e in verdict["evidence"])  # names the missing evidence
+    sm = gpu.get("sm_active_during_compute", {"p50": 1.0})["p50"]
+    if expected == sc.VERDICT_KERNEL and sm >= 0.5:
+        # kernel for want of evidence: names the missing DCGM figure
+        assert any("DCGM" in e for e in verdict["evidence"])
 
 
 def _compute_bound_engine(util: float | None, *, dcgm: dict | None = None, gpu_id: str = "GPU-0"):
