@@ -34,6 +34,7 @@ import numpy as np
 from inferprof import semconv as sc
 from inferprof.collector.assembly import Assembler, FinalRequest
 from inferprof.collector.attribution import (
+    COL_BITS,
     COL_E2E,
     COL_STAGE0,
     COL_TRACED,
@@ -478,8 +479,6 @@ class Engine:
             )
 
     def _document(self, service, model, window_s, sids, slices, since) -> dict:
-        from inferprof.collector.attribution import COL_BITS
-
         q_parts = []
         t_parts = []
         padding = [0, 0, 0]
