@@ -5,6 +5,7 @@ Also checks the shipped alert rules with promtool (syntax and unit tests).
 
 from __future__ import annotations
 
+import json
 import pathlib
 import shutil
 import socket
@@ -24,6 +25,7 @@ pytestmark = pytest.mark.integration
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 RULES = ROOT / "deploy" / "prometheus" / "alerts.yml"
 RULES_TEST = ROOT / "deploy" / "prometheus" / "alerts_test.yml"
+DASHBOARD = ROOT / "deploy" / "grafana" / "inferprof-dashboard.json"
 PROMETHEUS = shutil.which("prometheus")
 PROMTOOL = shutil.which("promtool")
 
@@ -134,6 +136,23 @@ def test_prometheus_scrapes_the_collector_and_promql_gives_per_stage_p95(prometh
         # Transport self-metrics are scraped as well.
         ok = _query(url, 'inferprof_otlp_requests_total{transport="grpc",outcome="ok"}')
         assert float(ok[0]["value"][1]) == 1.0
+
+        # Every query of the shipped Grafana dashboard is valid PromQL on this data, and the
+        # per-stage p95 panel shows the stages.
+        dashboard = json.loads(DASHBOARD.read_text())
+        for panel in dashboard["panels"]:
+            for target in panel["targets"]:
+                expr = (
+                    target["expr"]
+                    .replace("$service", "prom")
+                    .replace("$model", ".*")
+                    .replace("$__rate_interval", "1m")
+                )
+                resp = httpx.get(f"{url}/api/v1/query", params={"query": expr}).json()
+                assert resp["status"] == "success", (panel["title"], expr, resp)
+        p95_panel = dashboard["panels"][0]["targets"][0]["expr"]
+        stages = _query(url, p95_panel.replace("$service", "prom").replace("$model", ".*"))
+        assert {r["metric"]["stage"] for r in stages} >= {"queue", "compute", "tokenize"}
 
 
 def test_promtool_accepts_and_unit_tests_the_alert_rules():
