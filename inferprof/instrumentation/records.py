@@ -67,6 +67,7 @@ class RequestRecord:
         "finished",
         "kept",
         "stages_dropped",
+        "trace_state",
     )
 
     def __init__(
@@ -105,12 +106,14 @@ class RequestRecord:
         self.finished = False
         self.kept = False
         self.stages_dropped = 0
+        #: W3C tracestate inherited from the remote parent (propagated, put on every span)
+        self.trace_state: trace_api.TraceState | None = None
 
     # --- public -----------------------------------------------------------------------
     @property
     def span_context(self) -> trace_api.SpanContext:
         flags = trace_api.TraceFlags(trace_api.TraceFlags.SAMPLED if self.head else 0)
-        return trace_api.SpanContext(self.trace_id, self.span_id, False, flags)
+        return trace_api.SpanContext(self.trace_id, self.span_id, False, flags, self.trace_state)
 
     @property
     def model(self) -> str | None:

@@ -210,9 +210,20 @@ class Runtime:
             head, weight_hint = self._consult_sampler(trace_id, name, kind, attrs, parent)
         else:
             head = True
-        return RequestRecord(
+        rec = RequestRecord(
             self, name, kind, trace_id, span_id, parent, start, attrs, head, weight_hint
         )
+        if parent is not None and parent.trace_state:
+            rec.trace_state = self._inherit_trace_state(parent.trace_state)
+        return rec
+
+    def _inherit_trace_state(self, state: trace_api.TraceState) -> trace_api.TraceState | None:
+        """W3C tracestate passes through; in production mode minus the upstream ``ot=th``
+        probability, which inferprof's own tail sampling (and its weight attribute)
+        replaces for the spans of this service."""
+        if self.production and semconv.TRACESTATE_OT_KEY in state:
+            state = state.delete(semconv.TRACESTATE_OT_KEY)
+        return state or None
 
     def _consult_sampler(self, trace_id, name, kind, attrs, parent) -> tuple[bool, float]:
         if parent is None and self._roots_always_on:
@@ -341,7 +352,7 @@ class Runtime:
                         (),
                     )
                 )
-        self._emit(trace_id, specs)
+        self._emit(trace_id, specs, rec.trace_state)
 
     @staticmethod
     def _batch_attrs(batch: BatchRecord, st: StageRecord) -> dict:
@@ -410,7 +421,7 @@ class Runtime:
         self._emit(batch.trace_id or new_trace_id(), specs)
 
     # --- the sink ----------------------------------------------------------------------
-    def _emit(self, trace_id: int, specs: Iterable[tuple]) -> None:
+    def _emit(self, trace_id: int, specs: Iterable[tuple], trace_state: Any = None) -> None:
         processor = self._processor
         if processor is None:
             self._emit_via_api(trace_id, specs)
@@ -425,7 +436,7 @@ class Runtime:
                 parent_ctx = parents.get(parent)
                 if parent_ctx is None:
                     parent_ctx = parents[parent] = trace_api.SpanContext(
-                        trace_id, parent, False, _SAMPLED
+                        trace_id, parent, False, _SAMPLED, trace_state
                     )
             status, events = _UNSET, ()
             if error is not None:
@@ -434,7 +445,7 @@ class Runtime:
                     attrs.update(extra)
             span = ReadableSpan(
                 name=name,
-                context=trace_api.SpanContext(trace_id, span_id, False, _SAMPLED),
+                context=trace_api.SpanContext(trace_id, span_id, False, _SAMPLED, trace_state),
                 parent=parent_ctx,
                 resource=resource,
                 attributes=attrs,

@@ -260,3 +260,26 @@ def test_stages_per_request_are_capped_and_counted(cap):
     (request,) = cap.requests()
     assert len(cap.stages("decode")) == MAX_STAGES
     assert request.attributes[semconv.ATTR_STAGES_DROPPED] == 10
+
+
+def test_tracestate_is_propagated_and_ot_threshold_dropped_in_production(cap):
+    carrier = {
+        "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        "tracestate": "vendor=abc,ot=th:8",
+    }
+    with inferprof.request(carrier=carrier) as req:
+        headers = {}
+        propagate.inject(headers)
+        with inferprof.stage("compute"):
+            pass
+    assert "vendor=abc" in headers["tracestate"] and "ot=th:8" in headers["tracestate"]
+    (request,) = cap.requests()
+    assert request.context.trace_state.get("vendor") == "abc"
+    assert cap.stages("compute")[0].context.trace_state.get("ot") == "th:8"
+
+    inferprof.configure(tracer_provider=cap.provider, mode="production", sample_rate=1.0)
+    with inferprof.request(carrier=carrier) as req:
+        headers = {}
+        propagate.inject(headers)
+    assert headers["tracestate"] == "vendor=abc"
+    assert req.span_context.trace_state.get("ot") is None
