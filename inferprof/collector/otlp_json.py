@@ -14,8 +14,9 @@ Every malformed input raises ``ValueError`` with the reason (``UnicodeDecodeErro
 
 Files: ``iter_otlp_file`` reads what the OpenTelemetry Collector's ``file`` exporter
 writes with ``format: json`` (one ``{"resourceSpans": ...}`` or ``{"resourceMetrics":
-...}`` document per line; ``.gz`` compressed too) and inferprof's own length-delimited
-protobuf dumps (``inferprof.report.dump.write_pb``): the magic line ``PB_MAGIC`` then, per
+...}`` document per line; ``.gz`` compressed too) or ``format: proto`` (each message
+after a 4-byte big-endian length, one signal per file), and inferprof's own
+length-delimited protobuf dumps (``inferprof.report.dump.write_pb``): the magic line ``PB_MAGIC`` then, per
 export, one kind byte (``T`` traces, ``M`` metrics), a varint length and the serialized
 ``Export*ServiceRequest``.
 """
@@ -431,6 +432,9 @@ def iter_otlp_file(
         if first == PB_MAGIC:
             yield from _iter_pb(fh, path, raw, on_bytes)
             return
+        if first and first.lstrip()[:1] not in (b"{", b""):
+            yield from _iter_collector_proto(first, fh, path, raw, on_bytes)
+            return
         lineno = 0
         buf = first + fh.readline()
         while buf:
@@ -463,6 +467,50 @@ def _iter_pb(fh, path, raw, on_bytes) -> Iterator[OtlpRequest]:
         }.get(kind)
         if cls is None:
             raise ValueError(f"{os.fspath(path)}: record {record} has unknown kind {kind!r}")
+        try:
+            msg = cls.FromString(payload)
+        except DecodeError as exc:
+            raise ValueError(f"{os.fspath(path)}: record {record}: {exc}") from None
+        if on_bytes is not None:
+            on_bytes(raw.tell())
+        yield msg
+
+
+def _plausible_traces(req: ExportTraceServiceRequest) -> bool:
+    spans = [sp for rs in req.resource_spans for ss in rs.scope_spans for sp in ss.spans]
+    return bool(spans) and all(len(sp.trace_id) == 16 and len(sp.span_id) == 8 for sp in spans)
+
+
+def _iter_collector_proto(first: bytes, fh, path, raw, on_bytes) -> Iterator[OtlpRequest]:
+    """The collector file exporter's ``format: proto``: each message preceded by its
+    length as a 4-byte big-endian integer; one signal per file (recognised from the first
+    message: traces when it decodes as spans with valid-length ids, else metrics)."""
+    pending = first
+    record = 0
+    cls = None
+    while True:
+        head = pending + fh.read(4 - len(pending)) if len(pending) < 4 else pending[:4]
+        rest = b"" if len(pending) < 4 else pending[4:]
+        pending = b""
+        if not head:
+            return
+        record += 1
+        if len(head) < 4:
+            raise ValueError(f"{os.fspath(path)}: record {record} is truncated")
+        size = int.from_bytes(head, "big")
+        payload = rest + fh.read(size - len(rest))
+        if len(payload) != size:
+            raise ValueError(
+                f"{os.fspath(path)}: not OTLP JSON lines, an inferprof dump, or a complete "
+                f"collector proto file (record {record} is truncated)"
+            )
+        if cls is None:
+            cls = ExportMetricsServiceRequest
+            try:
+                if _plausible_traces(ExportTraceServiceRequest.FromString(payload)):
+                    cls = ExportTraceServiceRequest
+            except DecodeError:
+                pass
         try:
             msg = cls.FromString(payload)
         except DecodeError as exc:

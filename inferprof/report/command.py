@@ -116,8 +116,8 @@ def build_documents(
     help="Progress bar on stderr (default: when stderr is a terminal).",
 )
 def report(files, fmt, service, model, html_out, progress) -> None:
-    """Per-stage latency breakdown of OTLP FILES (collector file-exporter JSON lines,
-    optionally .gz, or inferprof protobuf dumps)."""
+    """Per-stage latency breakdown of OTLP FILES: OpenTelemetry Collector file-exporter
+    output (format json or proto, optionally gzipped) or inferprof protobuf dumps."""
     if progress is None:
         progress = sys.stderr.isatty()
     try:

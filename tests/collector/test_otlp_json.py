@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import struct
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -266,3 +267,25 @@ def test_bad_files_name_the_line_or_record(tmp_path):
         list(iter_otlp_file(pb))
     with pytest.raises(ValueError):
         write_pb(tmp_path / "x.pb", ["not a request"])
+
+
+def _collector_proto(path, requests) -> None:
+    # What the collector's file exporter writes with ``format: proto``.
+    with open(path, "wb") as fh:
+        for req in requests:
+            data = req.SerializeToString()
+            fh.write(struct.pack(">I", len(data)) + data)
+
+
+def test_collector_proto_files_traces_and_metrics(tmp_path):
+    exports = _exports()
+    traces = [exports[0], exports[2]]
+    metrics = [exports[1], gpu_metrics([(1.0, 0.25)])]
+    _collector_proto(tmp_path / "traces.binpb", traces)
+    _collector_proto(tmp_path / "metrics.binpb", metrics)
+    assert list(iter_otlp_file(tmp_path / "traces.binpb")) == traces
+    assert list(iter_otlp_file(tmp_path / "metrics.binpb")) == metrics
+    junk = tmp_path / "junk.txt"
+    junk.write_text("hello, not telemetry")
+    with pytest.raises(ValueError, match="not OTLP JSON lines"):
+        list(iter_otlp_file(junk))
