@@ -249,6 +249,7 @@ class CollectorApp:
                 url,
                 queue_size=s.forward_queue_size,
                 timeout_s=s.forward_timeout_s,
+                compression=s.forward_compression,
                 headers=s.forward_headers,
                 ca_file=s.forward_ca,
                 on_sent=self.metrics.sent,

@@ -75,6 +75,11 @@ def _windows(ctx: click.Context, param: click.Parameter, value: str | None) -> A
     "--forward-queue-size", type=int, help="Exports queued per destination before dropping."
 )
 @click.option("--forward-timeout-s", type=float, help="Timeout of one forwarded export.")
+@click.option(
+    "--forward-compression",
+    type=click.Choice(_settings.FORWARD_COMPRESSIONS),
+    help="Compression of forwarded exports (default gzip).",
+)
 @click.option("--settle-s", type=float, help="Quiet time after which a trace is folded.")
 @click.option("--trace-timeout-s", type=float, help="Longest a trace is held before it is folded.")
 @click.option(

@@ -14,6 +14,7 @@ ignores: inferprof sits in the pipeline without filtering it.
 
 from __future__ import annotations
 
+import gzip
 import logging
 import pathlib
 import queue
@@ -27,7 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from inferprof import semconv
-from inferprof.collector.settings import validate_forward_url
+from inferprof.collector.settings import FORWARD_COMPRESSIONS, validate_forward_url
 
 _log = logging.getLogger(__name__)
 
@@ -57,7 +58,13 @@ class _RetryableError(Exception):
 
 class _GrpcSender:
     def __init__(
-        self, target: str, *, secure: bool, ca_file: str | None, headers: Sequence[tuple[str, str]]
+        self,
+        target: str,
+        *,
+        secure: bool,
+        ca_file: str | None,
+        headers: Sequence[tuple[str, str]],
+        compress: bool,
     ) -> None:
         import grpc
 
@@ -75,6 +82,7 @@ class _GrpcSender:
             for signal, method in GRPC_METHODS.items()
         }
         self._metadata = tuple(headers)
+        self._compression = grpc.Compression.Gzip if compress else grpc.Compression.NoCompression
         self._retryable = {
             grpc.StatusCode.UNAVAILABLE,
             grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -84,7 +92,9 @@ class _GrpcSender:
 
     def send(self, signal: str, payload: bytes, timeout_s: float) -> None:
         try:
-            self._calls[signal](payload, timeout=timeout_s, metadata=self._metadata)
+            self._calls[signal](
+                payload, timeout=timeout_s, metadata=self._metadata, compression=self._compression
+            )
         except self._grpc.RpcError as exc:
             code = exc.code() if hasattr(exc, "code") else None
             if code in self._retryable:
@@ -97,10 +107,18 @@ class _GrpcSender:
 
 class _HttpSender:
     def __init__(
-        self, base_url: str, *, ca_file: str | None, headers: Sequence[tuple[str, str]]
+        self,
+        base_url: str,
+        *,
+        ca_file: str | None,
+        headers: Sequence[tuple[str, str]],
+        compress: bool,
     ) -> None:
         self._base = base_url.rstrip("/")
-        self._headers = dict(headers)
+        self._headers = {**dict(headers), "Content-Type": "application/x-protobuf"}
+        self._gzip = compress
+        if compress:
+            self._headers["Content-Encoding"] = "gzip"
         self._context = (
             ssl.create_default_context(cafile=ca_file) if base_url.startswith("https") else None
         )
@@ -108,9 +126,9 @@ class _HttpSender:
     def send(self, signal: str, payload: bytes, timeout_s: float) -> None:
         req = urllib.request.Request(
             self._base + HTTP_PATHS[signal],
-            data=payload,
+            data=gzip.compress(payload, 6) if self._gzip else payload,
             method="POST",
-            headers={**self._headers, "Content-Type": "application/x-protobuf"},
+            headers=self._headers,
         )
         try:
             with urllib.request.urlopen(req, timeout=timeout_s, context=self._context) as resp:
@@ -145,10 +163,15 @@ class Forwarder:
         timeout_s: float,
         headers: Sequence[tuple[str, str]] = (),
         ca_file: str | None = None,
+        compression: str = "gzip",
         on_sent: Callable[[str, str], None] | None = None,
         on_dropped: Callable[[str, str, int], None] | None = None,
     ) -> None:
         validate_forward_url(url)
+        if compression not in FORWARD_COMPRESSIONS:
+            raise ValueError(
+                f"compression must be one of {FORWARD_COMPRESSIONS}, got {compression!r}"
+            )
         if queue_size < 1:
             raise ValueError(f"queue_size must be positive, got {queue_size!r}")
         self.url = url
@@ -168,9 +191,12 @@ class Forwarder:
                 secure=scheme == "otlp-grpcs",
                 ca_file=ca_file,
                 headers=headers,
+                compress=compression == "gzip",
             )
         else:
-            self._sender = _HttpSender(url, ca_file=ca_file, headers=headers)
+            self._sender = _HttpSender(
+                url, ca_file=ca_file, headers=headers, compress=compression == "gzip"
+            )
 
     def queue_length(self) -> int:
         return self._queue.qsize()

@@ -31,6 +31,7 @@ _DEFAULT_GRPC_WORKERS = 8
 _DEFAULT_RETRY_AFTER_S = 1.0
 _DEFAULT_FORWARD_QUEUE_SIZE = 1000
 _DEFAULT_FORWARD_TIMEOUT_S = 5.0
+_DEFAULT_FORWARD_COMPRESSION = "gzip"  # what the OpenTelemetry Collector's exporters default to
 _DEFAULT_SETTLE_S = 2.0
 _DEFAULT_TRACE_TIMEOUT_S = 60.0
 _DEFAULT_WINDOWS_S = (60.0, 300.0, 900.0)
@@ -63,6 +64,7 @@ ENV_FORWARD_HEADERS = "INFERPROF_COLLECTOR_FORWARD_HEADERS"  # comma-separated k
 ENV_FORWARD_CA = "INFERPROF_COLLECTOR_FORWARD_CA"
 ENV_FORWARD_QUEUE_SIZE = "INFERPROF_COLLECTOR_FORWARD_QUEUE_SIZE"
 ENV_FORWARD_TIMEOUT_S = "INFERPROF_COLLECTOR_FORWARD_TIMEOUT_S"
+ENV_FORWARD_COMPRESSION = "INFERPROF_COLLECTOR_FORWARD_COMPRESSION"
 ENV_SETTLE_S = "INFERPROF_COLLECTOR_SETTLE_S"
 ENV_TRACE_TIMEOUT_S = "INFERPROF_COLLECTOR_TRACE_TIMEOUT_S"
 ENV_WINDOWS_S = "INFERPROF_COLLECTOR_WINDOWS_S"  # comma-separated seconds
@@ -76,6 +78,7 @@ ENV_ADVANCE_INTERVAL_S = "INFERPROF_COLLECTOR_ADVANCE_INTERVAL_S"
 ENV_CONFIG = "INFERPROF_COLLECTOR_CONFIG"
 
 FORWARD_SCHEMES = ("otlp-grpc", "otlp-grpcs", "http", "https")
+FORWARD_COMPRESSIONS = ("gzip", "none")
 
 
 def _parse_str(value: str) -> str:
@@ -131,6 +134,7 @@ _ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
     "forward_ca": (ENV_FORWARD_CA, _parse_str),
     "forward_queue_size": (ENV_FORWARD_QUEUE_SIZE, _parse_int),
     "forward_timeout_s": (ENV_FORWARD_TIMEOUT_S, _parse_float),
+    "forward_compression": (ENV_FORWARD_COMPRESSION, _parse_str),
     "settle_s": (ENV_SETTLE_S, _parse_float),
     "trace_timeout_s": (ENV_TRACE_TIMEOUT_S, _parse_float),
     "windows_s": (ENV_WINDOWS_S, _parse_floats),
@@ -169,6 +173,7 @@ class CollectorSettings:
     forward_ca: str | None = None
     forward_queue_size: int = _DEFAULT_FORWARD_QUEUE_SIZE
     forward_timeout_s: float = _DEFAULT_FORWARD_TIMEOUT_S
+    forward_compression: str = _DEFAULT_FORWARD_COMPRESSION
     settle_s: float = _DEFAULT_SETTLE_S
     trace_timeout_s: float = _DEFAULT_TRACE_TIMEOUT_S
     windows_s: tuple[float, ...] = _DEFAULT_WINDOWS_S
@@ -396,6 +401,11 @@ def _check_field(name: str, value: Any) -> None:
             not isinstance(value, str) or not value.strip() or value != value.strip()
         ):
             raise ValueError("auth_token must be a non-empty string without surrounding spaces")
+    elif name == "forward_compression":
+        if value not in FORWARD_COMPRESSIONS:
+            raise ValueError(
+                f"forward_compression must be one of {FORWARD_COMPRESSIONS}, got {value!r}"
+            )
     elif name == "forward":
         for url in value:
             validate_forward_url(url)

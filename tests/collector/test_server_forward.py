@@ -86,33 +86,41 @@ def _sent(app, signal):
     return 0.0
 
 
-def test_http_forwarding_to_a_second_inferprof_collector_with_its_token():
+@pytest.mark.parametrize("compression", ["gzip", "none"])
+def test_http_forwarding_to_a_second_inferprof_collector_with_its_token(compression):
     with running_app(auth_token="down-token") as downstream:
         with running_app(
             forward=(downstream.otlp_http_endpoint,),
             forward_headers=(("Authorization", "Bearer down-token"),),
+            forward_compression=compression,
         ) as upstream:
             exporter = OTLPSpanExporter(
                 endpoint=upstream.otlp_grpc_endpoint, insecure=True, timeout=10
             )
             try:
-                assert (
-                    exporter.export(make_requests(6, service="chain")) is SpanExportResult.SUCCESS
-                )
+                spans = make_requests(6, service="chain")
+                assert exporter.export(spans) is SpanExportResult.SUCCESS
             finally:
                 exporter.shutdown()
         # upstream.stop() drained its queue: the downstream has every request.
         downstream.engine.flush()
         assert downstream.engine.breakdown("chain")["requests"] == 6
         # Without the header the downstream would have refused everything.
-        metrics = upstream.registry
-        assert (
-            metrics.get_sample_value(
-                "inferprof_forward_sent_total",
-                {"destination": downstream.otlp_http_endpoint, "signal": "traces"},
-            )
-            == 1.0
+        sent = upstream.registry.get_sample_value(
+            "inferprof_forward_sent_total",
+            {"destination": downstream.otlp_http_endpoint, "signal": "traces"},
         )
+        assert sent == 1.0
+        received = upstream.registry.get_sample_value(
+            "inferprof_otlp_request_body_bytes_sum", {"transport": "grpc", "signal": "traces"}
+        )
+        forwarded = downstream.registry.get_sample_value(
+            "inferprof_otlp_request_body_bytes_sum", {"transport": "http", "signal": "traces"}
+        )
+        if compression == "gzip":
+            assert forwarded < received / 2
+        else:
+            assert forwarded == received  # the same bytes
 
 
 @pytest.fixture
