@@ -51,7 +51,7 @@ class Collated:
 
 
 class _Entry:
-    __slots__ = ("item", "tokens", "handle", "future", "taken")
+    __slots__ = ("item", "tokens", "handle", "future", "taken", "t")
 
     def __init__(
         self, item: Any, tokens: int | None, handle: QueueHandle, future: asyncio.Future
@@ -61,6 +61,7 @@ class _Entry:
         self.handle = handle
         self.future = future
         self.taken = False
+        self.t = time.monotonic()
 
 
 class DynamicBatcher:
@@ -230,7 +231,9 @@ class DynamicBatcher:
                 while not queue:
                     wakeup.clear()
                     await wakeup.wait()
-                deadline = time.monotonic() + self.max_delay_s
+                # Triton's max_queue_delay semantics: measured from the oldest request's
+                # arrival, not from when the loop got to it (it may have waited for a slot).
+                deadline = queue[0].t + self.max_delay_s
                 while len(queue) < self.max_batch_size:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
@@ -238,7 +241,7 @@ class DynamicBatcher:
                     wakeup.clear()
                     try:
                         await asyncio.wait_for(wakeup.wait(), remaining)
-                    except TimeoutError:
+                    except asyncio.TimeoutError:  # noqa: UP041 - not TimeoutError before 3.11
                         break
                 entries = []
                 while queue and len(entries) < self.max_batch_size:

@@ -325,3 +325,23 @@ def test_batcher_survives_a_new_event_loop():
     assert asyncio.run(use()) == [1, 2, 3]  # the first loop closes with the batcher running
     assert asyncio.run(use()) == [1, 2, 3]
     asyncio.run(b.stop())
+
+
+async def test_max_delay_counts_from_the_oldest_arrival(cap):
+    starts = []
+
+    def fn(xs):
+        starts.append((time.monotonic(), list(xs)))
+        if len(starts) == 1:
+            time.sleep(0.15)  # a slow first batch; the next request arrives meanwhile
+        return xs
+
+    async with inferprof.DynamicBatcher(fn, max_batch_size=8, max_delay_ms=50) as b:
+        first = asyncio.create_task(b.submit("a"))
+        await asyncio.sleep(0.08)  # batch 1 ("a") is running now
+        second = asyncio.create_task(b.submit("b"))
+        await asyncio.gather(first, second)
+    (t1, batch1), (t2, batch2) = starts
+    assert batch1 == ["a"] and batch2 == ["b"]
+    # "b" had waited > 50 ms when batch 1 finished: it leaves at once, not 50 ms later
+    assert t2 - t1 < 0.15 + 0.035
