@@ -107,6 +107,7 @@ def test_bad_file_values_are_logged_and_skipped_but_an_unreadable_file_is_an_err
         {"auth_token": " padded "},
         {"tls_cert": "/c.pem"},
         {"forward": ("tempo:4317",)},
+        {"forward_compression": "br"},
         {"auth_token": "a", "auth_token_file": "/f"},
     ],
 )
