@@ -75,10 +75,17 @@ def is_gpu_metric(name: str) -> bool:
 
 
 class GpuSamples:
-    """GPU samples by (host, hw.id, metric); not thread-safe (the engine locks)."""
+    """GPU samples by (host, hw.id, metric); not thread-safe (the engine locks).
+
+    Samples are appended as they arrive; readers use a sorted numpy copy per series that
+    is rebuilt only when the series changed since the last read, so a Prometheus scrape
+    reading hundreds of breakdowns converts each series once, not once per breakdown.
+    """
 
     def __init__(self) -> None:
         self._data: dict[tuple[str, str, str], tuple[list[float], list[float]]] = {}
+        self._version: dict[tuple[str, str, str], int] = defaultdict(int)
+        self._sorted: dict[tuple[str, str, str], tuple[int, np.ndarray, np.ndarray, float]] = {}
         self.received = 0
         self.dropped = 0
 
@@ -93,21 +100,43 @@ class GpuSamples:
             self.dropped += MAX_SAMPLES_PER_SERIES // 10
         series[0].append(t)
         series[1].append(value)
+        self._version[key] += 1
         self.received += 1
 
     def prune(self, oldest: float) -> None:
         for key, (ts, vs) in list(self._data.items()):
             if ts and min(ts[0], ts[-1]) < oldest:
                 keep = [i for i, t in enumerate(ts) if t >= oldest]
+                self._version[key] += 1
                 if not keep:
                     del self._data[key]
+                    self._sorted.pop(key, None)
+                    del self._version[key]
                     continue
                 self._data[key] = ([ts[i] for i in keep], [vs[i] for i in keep])
+
+    def _arrays(self, key: tuple[str, str, str]) -> tuple[np.ndarray, np.ndarray, float]:
+        """Times (sorted), values and median sampling period of one series."""
+        version = self._version[key]
+        cached = self._sorted.get(key)
+        if cached is None or cached[0] != version:
+            ts, vs = self._data[key]
+            t = np.asarray(ts)
+            v = np.asarray(vs)
+            order = np.argsort(t, kind="stable")
+            t, v = t[order], v[order]
+            period = float(np.median(np.diff(t))) if t.size > 1 else 0.0
+            cached = self._sorted[key] = (version, t, v, period)
+        return cached[1], cached[2], cached[3]
 
     def count(self, since: float | None = None) -> int:
         if since is None:
             return sum(len(ts) for ts, _ in self._data.values())
-        return sum(int(np.count_nonzero(np.asarray(ts) >= since)) for ts, _ in self._data.values())
+        total = 0
+        for key in self._data:
+            t = self._arrays(key)[0]
+            total += t.size - int(np.searchsorted(t, since, side="left"))
+        return total
 
     def during(self, metric: str, intervals: Iterable[tuple[str, str, float, float]]) -> np.ndarray:
         """Values of ``metric`` joined to compute ``intervals`` (host, gpu, start, end)."""
@@ -116,17 +145,15 @@ class GpuSamples:
             by_gpu[(host, gpu)].append((s, e))
         out = []
         for (host, gpu), spans in by_gpu.items():
-            for (shost, sgpu, smetric), (ts, vs) in self._data.items():
+            for key in self._data:
+                shost, sgpu, smetric = key
                 if smetric != metric or sgpu != gpu or (host and shost and host != shost):
                     continue
-                t = np.asarray(ts)
-                v = np.asarray(vs)
-                order = np.argsort(t, kind="stable")
-                t, v = t[order], v[order]
-                period = float(np.median(np.diff(t))) if t.size > 1 else 0.0
+                t, v, period = self._arrays(key)
                 iv = np.asarray(spans)
                 lo = np.searchsorted(t, iv[:, 0], side="right")
-                hi = np.searchsorted(t, iv[:, 1] + period, side="left")
+                # max(): an empty interval must not cancel another one's count.
+                hi = np.maximum(np.searchsorted(t, iv[:, 1] + period, side="left"), lo)
                 diff = np.zeros(t.size + 1, dtype=np.int64)
                 np.add.at(diff, lo, 1)
                 np.add.at(diff, hi, -1)
