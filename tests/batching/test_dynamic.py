@@ -333,15 +333,16 @@ async def test_max_delay_counts_from_the_oldest_arrival(cap):
     def fn(xs):
         starts.append((time.monotonic(), list(xs)))
         if len(starts) == 1:
-            time.sleep(0.15)  # a slow first batch; the next request arrives meanwhile
+            time.sleep(0.3)  # a slow first batch; the next request arrives meanwhile
         return xs
 
-    async with inferprof.DynamicBatcher(fn, max_batch_size=8, max_delay_ms=50) as b:
-        first = asyncio.create_task(b.submit("a"))
-        await asyncio.sleep(0.08)  # batch 1 ("a") is running now
+    async with inferprof.DynamicBatcher(fn, max_batch_size=2, max_delay_ms=200) as b:
+        first = [asyncio.create_task(b.submit(x)) for x in ("a", "a2")]  # full: leaves at once
+        await asyncio.sleep(0.05)
         second = asyncio.create_task(b.submit("b"))
-        await asyncio.gather(first, second)
+        await asyncio.gather(*first, second)
     (t1, batch1), (t2, batch2) = starts
-    assert batch1 == ["a"] and batch2 == ["b"]
-    # "b" had waited > 50 ms when batch 1 finished: it leaves at once, not 50 ms later
-    assert t2 - t1 < 0.15 + 0.035
+    assert batch1 == ["a", "a2"] and batch2 == ["b"]
+    # "b" had waited 250 ms > max_delay when batch 1 finished: it leaves at once
+    # (counting from when the loop got to it, it would leave 200 ms later)
+    assert t2 - t1 < 0.3 + 0.1
