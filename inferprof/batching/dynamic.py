@@ -273,11 +273,6 @@ class DynamicBatcher:
                 results = await self._loop.run_in_executor(
                     self._executor, ctx.run, self._process_sync, entries
                 )
-            results = list(results)
-            if len(results) != len(entries):
-                raise ValueError(
-                    f"batch function returned {len(results)} results for {len(entries)} inputs"
-                )
         except BaseException as exc:  # noqa: BLE001 - delivered to the batch's requests
             for entry in entries:
                 if not entry.future.done():
@@ -311,13 +306,21 @@ class DynamicBatcher:
                     b.set_tokens(effective=sum(counts), padded=max(counts) * len(counts))
         return collated
 
-    def _process_sync(self, entries: list[_Entry]) -> Sequence[Any]:
+    def _process_sync(self, entries: list[_Entry]) -> list[Any]:
         with self._open_batch(entries) as b:
-            return self.fn(self._assemble(b, entries))
+            return _checked(self.fn(self._assemble(b, entries)), len(entries))
 
-    async def _process_async(self, entries: list[_Entry]) -> Sequence[Any]:
+    async def _process_async(self, entries: list[_Entry]) -> list[Any]:
         with self._open_batch(entries) as b:
-            return await self.fn(self._assemble(b, entries))
+            return _checked(await self.fn(self._assemble(b, entries)), len(entries))
+
+
+def _checked(results: Any, n: int) -> list[Any]:
+    # inside the batch block, so a mismatch is recorded on the members like any failure
+    results = list(results)
+    if len(results) != n:
+        raise ValueError(f"batch function returned {len(results)} results for {n} inputs")
+    return results
 
 
 __all__ = ["DynamicBatcher", "Collated"]

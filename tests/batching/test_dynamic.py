@@ -202,6 +202,7 @@ async def test_fn_returning_wrong_number_of_results_fails_the_batch(cap):
     async with inferprof.DynamicBatcher(lambda xs: [1], max_batch_size=2, max_delay_ms=20) as b:
         out = await asyncio.gather(*(_one(b, i) for i in range(2)), return_exceptions=True)
     assert all(isinstance(e, ValueError) for e in out)
+    assert all(r.status.description.startswith("ValueError") for r in cap.requests())
 
 
 async def test_sync_fn_runs_off_the_event_loop(cap):
