@@ -177,3 +177,14 @@ def test_padding_and_gpu_lines_in_table_and_html(tmp_path):
     assert "verdict: runtime" in result.output
     page = out.read_text()
     assert "padding: 25.0%" in page and "GPU utilisation during compute" in page
+
+
+def test_progress_bar_on_stderr_and_same_spans_in_two_files_count_once(files):
+    _, jsonl, pb = files
+    result = CliRunner().invoke(
+        main, ["report", str(jsonl), str(pb), "--format", "json", "--progress"]
+    )
+    assert result.exit_code == 0, result.output
+    assert "reading" in result.stderr  # tqdm, on stderr only
+    doc = json.loads(result.stdout)
+    assert doc["requests"] == 150  # the second file repeats the first's spans: duplicates
