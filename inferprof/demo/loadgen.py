@@ -392,6 +392,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                       burst=args.burst, mix=args.mix, seed=args.seed))
     except ValueError as exc:
         parser.error(str(exc))
+    except KeyboardInterrupt:  # Ctrl-C: stop quietly, like any command-line tool
+        return 130
     summary = result.summary()
     print(json.dumps(summary) if args.json else format_summary(summary))
     return 0
