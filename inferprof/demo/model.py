@@ -154,10 +154,36 @@ class TopicModel:
         head /= np.linalg.norm(head, axis=0, keepdims=True) + 1e-6
         self.head = head
 
+    def add_topic_signal(self, examples: dict[str, Sequence[Sequence[int]]],
+                         strength: float = 2.0) -> None:
+        """Give each token embedding a component along its topics, by counting.
+
+        A token's topic distribution p (smoothed counts over the examples) moves its
+        embedding along ``(p - uniform) @ topic_directions``, scaled by how informative the
+        token is (1 - normalised entropy of p, so "the" moves nowhere). This is the
+        counting half of a naive-Bayes classifier folded into the embedding table; it
+        lets the demo give sensible labels without a training loop.
+        """
+        n = len(self.topics)
+        vocab, d = self.embed.shape
+        counts = np.zeros((vocab, n), dtype=np.float64)
+        for col, topic in enumerate(self.topics):
+            for seq in examples.get(topic, ()):
+                np.add.at(counts[:, col], np.asarray(seq, dtype=np.int64), 1.0)
+        p = (counts + 0.1) / (counts + 0.1).sum(axis=1, keepdims=True)
+        entropy = -(p * np.log(p)).sum(axis=1) / np.log(n) if n > 1 else np.zeros(vocab)
+        weight = (1.0 - entropy) * (counts.sum(axis=1) > 0)
+        rng = np.random.default_rng(len(self.topics))
+        directions = rng.standard_normal((n, d))
+        directions /= np.linalg.norm(directions, axis=1, keepdims=True)
+        shift = ((p - 1.0 / n) * weight[:, None]) @ directions * strength * np.sqrt(d)
+        shift[PAD_ID] = 0.0
+        self.embed = (self.embed + shift).astype(np.float32)
+
 
 def build_model(tokenizer: Any, size: str = DEFAULT_MODEL_SIZE, seed: int = 0,
                 max_tokens: int = 512) -> TopicModel:
-    """A :class:`TopicModel` over the shipped topics, head fitted on their paragraphs."""
+    """A :class:`TopicModel` over the shipped topics, fitted on their paragraphs by counting."""
     from inferprof.demo import corpus
 
     docs = corpus.documents()
@@ -166,6 +192,7 @@ def build_model(tokenizer: Any, size: str = DEFAULT_MODEL_SIZE, seed: int = 0,
         d.topic: [enc.ids[:max_tokens] for enc in tokenizer.encode_batch(list(d.paragraphs))]
         for d in docs
     }
+    model.add_topic_signal(examples)
     model.fit_head(examples)
     return model
 
