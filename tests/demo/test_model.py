@@ -74,3 +74,17 @@ def test_unknown_size_is_a_value_error():
 
 def _arrays(batch):
     return batch.ids, batch.mask
+
+
+def test_sentences_it_never_saw_get_sensible_topics(tokenizer):
+    model = build_model(tokenizer, size="small")
+    cases = {
+        "The orchard in spring, blossom and bees.": "orchard",
+        "The signal box released the token.": "railway",
+        "The porter carried the slips down to the stacks.": "library",
+        "He sharpened the chisel before turning the leg.": "workshop",
+        "Gulls circled the boats on the quay.": "harbour",
+    }
+    batch = collate([e.ids for e in tokenizer.encode_batch(list(cases))])
+    best = model.forward(batch.ids, batch.mask).logits.argmax(axis=1)
+    assert [model.topics[i] for i in best] == list(cases.values())
