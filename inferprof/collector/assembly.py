@@ -27,10 +27,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 from inferprof import semconv as sc
-from inferprof.collector.attribution import partition
 
 _DAY_NS = 86_400 * 1_000_000_000
 _ZERO_TRACE = bytes(16)
@@ -44,10 +43,11 @@ _MAX_ERRORS = 5
 #: Batches already counted for padding are remembered this long (seconds).
 _BATCH_MEMORY_S = 120.0
 
-# Attributes read from span attributes; all others are skipped without decoding.
+# Attributes read from span attributes besides ``inferprof.stage`` (compared on its
+# own, first: most spans that carry anything carry it); all others are skipped without
+# decoding their value.
 _WANTED = frozenset(
     {
-        sc.ATTR_STAGE,
         sc.ATTR_REQUEST,
         sc.ATTR_SAMPLE_WEIGHT,
         sc.ATTR_MODEL_NAME,
@@ -57,7 +57,8 @@ _WANTED = frozenset(
         sc.ATTR_GPU_ID,
     }
 )
-_STRING_KEYS = frozenset({sc.ATTR_STAGE, sc.ATTR_MODEL_NAME, sc.ATTR_BATCH_ID, sc.ATTR_GPU_ID})
+_STRING_KEYS = frozenset({sc.ATTR_MODEL_NAME, sc.ATTR_BATCH_ID, sc.ATTR_GPU_ID})
+_INT_KEYS = frozenset({sc.ATTR_TOKENS_EFFECTIVE, sc.ATTR_TOKENS_PADDED})
 _PADDING_STAGES = frozenset({sc.STAGE_BATCH_ASSEMBLY, sc.STAGE_COMPUTE})
 
 
@@ -105,28 +106,65 @@ def trace_state_weight(trace_state: str) -> float | None:
     return None
 
 
-class FinalRequest(NamedTuple):
-    """A finalised request, ready to be folded into the sketches (a NamedTuple: created
-    once per request on the hot path, where a frozen dataclass costs several times more)."""
+class Finalised:
+    """Requests finalised by one ``Assembler.advance`` call, column by column.
 
-    service: str
-    model: str
-    weight: float
-    e2e: float
-    stage_time: dict[str, float]
-    exclusive: dict[str, float]
-    unattributed: float
-    #: (batch key, effective tokens, padded tokens) of batches seen first here.
-    batches: tuple[tuple[Any, int, int], ...]
-    #: (host, gpu id, start s, end s) of compute-stage spans, deduplicated per batch.
-    compute: tuple[tuple[str, str, float, float], ...]
+    Columns rather than one object per request: the engine folds them with numpy, and a
+    per-request record with per-request dicts cost more than the folding itself.
+    Per request ``i``: ``service[i]``, ``model[i]``, ``weight[i]``, ``start[i]`` and
+    ``end[i]`` (ns). Per stage span attributed to a request (a linked batch span once
+    per member): ``span_req`` (request index), ``span_stage``, ``span_start``,
+    ``span_end`` (ns). ``batches``: (request index, effective, padded) of batches seen
+    first here; ``compute``: (request index, (host, gpu id, start s, end s)) of
+    compute-stage spans, deduplicated per batch.
+    """
+
+    __slots__ = (
+        "batches",
+        "compute",
+        "end",
+        "model",
+        "service",
+        "span_end",
+        "span_req",
+        "span_stage",
+        "span_start",
+        "start",
+        "weight",
+    )
+
+    def __init__(self) -> None:
+        self.service: list[str] = []
+        self.model: list[Any] = []
+        self.weight: list[float] = []
+        self.start: list[int] = []
+        self.end: list[int] = []
+        self.span_req: list[int] = []
+        self.span_stage: list[str] = []
+        self.span_start: list[int] = []
+        self.span_end: list[int] = []
+        self.batches: list[tuple[int, int, int]] = []
+        self.compute: list[tuple[int, tuple[str, str, float, float]]] = []
+
+    def __len__(self) -> int:
+        return len(self.start)
+
+    def intervals(self, i: int) -> list[tuple[str, int, int]]:
+        """(stage, start, end) of request ``i``'s stage spans, in attribution order."""
+        return [
+            (st, s, e)
+            for r, st, s, e in zip(self.span_req, self.span_stage, self.span_start, self.span_end)
+            if r == i
+        ]
 
 
 class _Trace:
     __slots__ = ("candidates", "created", "due", "has_stage", "spans")
 
     def __init__(self, created: float) -> None:
-        # span id -> (parent id, start, end, stage, resource, attrs, is_candidate, flags)
+        # span id -> (parent id, start, end, stage, resource, extra, is_candidate, flags,
+        # trace state). ``extra``: the wanted attributes other than the stage, or None
+        # (most stage spans carry nothing else: no dict for them).
         self.spans: dict[bytes, tuple] = {}
         self.candidates: list[bytes] = []
         self.due: float | None = None
@@ -171,12 +209,16 @@ class Assembler:
         self.dropped[reason] = self.dropped.get(reason, 0) + n
 
     def ingest(self, request: Any) -> tuple[int, int, list[str]]:
+        # The hot path: every protobuf field read creates a Python object (upb), so each
+        # span's fields are read once into locals, attribute values are decoded only for
+        # the handful of keys we use, and links are looked at only on stage spans.
         now = self.clock()
         traces = self.traces
         links = self.links
         valid_stages = self.valid_stages
         wanted = _WANTED
         string_keys = _STRING_KEYS
+        int_keys = _INT_KEYS
         max_spans = self.max_spans_per_trace
         link_refs = self.link_refs
         settle_s = self.settle_s
@@ -212,7 +254,13 @@ class Assembler:
                 for span in ss.spans:
                     tid = span.trace_id
                     sid = span.span_id
-                    if len(tid) != 16 or len(sid) != 8 or tid == _ZERO_TRACE or sid == _ZERO_SPAN:
+                    # A trace already open has a valid id: only a new one is checked.
+                    trace = traces.get(tid)
+                    if (
+                        (trace is None and (len(tid) != 16 or tid == _ZERO_TRACE))
+                        or len(sid) != 8
+                        or sid == _ZERO_SPAN
+                    ):
                         reject(
                             sc.DROP_INVALID_ID,
                             f"span {sid.hex()!r} in trace {tid.hex()!r}: invalid trace or span id",
@@ -229,37 +277,46 @@ class Assembler:
                     if end - start > _DAY_NS:
                         reject(sc.DROP_ABSURD_DURATION, f"span {sid.hex()}: duration over one day")
                         continue
-                    attrs = None
+                    stage = None
+                    extra = None
                     for kv in span.attributes:
                         k = kv.key
-                        if k in wanted:
-                            if attrs is None:
-                                attrs = {}
+                        if k == attr_stage:
                             v = kv.value
-                            # Typed read first (the contract's types); the generic
-                            # decode only when the sender used another type.
-                            attrs[k] = (
-                                (v.string_value or _any_value(v))
-                                if k in string_keys
-                                else _any_value(v)
-                            )
-                    stage = None
-                    if attrs is not None:
-                        stage = attrs.get(attr_stage)
-                        if stage is not None and stage not in valid_stages:
-                            if (
-                                isinstance(stage, str)
-                                and sc.STAGE_NAME_PATTERN.match(stage)
-                                and stage != sc.STAGE_UNATTRIBUTED
-                            ):
-                                valid_stages.add(stage)
+                            # Typed read first (the contract's type); the generic decode
+                            # only when the sender used another type.
+                            stage = v.string_value or _any_value(v)
+                            if stage is None:
+                                # Present but empty still makes the span "carry an
+                                # inferprof attribute" (see _finalise_request).
+                                if extra is None:
+                                    extra = {}
+                                extra[k] = None
+                        elif k in wanted:
+                            v = kv.value
+                            if k in string_keys:
+                                value = v.string_value or _any_value(v)
+                            elif k in int_keys:
+                                value = v.int_value or _any_value(v)
                             else:
-                                reject(
-                                    sc.DROP_INVALID_STAGE,
-                                    f"span {sid.hex()}: invalid stage value {stage!r}",
-                                )
-                                continue
-                    parent = span.parent_span_id
+                                value = _any_value(v)
+                            if extra is None:
+                                extra = {k: value}
+                            else:
+                                extra[k] = value
+                    if stage is not None and stage not in valid_stages:
+                        if (
+                            isinstance(stage, str)
+                            and sc.STAGE_NAME_PATTERN.match(stage)
+                            and stage != sc.STAGE_UNATTRIBUTED
+                        ):
+                            valid_stages.add(stage)
+                        else:
+                            reject(
+                                sc.DROP_INVALID_STAGE,
+                                f"span {sid.hex()}: invalid stage value {stage!r}",
+                            )
+                            continue
                     span_links = span.links if stage is not None else None
                     if span_links:
                         # Batch encoding (b): attributed through its links only.
@@ -270,7 +327,7 @@ class Assembler:
                                 f"span {sid.hex()}: duplicate span id in trace {tid.hex()}",
                             )
                             continue
-                        record = (stage, start, end, resource, attrs, ident)
+                        record = (stage, start, end, resource, extra, ident)
                         link_refs[ident] = len(span_links)
                         for link in span_links:
                             lk = (link.trace_id, link.span_id)
@@ -282,7 +339,6 @@ class Assembler:
                                 lst.append(record)
                         accepted += 1
                         continue
-                    trace = traces.get(tid)
                     if trace is None:
                         trace = traces[tid] = _Trace(now)
                         if expiry < next_check:  # noqa: PLR1730 - hot path
@@ -301,36 +357,45 @@ class Assembler:
                         )
                         continue
                     kind = span.kind
-                    candidate = (
+                    if (
                         kind == _KIND_SERVER
                         or kind == _KIND_CONSUMER
-                        or (attrs is not None and attrs.get(attr_request) is True)
-                    )
-                    if candidate:
+                        or (extra is not None and extra.get(attr_request) is True)
+                    ):
                         trace.candidates.append(sid)
                         due = now + settle_s
                         if trace.due is None or due > trace.due:
                             trace.due = due
                             if due < next_check:  # noqa: PLR1730 - hot path
                                 next_check = due
-                        trace_state = span.trace_state
-                        flags = span.flags  # only request spans need the is-remote bits
+                        if stage is not None:
+                            trace.has_stage = True
+                        # Only request spans need the trace state and is-remote bits.
+                        trace_spans[sid] = (
+                            span.parent_span_id,
+                            start,
+                            end,
+                            stage,
+                            resource,
+                            extra,
+                            True,
+                            span.flags,
+                            span.trace_state,
+                        )
                     else:
-                        trace_state = None
-                        flags = 0
-                    if stage is not None:
-                        trace.has_stage = True
-                    trace_spans[sid] = (
-                        parent,
-                        start,
-                        end,
-                        stage,
-                        resource,
-                        attrs,
-                        candidate,
-                        flags,
-                        trace_state,
-                    )
+                        if stage is not None:
+                            trace.has_stage = True
+                        trace_spans[sid] = (
+                            span.parent_span_id,
+                            start,
+                            end,
+                            stage,
+                            resource,
+                            extra,
+                            False,
+                            0,
+                            None,
+                        )
                     accepted += 1
         self.next_check = next_check
         self.received += accepted + rejected
@@ -339,8 +404,8 @@ class Assembler:
         return accepted, rejected, errors
 
     # --- finalisation ------------------------------------------------------------------
-    def advance(self, now: float, *, everything: bool = False) -> list[FinalRequest]:
-        out: list[FinalRequest] = []
+    def advance(self, now: float, *, everything: bool = False) -> Finalised:
+        out = Finalised()
         done = []
         expired = []
         # Scanning every pending trace is skipped until the earliest due/expiry time a
@@ -362,17 +427,18 @@ class Assembler:
                     elif expiry < next_check:
                         next_check = expiry
             self.next_check = next_check
+        recent_done = self.recent_done
         for tid in done:
             trace = self.traces.pop(tid)
             self.pending -= len(trace.spans)
             self._finalise_trace(tid, trace, out, now)
-            self.recent_done.pop(tid, None)  # re-insert at the end: keeps clock order
-            self.recent_done[tid] = now
+            recent_done.pop(tid, None)  # re-insert at the end: keeps clock order
+            recent_done[tid] = now
         for tid in expired:
             trace = self.traces.pop(tid)
             n = len(trace.spans)
             self.pending -= n
-            if tid in self.recent_done:
+            if tid in recent_done:
                 self._drop(sc.DROP_LATE, n)
             elif trace.has_stage:
                 self.incomplete += 1
@@ -389,10 +455,10 @@ class Assembler:
                 # A linked span is pending once however many members it has; count it
                 # when its last reference goes.
                 self._release_linked(records)
-                reason = sc.DROP_LATE if lk[0] in self.recent_done else sc.DROP_ORPHAN_STAGE
+                reason = sc.DROP_LATE if lk[0] in recent_done else sc.DROP_ORPHAN_STAGE
                 self._drop(reason, len(records))
         if not everything:
-            for _ in _pop_older(self.recent_done, now - self.trace_timeout_s):
+            for _ in _pop_older(recent_done, now - self.trace_timeout_s):
                 pass
         for _ in _pop_older(self.seen_batches, now - _BATCH_MEMORY_S):
             pass
@@ -409,15 +475,13 @@ class Assembler:
             else:
                 refs[ident] = left
 
-    def _finalise_trace(
-        self, tid: bytes, trace: _Trace, out: list[FinalRequest], now: float
-    ) -> None:
+    def _finalise_trace(self, tid: bytes, trace: _Trace, out: Finalised, now: float) -> None:
         spans = trace.spans
         # Confirm local roots among the candidates.
         requests: set[bytes] = set()
         for sid in trace.candidates:
-            parent, _, _, _, resource, attrs, _, flags, _ = spans[sid]
-            if attrs is not None and attrs.get(sc.ATTR_REQUEST) is True:
+            parent, _, _, _, resource, extra, _, flags, _ = spans[sid]
+            if extra is not None and extra.get(sc.ATTR_REQUEST) is True:
                 requests.add(sid)
                 continue
             if not parent or parent == _ZERO_SPAN:
@@ -429,27 +493,125 @@ class Assembler:
             p = spans.get(parent)
             if p is None or p[4][0] != resource[0]:
                 requests.add(sid)
-        owned: dict[bytes, list[tuple]] = {r: [] for r in requests}
+        # Request span id -> its row in ``out``; a row is opened by the request's first
+        # stage span (or at the end for a request with attributes but no stage span).
+        rows: dict[bytes, int] = {}
+        first_row = len(out.start)
         owner_of: dict[bytes, bytes | None] = {}
+        span_req = out.span_req
+        span_stage = out.span_stage
+        span_start = out.span_start
+        span_end = out.span_end
+        ignored = 0
         for sid, rec in spans.items():
-            if rec[3] is None:
+            stage = rec[3]
+            if stage is None:
                 if sid not in requests:
-                    self.ignored += 1
+                    ignored += 1
                 continue
-            owner = self._owner(sid, spans, requests, owner_of)
+            parent = rec[0]
+            # Common case first: the stage span is a direct child of its request.
+            owner = parent if parent in requests else self._owner(sid, spans, requests, owner_of)
             if owner is None:
                 self._drop(sc.DROP_ORPHAN_STAGE)
-            else:
-                owned[owner].append((rec[3], rec[1], rec[2], rec[4], rec[5], (tid, sid)))
+                continue
+            row = rows.get(owner)
+            if row is None:
+                row = rows[owner] = self._open_row(spans[owner], out)
+            span_req.append(row)
+            span_stage.append(stage)
+            span_start.append(rec[1])
+            span_end.append(rec[2])
+            if rec[5] is not None:
+                self._stage_attrs(out, row, stage, rec[1], rec[2], rec[4], rec[5], (tid, sid), now)
+        self.ignored += ignored
         for rid in requests:
             linked = self.links.pop((tid, rid), None)
             if linked is not None:
                 self.link_created.pop((tid, rid), None)
                 self._release_linked(linked)
-                owned[rid].extend(linked)
-            final = self._finalise_request(spans[rid], owned[rid], now)
-            if final is not None:
-                out.append(final)
+                row = rows.get(rid)
+                if row is None:
+                    row = rows[rid] = self._open_row(spans[rid], out)
+                for stage, s, e, res, extra, ident in linked:
+                    span_req.append(row)
+                    span_stage.append(stage)
+                    span_start.append(s)
+                    span_end.append(e)
+                    if extra is not None:
+                        self._stage_attrs(out, row, stage, s, e, res, extra, ident, now)
+            if rid not in rows:
+                req = spans[rid]
+                # A request span with no stage span and no inferprof.* attribute (health
+                # checks, metric scrapes) is not an inference request.
+                if req[3] is None and not req[5]:
+                    self.ignored += 1
+                else:
+                    self._open_row(req, out)
+        # A model that is not a string (or came from none of the spans) is "".
+        model = out.model
+        for row in range(first_row, len(model)):
+            if not isinstance(model[row], str):
+                model[row] = ""
+
+    @staticmethod
+    def _open_row(req: tuple, out: Finalised) -> int:
+        _, start, end, _, resource, extra, _, _, trace_state = req
+        model = extra.get(sc.ATTR_MODEL_NAME) if extra else None
+        weight = None
+        if extra:
+            w = extra.get(sc.ATTR_SAMPLE_WEIGHT)
+            if (
+                isinstance(w, (int, float))
+                and not isinstance(w, bool)
+                and math.isfinite(w)
+                and w >= 1
+            ):
+                weight = float(w)
+        if weight is None:
+            weight = trace_state_weight(trace_state) or 1.0
+        row = len(out.start)
+        out.service.append(resource[0])
+        out.model.append(model)
+        out.weight.append(weight)
+        out.start.append(start)
+        out.end.append(end)
+        return row
+
+    def _stage_attrs(
+        self,
+        out: Finalised,
+        row: int,
+        stage: str,
+        s: int,
+        e: int,
+        res: tuple,
+        extra: dict,
+        ident: tuple,
+        now: float,
+    ) -> None:
+        """Model fallback, padding and compute windows from a stage span's attributes."""
+        if out.model[row] is None:
+            out.model[row] = extra.get(sc.ATTR_MODEL_NAME)
+        batch_id = extra.get(sc.ATTR_BATCH_ID)
+        seen = self.seen_batches
+        if stage in _PADDING_STAGES:
+            eff = extra.get(sc.ATTR_TOKENS_EFFECTIVE)
+            pad = extra.get(sc.ATTR_TOKENS_PADDED)
+            if isinstance(eff, int) and isinstance(pad, int) and pad > 0:
+                # One count per batch: batch id within the service instance, or the
+                # span itself when the batch carries no id.
+                key = (res[0], res[2], "b", batch_id) if batch_id is not None else ident
+                if key not in seen:
+                    seen[key] = now
+                    out.batches.append((row, eff, pad))
+        if stage in sc.COMPUTE_STAGES:
+            gpu = extra.get(sc.ATTR_GPU_ID)
+            if gpu:
+                key = (res[0], res[2], "c", stage, batch_id) if batch_id is not None else ident
+                if key not in seen:
+                    seen[key] = now
+                    out.compute.append((row, (res[1], str(gpu), s * 1e-9, e * 1e-9)))
 
     @staticmethod
     def _owner(sid: bytes, spans: dict, requests: set, memo: dict) -> bytes | None:
@@ -474,67 +636,5 @@ class Assembler:
             memo[p] = result
         return result
 
-    def _finalise_request(
-        self, req: tuple, stage_spans: list[tuple], now: float
-    ) -> FinalRequest | None:
-        _, start, end, _, resource, attrs, _, _, trace_state = req
-        if not stage_spans and not attrs:
-            self.ignored += 1
-            return None
-        service = resource[0]
-        model = attrs.get(sc.ATTR_MODEL_NAME) if attrs else None
-        weight = None
-        if attrs:
-            w = attrs.get(sc.ATTR_SAMPLE_WEIGHT)
-            if (
-                isinstance(w, (int, float))
-                and not isinstance(w, bool)
-                and math.isfinite(w)
-                and w >= 1
-            ):
-                weight = float(w)
-        if weight is None:
-            weight = trace_state_weight(trace_state) or 1.0
-        intervals = []
-        batches = []
-        compute = []
-        seen = self.seen_batches
-        for stage, s, e, res, sattrs, ident in stage_spans:
-            intervals.append((stage, s, e))
-            if sattrs is None:
-                continue
-            if model is None:
-                model = sattrs.get(sc.ATTR_MODEL_NAME)
-            batch_id = sattrs.get(sc.ATTR_BATCH_ID)
-            if stage in _PADDING_STAGES:
-                eff = sattrs.get(sc.ATTR_TOKENS_EFFECTIVE)
-                pad = sattrs.get(sc.ATTR_TOKENS_PADDED)
-                if isinstance(eff, int) and isinstance(pad, int) and pad > 0:
-                    # One count per batch: batch id within the service instance, or the
-                    # span itself when the batch carries no id.
-                    key = (res[0], res[2], "b", batch_id) if batch_id is not None else ident
-                    if key not in seen:
-                        seen[key] = now
-                        batches.append((key, eff, pad))
-            if stage in sc.COMPUTE_STAGES:
-                gpu = sattrs.get(sc.ATTR_GPU_ID)
-                if gpu:
-                    key = (res[0], res[2], "c", stage, batch_id) if batch_id is not None else ident
-                    if key not in seen:
-                        seen[key] = now
-                        compute.append((res[1], str(gpu), s * 1e-9, e * 1e-9))
-        stage_time, exclusive, unattributed = partition(start, end, intervals)
-        return FinalRequest(
-            service,
-            model if isinstance(model, str) else "",
-            weight,
-            (end - start) * 1e-9,
-            stage_time,
-            exclusive,
-            unattributed,
-            tuple(batches),
-            tuple(compute),
-        )
 
-
-__all__ = ["Assembler", "FinalRequest", "trace_state_weight"]
+__all__ = ["Assembler", "Finalised", "trace_state_weight"]

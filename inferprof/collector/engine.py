@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from inferprof import semconv as sc
-from inferprof.collector.assembly import Assembler, FinalRequest
+from inferprof.collector.assembly import Assembler, Finalised
 from inferprof.collector.attribution import (
     COL_BITS,
     COL_E2E,
@@ -40,6 +40,7 @@ from inferprof.collector.attribution import (
     COL_TRACED,
     COL_WEIGHT,
     MAX_STAGE_COLUMNS,
+    partition,
     tail_codes,
     tail_shares,
 )
@@ -86,6 +87,9 @@ _E2E = 0
 _UNATTRIBUTED = 1
 #: Compute windows kept per (slice, series) for the GPU join.
 _MAX_COMPUTE_WINDOWS = 5_000
+#: Temporary stage ids of stage names beyond MAX_STAGE_COLUMNS (dropped when folding).
+_NO_COLUMN = 1 << 20
+_NS = 1e-9
 
 
 class Overloaded(Exception):
@@ -282,61 +286,182 @@ class Engine:
             self._stage_index[stage] = idx
         return idx
 
-    def _fold(self, finals: list[FinalRequest], now: float) -> None:
-        if not finals:
+    def _stage_ids(self, stages: list[str]) -> tuple[list[int], dict[int, str]]:
+        """Column index of each stage name (new names get one in order of appearance).
+
+        Names beyond ``MAX_STAGE_COLUMNS`` get a temporary id >= ``_NO_COLUMN``, distinct
+        per name, so that their time still counts as covered and the drop is counted once
+        per (request, stage) like every other per-stage figure. Also returns the id ->
+        name map of those temporary ids.
+        """
+        index = self._stage_index
+        ids = [index.get(name) for name in stages]
+        spare: dict[int, str] = {}
+        if None in ids:
+            local: dict[str, int] = {}
+            for j, idx in enumerate(ids):
+                if idx is None:
+                    name = stages[j]
+                    idx = local.get(name)
+                    if idx is None:
+                        idx = self._stage_id(name)
+                        if idx is None:
+                            idx = _NO_COLUMN + len(spare)
+                            spare[idx] = name
+                        local[name] = idx
+                    ids[j] = idx
+        return ids, spare
+
+    def _partition(
+        self, fin: Finalised, ids: list[int], spare: dict[int, str]
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``attribution.partition`` of every request of ``fin`` at once, with numpy.
+
+        Returns per request ``e2e`` and ``unattributed`` (seconds), and per (request,
+        stage) pair, request-major: request index, stage id, stage time and exclusive
+        time (seconds). Exclusive time equals stage time unless a request's stage spans
+        overlap; those few requests go through the exact sweep of ``partition``.
+        """
+        n = len(fin)
+        try:
+            req_start = np.array(fin.start, np.int64)
+            req_end = np.array(fin.end, np.int64)
+            span_start = np.array(fin.span_start, np.int64)
+            span_end = np.array(fin.span_end, np.int64)
+        except OverflowError:  # timestamps past 2262: exact Python integers instead
+            return self._partition_slow(fin, ids, spare)
+        span_req = np.array(fin.span_req, np.int64)
+        stage = np.array(ids, np.int64)
+        n_ids = int(stage.max()) + 1 if stage.size else 1
+        # Clip each stage span to its request; durations in integer ns (exact sums).
+        cs = np.maximum(span_start, req_start[span_req])
+        ce = np.minimum(span_end, req_end[span_req])
+        d = ce - cs
+        dn = np.maximum(d, 0)
+        # Sum per (request, stage): sort by a packed code, reduce runs.
+        code = span_req * n_ids + stage
+        order = np.argsort(code, kind="stable")
+        sorted_code = code[order]
+        if sorted_code.size:
+            first = np.flatnonzero(np.concatenate(([True], sorted_code[1:] != sorted_code[:-1])))
+            pair_code = sorted_code[first]
+            pair_ns = np.add.reduceat(dn[order], first)
+        else:
+            pair_code = pair_ns = np.empty(0, np.int64)
+        pair_req = pair_code // n_ids
+        pair_stage = pair_code % n_ids
+        covered = np.zeros(n, np.int64)
+        np.add.at(covered, pair_req, pair_ns)
+        e2e_ns = req_end - req_start
+        pair_time = pair_ns * _NS
+        pair_excl = pair_time.copy()
+        unattributed = (e2e_ns - covered) * _NS
+        # Overlap: in start order, some span starts before the previous one ends.
+        pos = np.flatnonzero(d > 0)
+        if pos.size > 1:
+            o = np.lexsort((cs[pos], span_req[pos]))
+            rr = span_req[pos][o]
+            bad = (rr[1:] == rr[:-1]) & (cs[pos][o][1:] < ce[pos][o][:-1])
+            if bad.any():
+                names = {**{i: nm for i, nm in enumerate(self._stage_names)}, **spare}
+                starts_ = fin.start
+                ends_ = fin.end
+                for i in np.unique(rr[1:][bad]).tolist():
+                    lo = int(np.searchsorted(sorted_code, i * n_ids))
+                    hi = int(np.searchsorted(sorted_code, (i + 1) * n_ids))
+                    members = np.sort(order[lo:hi]).tolist()
+                    intervals = [
+                        (fin.span_stage[j], fin.span_start[j], fin.span_end[j]) for j in members
+                    ]
+                    _, exclusive, unatt = partition(starts_[i], ends_[i], intervals)
+                    plo = int(np.searchsorted(pair_req, i))
+                    phi = int(np.searchsorted(pair_req, i + 1))
+                    for j in range(plo, phi):
+                        pair_excl[j] = exclusive[names[int(pair_stage[j])]]
+                    unattributed[i] = unatt
+        return e2e_ns * _NS, unattributed, pair_req, pair_stage, pair_time, pair_excl
+
+    def _partition_slow(
+        self, fin: Finalised, ids: list[int], spare: dict[int, str]
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        n = len(fin)
+        per_req: list[list[tuple[str, int, int]]] = [[] for _ in range(n)]
+        id_of: dict[str, int] = {}
+        for r, name, idx, s, e in zip(fin.span_req, fin.span_stage, ids, fin.span_start, fin.span_end):
+            per_req[r].append((name, s, e))
+            id_of[name] = idx
+        e2e, unatt, pr, ps, pt, pe = [], [], [], [], [], []
+        for i in range(n):
+            stage_time, exclusive, u = partition(fin.start[i], fin.end[i], per_req[i])
+            e2e.append((fin.end[i] - fin.start[i]) * _NS)
+            unatt.append(u)
+            for name in sorted(stage_time, key=id_of.__getitem__):
+                pr.append(i)
+                ps.append(id_of[name])
+                pt.append(stage_time[name])
+                pe.append(exclusive[name])
+        return (
+            np.asarray(e2e, np.float64),
+            np.asarray(unatt, np.float64),
+            np.asarray(pr, np.int64),
+            np.asarray(ps, np.int64),
+            np.asarray(pt, np.float64),
+            np.asarray(pe, np.float64),
+        )
+
+    def _fold(self, fin: Finalised, now: float) -> None:
+        n = len(fin)
+        if not n:
             return
         slice_ = self._slices.get(int(now // self.slice_s))
         if slice_ is None:
             slice_ = self._slices[int(now // self.slice_s)] = TimeSlice()
-        n = len(finals)
-        req_series = np.empty(n, np.int64)
-        req_e2e = np.empty(n)
-        req_w = np.empty(n)
-        p_req: list[int] = []
-        p_stage: list[int] = []
-        p_time: list[float] = []
-        p_excl: list[float] = []
+        # Per request: series (a dict lookup each; requests, not spans).
         overflow_key = (sc.OVERFLOW_SERIES, "")
-        stage_index = self._stage_index
-        for i, f in enumerate(finals):
-            sid = self._series_id(f.service, f.model)
-            if self._series_keys[sid] == overflow_key and (f.service, f.model) != overflow_key:
+        series_id = self._series_id
+        series_keys = self._series_keys
+        series_requests = self._series_requests
+        series: list[int] = []
+        for key in zip(fin.service, fin.model):
+            sid = series_id(*key)
+            if series_keys[sid] == overflow_key and key != overflow_key:
                 self._overflow += 1
-            req_series[i] = sid
-            req_e2e[i] = f.e2e
-            req_w[i] = f.weight
-            self._series_requests[sid] += f.weight
-            p_req.append(i)
-            p_stage.append(_UNATTRIBUTED)
-            p_time.append(f.unattributed)
-            p_excl.append(f.unattributed)
-            excl = f.exclusive
-            for stage, t in f.stage_time.items():
-                idx = stage_index.get(stage)
-                if idx is None:
-                    idx = self._stage_id(stage)
-                if idx is None:
-                    self._asm._drop(sc.DROP_TOO_MANY_STAGES)
-                    continue
-                p_req.append(i)
-                p_stage.append(idx)
-                p_time.append(t)
-                p_excl.append(excl.get(stage, 0.0))
-            for _, eff, pad in f.batches:
-                acc = slice_.padding.setdefault(sid, [0, 0, 0])
-                acc[0] += eff
-                acc[1] += pad
-                acc[2] += 1
-            if f.compute:
-                windows = slice_.compute[sid]
+            series.append(sid)
+        for sid, w in zip(series, fin.weight):
+            series_requests[sid] += w
+        for row, eff, pad in fin.batches:
+            acc = slice_.padding.setdefault(series[row], [0, 0, 0])
+            acc[0] += eff
+            acc[1] += pad
+            acc[2] += 1
+        if fin.compute:
+            by_row: dict[int, list] = {}
+            for row, window in fin.compute:
+                by_row.setdefault(row, []).append(window)
+            for row in sorted(by_row):
+                windows = slice_.compute[series[row]]
                 if len(windows) < _MAX_COMPUTE_WINDOWS:
-                    windows.extend(f.compute)
+                    windows.extend(by_row[row])
         self._finalised += n
+
+        ids, spare = self._stage_ids(fin.span_stage)
+        req_e2e, unattributed, pair_req, pair_stage, pair_time, pair_excl = self._partition(
+            fin, ids, spare
+        )
+        if spare:
+            keep = pair_stage < _NO_COLUMN
+            self._asm._drop(sc.DROP_TOO_MANY_STAGES, int(keep.size - keep.sum()))
+            pair_req, pair_stage = pair_req[keep], pair_stage[keep]
+            pair_time, pair_excl = pair_time[keep], pair_excl[keep]
+        req_series = np.asarray(series, np.int64)
+        req_w = np.asarray(fin.weight, np.float64)
+        # Per (request, stage) entries, ``unattributed`` first: request-major within
+        # each kind, so equal codes accumulate in request order.
+        pr = np.concatenate([np.arange(n), pair_req])
+        ps = np.concatenate([np.full(n, _UNATTRIBUTED, np.int64), pair_stage])
+        pt = np.concatenate([unattributed, pair_time])
+        pe = np.concatenate([unattributed, pair_excl])
         mapping = self.mapping
-        pr = np.asarray(p_req, np.int64)
-        ps = np.asarray(p_stage, np.int64)
-        pt = np.asarray(p_time)
-        pe = np.asarray(p_excl)
 
         # Quantile sketches: end-to-end (stage 0) and per stage.
         q_series = np.concatenate([req_series, req_series[pr]])
