@@ -1,23 +1,39 @@
 """Collector engine ingest rate vs the protobuf-decode and minimal-Python-pass ceilings.
 
     python3 benchmarks/collector_ingest.py [--exports 10] [--requests-per-export 1250]
+                                           [--rounds 7] [--cpu 0] [--no-memory]
 
 Builds synthetic OTLP exports (8 spans per request: the request span and seven stage
-spans with batch/model/token attributes, about 10k spans per export), serializes them,
-then measures on one core, all in the same run:
+spans, two of them with batch/token attributes; about 10k spans per export), serializes
+them, pins the process to one core and measures, all in the same run:
 
 * ``decode``       — ``ExportTraceServiceRequest.FromString`` alone;
-* ``minimal pass`` — decode + a Python loop reading each span's ids, times and
-  ``inferprof.stage`` (the ceiling of any Python-level processing);
+* ``minimal pass`` — decode + read each span's trace_id, span_id, parent_span_id,
+  start and end time and its ``inferprof.stage`` attribute, no more (the attribute scan
+  stops at that key): the ceiling of any Python-level processing of the spans;
+* ``engine reads`` — decode + every protobuf read the engine's contract needs and nothing
+  else (ids, times, kind, the values of the eight ``inferprof.*`` attributes, links of
+  stage spans): the floor of a Python engine, before it does anything with the values;
 * ``engine``       — decode + ``Engine.ingest_traces`` + finalisation (``flush``): what
   the collector does per export, sketches included.
+
+Rounds are interleaved (each path once per round) and the table gives medians over
+rounds; ratios are medians of the per-round ratios, so load from other processes on a
+shared machine biases them less than the absolute rates.
+
+Then (unless ``--no-memory``), with ``tracemalloc``: Python heap held per in-flight request
+(8 spans pending, nothing finalised) and per (service, model) series once folded.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import os
+import statistics
 import sys
 import time
+import tracemalloc
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -37,13 +53,17 @@ STAGES = [
     ("d2h", 0.0002),
     ("serialize", 0.0003),
 ]
+SPANS_PER_REQUEST = 1 + len(STAGES)
 
 
-def build(n_exports: int, per_export: int) -> list[bytes]:
+def build(n_exports: int, per_export: int, service: str = "bench", series: int = 1) -> list[bytes]:
+    """Serialized exports; requests are spread over ``series`` services."""
     out = []
     for e in range(n_exports):
-        b = TraceBuilder("bench", host="h1")
+        builders = [TraceBuilder(f"{service}-{k}" if series > 1 else service, host="h1")
+                    for k in range(series)]
         for i in range(per_export):
+            b = builders[i % series]
             t = (e * per_export + i) * 0.001
             req = b.request(t, t + 0.05, model="m")
             cursor = t
@@ -58,11 +78,14 @@ def build(n_exports: int, per_export: int) -> list[bytes]:
                     }
                 b.stage(req, stage, cursor, cursor + d, **extra)
                 cursor += d
-        out.append(b.export().SerializeToString())
+        request = ExportTraceServiceRequest()
+        for b in builders:
+            request.resource_spans.extend(b.export().resource_spans)
+        out.append(request.SerializeToString())
     return out
 
 
-def bench_decode(blobs):
+def bench_decode(blobs: list[bytes]) -> tuple[int, float]:
     n = 0
     t0 = time.perf_counter()
     for blob in blobs:
@@ -71,7 +94,7 @@ def bench_decode(blobs):
     return n, time.perf_counter() - t0
 
 
-def bench_minimal(blobs):
+def bench_minimal(blobs: list[bytes]) -> tuple[int, float]:
     n = 0
     key = sc.ATTR_STAGE
     t0 = time.perf_counter()
@@ -79,7 +102,9 @@ def bench_minimal(blobs):
         req = ExportTraceServiceRequest.FromString(blob)
         for rs in req.resource_spans:
             for ss in rs.scope_spans:
-                for span in ss.spans:
+                spans = ss.spans
+                n += len(spans)
+                for span in spans:
                     _ = (
                         span.trace_id,
                         span.span_id,
@@ -90,11 +115,56 @@ def bench_minimal(blobs):
                     for kv in span.attributes:
                         if kv.key == key:
                             _ = kv.value.string_value
-                    n += 1
+                            break  # keys are unique (OTLP): nothing more to read
     return n, time.perf_counter() - t0
 
 
-def bench_engine(blobs):
+_ENGINE_KEYS = frozenset(
+    {
+        sc.ATTR_REQUEST,
+        sc.ATTR_SAMPLE_WEIGHT,
+        sc.ATTR_MODEL_NAME,
+        sc.ATTR_BATCH_ID,
+        sc.ATTR_TOKENS_EFFECTIVE,
+        sc.ATTR_TOKENS_PADDED,
+        sc.ATTR_GPU_ID,
+    }
+)
+
+
+def bench_engine_reads(blobs: list[bytes]) -> tuple[int, float]:
+    n = 0
+    key = sc.ATTR_STAGE
+    wanted = _ENGINE_KEYS
+    t0 = time.perf_counter()
+    for blob in blobs:
+        req = ExportTraceServiceRequest.FromString(blob)
+        for rs in req.resource_spans:
+            for ss in rs.scope_spans:
+                spans = ss.spans
+                n += len(spans)
+                for span in spans:
+                    _ = (
+                        span.trace_id,
+                        span.span_id,
+                        span.parent_span_id,
+                        span.start_time_unix_nano,
+                        span.end_time_unix_nano,
+                        span.kind,
+                    )
+                    stage = None
+                    for kv in span.attributes:
+                        k = kv.key
+                        if k == key:
+                            stage = kv.value.string_value
+                        elif k in wanted:
+                            _ = kv.value.string_value  # one typed read, as the engine
+                    if stage is not None:
+                        _ = span.links
+    return n, time.perf_counter() - t0
+
+
+def bench_engine(blobs: list[bytes]) -> tuple[int, float]:
     engine = Engine(settle_s=0.0, max_pending_spans=10_000_000)
     t0 = time.perf_counter()
     for blob in blobs:
@@ -103,36 +173,97 @@ def bench_engine(blobs):
     engine.flush()
     elapsed = time.perf_counter() - t0
     stats = engine.stats
-    assert stats.requests_finalised == len(blobs) * (stats.spans_accepted // len(blobs) // 8), stats
+    assert stats.requests_finalised * SPANS_PER_REQUEST == stats.spans_accepted, stats
     return stats.spans_accepted, elapsed
+
+
+PATHS = (
+    ("decode", bench_decode),
+    ("minimal pass", bench_minimal),
+    ("engine reads", bench_engine_reads),
+    ("engine", bench_engine),
+)
+
+
+def memory(per_export: int) -> list[tuple[str, float]]:
+    """Python heap (tracemalloc) per in-flight request and per folded series."""
+    out = []
+    # In flight: nothing is due (settle far away), so every span stays pending.
+    blobs = build(2, per_export)
+    requests = [ExportTraceServiceRequest.FromString(b) for b in blobs]
+    engine = Engine(settle_s=3600.0, trace_timeout_s=7200.0, max_pending_spans=10_000_000)
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    for req in requests:
+        engine.ingest_traces(req)
+    gc.collect()
+    held = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    n_req = engine.stats.pending_spans // SPANS_PER_REQUEST
+    out.append((f"per in-flight request ({SPANS_PER_REQUEST} spans pending)", held / n_req))
+    del engine
+
+    # Per series: 200 (service, model) series, 50 requests each, folded and flushed.
+    n_series, per_series = 200, 50
+    blobs = build(1, n_series * per_series, series=n_series)
+    requests = [ExportTraceServiceRequest.FromString(b) for b in blobs]
+    engine = Engine(settle_s=0.0)
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    for req in requests:
+        engine.ingest_traces(req)
+    engine.flush()
+    engine.breakdown("bench-0")  # compacts the slice's chunks, as the first read does
+    gc.collect()
+    held = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    assert engine.stats.series == n_series, engine.stats
+    out.append(
+        (f"per series ({per_series} requests x {len(STAGES)} stages, one slice)", held / n_series)
+    )
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--exports", type=int, default=10)
     parser.add_argument("--requests-per-export", type=int, default=1250)
-    parser.add_argument("--repeat", type=int, default=3, help="best of N runs")
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (median)")
+    parser.add_argument("--cpu", type=int, default=None, help="core to pin to (default: first)")
+    parser.add_argument("--no-memory", action="store_true", help="skip the tracemalloc part")
     args = parser.parse_args()
+    if hasattr(os, "sched_setaffinity"):
+        cpu = min(os.sched_getaffinity(0)) if args.cpu is None else args.cpu
+        os.sched_setaffinity(0, {cpu})
     blobs = build(args.exports, args.requests_per_export)
-    rows = []
-    for name, fn in (
-        ("decode", bench_decode),
-        ("minimal pass", bench_minimal),
-        ("engine", bench_engine),
-    ):
-        best = None
-        for _ in range(args.repeat):
+    rates: dict[str, list[float]] = {name: [] for name, _ in PATHS}
+    counts: dict[str, int] = {}
+    for _ in range(args.rounds):
+        for name, fn in PATHS:
+            gc.collect()
             n, dt = fn(blobs)
-            rate = n / dt
-            best = rate if best is None else max(best, rate)
-        rows.append((name, n, best))
-    decode_rate = rows[0][2]
-    minimal_rate = rows[1][2]
-    print(f"{'path':<14}{'spans':>10}{'spans/s':>14}{'vs decode':>11}{'vs minimal':>12}")
-    for name, n, rate in rows:
+            counts[name] = n
+            rates[name].append(n / dt)
+
+    def ratio(a: str, b: str) -> float:
+        return statistics.median(x / y for x, y in zip(rates[a], rates[b]))
+
+    print(f"{args.rounds} interleaved rounds, one core, {counts['engine']:,} spans per round\n")
+    print("| path | spans/s (median) | µs/span | vs decode | vs minimal pass | vs engine reads |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, _ in PATHS:
+        rate = statistics.median(rates[name])
         print(
-            f"{name:<14}{n:>10}{rate:>14,.0f}{rate / decode_rate:>11.2f}{rate / minimal_rate:>12.2f}"
+            f"| {name} | {rate:,.0f} | {1e6 / rate:.2f} | {ratio(name, 'decode'):.3f} "
+            f"| {ratio(name, 'minimal pass'):.2f} | {ratio(name, 'engine reads'):.2f} |"
         )
+    if not args.no_memory:
+        print("\n| memory (Python heap, tracemalloc) | bytes |")
+        print("|---|---:|")
+        for label, value in memory(args.requests_per_export):
+            print(f"| {label} | {value:,.0f} |")
 
 
 if __name__ == "__main__":
