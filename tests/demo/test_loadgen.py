@@ -131,3 +131,12 @@ def test_bad_arguments_are_value_errors():
         asyncio.run(run_load("http://127.0.0.1:1", duration_s=1, rate=5, concurrency=2))
     with pytest.raises(ValueError):
         asyncio.run(run_load("http://127.0.0.1:1", duration_s=0))
+
+
+async def test_progress_bar_reports_on_stderr(capsys):
+    async with _Server() as srv:
+        result = await run_load(f"http://127.0.0.1:{srv.port}", duration_s=1.2, concurrency=2,
+                                progress=True)
+    err = capsys.readouterr().err
+    assert result.completed > 0
+    assert " ok, 0 errors" in err
