@@ -67,9 +67,12 @@ def demo(duration: float, concurrency: int | None, rate: float | None, burst: in
         raise click.UsageError("choose --concurrency (closed loop) or --rate (open loop), not both")
     if rate is None and concurrency is None:
         concurrency = DEFAULT_CONCURRENCY
-    result = run_demo(duration_s=duration, concurrency=concurrency, rate=rate, burst=burst,
-                      mode=mode, model_size=model_size, max_batch_size=max_batch_size,
-                      max_delay_ms=max_delay_ms, quiet=as_json)
+    try:
+        result = run_demo(duration_s=duration, concurrency=concurrency, rate=rate, burst=burst,
+                          mode=mode, model_size=model_size, max_batch_size=max_batch_size,
+                          max_delay_ms=max_delay_ms, quiet=as_json)
+    except (RuntimeError, OSError) as exc:  # a child failed to start, a port was refused...
+        raise click.ClickException(str(exc)) from exc
     if as_json:
         click.echo(json.dumps(result, indent=2))
     else:

@@ -105,8 +105,9 @@ class ServiceProcess:
             while time.monotonic() < deadline:
                 if sel.select(timeout=0.2):
                     line = self._proc.stdout.readline()
-                    if line:
-                        return int(json.loads(line)["port"])
+                    port = _announced_port(line)
+                    if port is not None:
+                        return port
                 if self._proc.poll() is not None:
                     break
         raise RuntimeError(f"demo service did not start:\n{self.stderr_text()}")
@@ -158,6 +159,14 @@ class ServiceProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _announced_port(line: bytes) -> int | None:
+    """The port from serve.py's ``{"port": N}`` line; None for anything else on stdout."""
+    try:
+        return int(json.loads(line)["port"])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def run_loadgen(url: str, *, duration_s: float, concurrency: int | None = None,

@@ -34,3 +34,4 @@ def test_bad_env_values_are_logged_and_defaulted(caplog):
 def test_bad_arguments_are_value_errors(kwargs):
     with pytest.raises(ValueError):
         DemoSettings(**kwargs)
+
