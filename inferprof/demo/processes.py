@@ -84,7 +84,7 @@ class ServiceProcess:
         return self.base_url + CLASSIFY_PATH
 
     def start(self) -> ServiceProcess:
-        self._stderr = tempfile.TemporaryFile()
+        self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed by close()
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "inferprof.demo.serve", "--port", "0"],
             stdout=subprocess.PIPE, stderr=self._stderr, env=self._env,
@@ -154,7 +154,7 @@ class ServiceProcess:
             self._stderr.close()
             self._stderr = None
 
-    def __enter__(self) -> ServiceProcess:
+    def __enter__(self) -> ServiceProcess:  # noqa: PYI034
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -164,7 +164,7 @@ class _Telemetry:
                 inferprof.shutdown()
             elif self._provider is not None:
                 self._provider.shutdown()
-        except Exception:  # telemetry never stops a clean shutdown
+        except Exception:  # noqa: BLE001 - telemetry never stops a clean shutdown
             _log.exception("telemetry shutdown failed")
 
 
