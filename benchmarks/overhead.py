@@ -1,6 +1,7 @@
 """What inferprof costs a saturated model server: one command, one table.
 
-    python3 benchmarks/overhead.py [--duration 8] [--reps 3] [--concurrency 32] [--out docs/overhead.md]
+    python3 benchmarks/overhead.py [--duration 8] [--reps 5] [--concurrency 32]
+                                   [--out docs/overhead.md]
 
 The demo service (FastAPI + dynamic batcher + real tokenizer + numpy model, see
 docs/demo.md) runs under uvicorn on 127.0.0.1, one process per configuration:
@@ -90,7 +91,7 @@ class NullSink:
         port = self._server.add_insecure_port("127.0.0.1:0")
         self.endpoint = f"http://127.0.0.1:{port}"
 
-    def __enter__(self) -> NullSink:
+    def __enter__(self) -> NullSink:  # noqa: PYI034
         self._server.start()
         return self
 
@@ -205,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=8.0, help="seconds per measurement")
     parser.add_argument("--reps", type=int, default=3, help="interleaved repetitions")
     parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--warmup", type=float, default=2.0, help="seconds of load before measuring")
+    parser.add_argument("--warmup", type=float, default=2.0,
+                        help="seconds of load before measuring")
     parser.add_argument("--model-size", default="small")
     parser.add_argument("--max-batch-size", type=int, default=16)
     parser.add_argument("--no-endpoint-down", action="store_true",
@@ -221,9 +223,11 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(args.reps):
             for c in cfgs:
                 endpoint = {"sink": sink.endpoint, "down": down}.get(c.exporter)
-                settings = DemoSettings(instrumentation=c.instrumentation, model_size=args.model_size,
-                                        max_batch_size=args.max_batch_size, endpoint=endpoint,
-                                        service_name=f"overhead-{c.instrumentation}")
+                settings = DemoSettings(
+                    instrumentation=c.instrumentation, model_size=args.model_size,
+                    max_batch_size=args.max_batch_size, endpoint=endpoint,
+                    service_name=f"overhead-{c.instrumentation}",
+                )
                 # Nothing but the endpoint we chose: no OTLP env from the caller's shell.
                 extra = {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint or down}
                 with ServiceProcess(settings, extra_env=extra) as service:

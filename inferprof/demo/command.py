@@ -79,7 +79,8 @@ def demo(duration: float, concurrency: int | None, rate: float | None, burst: in
         click.echo(render(result))
 
 
-def run_demo(*, duration_s: float = DEFAULT_DURATION_S, concurrency: int | None = DEFAULT_CONCURRENCY,
+def run_demo(*, duration_s: float = DEFAULT_DURATION_S,
+             concurrency: int | None = DEFAULT_CONCURRENCY,
              rate: float | None = None, burst: int = 1, mode: str = semconv.MODE_FULL,
              model_size: str = "small", max_batch_size: int = 16, max_delay_ms: float = 5.0,
              quiet: bool = True) -> dict[str, Any]:
@@ -101,7 +102,8 @@ def run_demo(*, duration_s: float = DEFAULT_DURATION_S, concurrency: int | None 
             max_delay_ms=max_delay_ms, service_name=SERVICE_NAME,
             endpoint=collector.otlp_grpc_endpoint,
         )
-        _echo(f"collector: OTLP/gRPC {collector.otlp_grpc_endpoint}, API {collector.api_url}", quiet)
+        _echo(f"collector: OTLP/gRPC {collector.otlp_grpc_endpoint}, API {collector.api_url}",
+              quiet)
         t0 = time.monotonic()
         service = ServiceProcess(settings).start()
         try:

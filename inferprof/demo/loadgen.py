@@ -69,7 +69,8 @@ def parse_mix(spec: str) -> dict[str, float]:
 
 
 def _check_mix(mix: dict[str, float]) -> None:
-    if not mix or any(w < 0 or not math.isfinite(w) for w in mix.values()) or sum(mix.values()) <= 0:
+    weights = list(mix.values())
+    if not mix or any(w < 0 or not math.isfinite(w) for w in weights) or sum(weights) <= 0:
         raise ValueError(f"mix weights must be finite, >= 0 and not all 0; got {mix!r}")
     unknown = set(mix) - set(PROMPT_CLASSES)
     if unknown:
@@ -151,7 +152,8 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"latency p50 {ms(lat['p50'])}, p95 {ms(lat['p95'])}, p99 {ms(lat['p99'])}, "
             f"max {ms(lat['max'])}")
     if summary.get("error_kinds"):
-        line += "\n        errors: " + ", ".join(f"{k} x{n}" for k, n in summary["error_kinds"].items())
+        kinds = summary["error_kinds"].items()
+        line += "\n        errors: " + ", ".join(f"{k} x{n}" for k, n in kinds)
     return line
 
 
@@ -336,7 +338,8 @@ async def _open_loop(host: str, port: int, payloads: list[bytes], rate: float, b
             await asyncio.sleep(delay)
         for _ in range(burst):
             i += 1
-            task = asyncio.get_running_loop().create_task(send(payloads[i % len(payloads)], next_at))
+            payload = payloads[i % len(payloads)]
+            task = asyncio.get_running_loop().create_task(send(payload, next_at))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
         next_at += rng.expovariate(rate / burst)
@@ -378,7 +381,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("url", help="http://host:port[/path] (path defaults to /v1/classify)")
     parser.add_argument("--duration", type=float, default=DEFAULT_DURATION_S, help="seconds")
     group = parser.add_mutually_exclusive_group()
-    group.add_argument("--concurrency", type=int, help=f"closed loop (default {DEFAULT_CONCURRENCY})")
+    group.add_argument("--concurrency", type=int,
+                       help=f"closed loop (default {DEFAULT_CONCURRENCY})")
     group.add_argument("--rate", type=float, help="open loop, requests per second")
     parser.add_argument("--burst", type=int, default=1, help="open loop: requests per arrival")
     parser.add_argument("--mix", type=parse_mix, default=None,

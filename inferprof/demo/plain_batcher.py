@@ -60,7 +60,8 @@ class PlainBatcher:
                 continue
             try:
                 results = await loop.run_in_executor(self._pool, self._call, [i for i, _ in live])
-            except Exception as exc:  # noqa: BLE001 - one failed batch fails its members, not the server
+            except Exception as exc:  # noqa: BLE001
+                # One failed batch fails its members, not the server.
                 for _, fut in live:
                     if not fut.done():
                         fut.set_exception(exc)

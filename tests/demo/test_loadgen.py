@@ -69,7 +69,8 @@ class _Server:
                 self.requests.append(body)
                 if self.delay:
                     await asyncio.sleep(self.delay)
-                status = 500 if self.fail_every and len(self.requests) % self.fail_every == 0 else 200
+                failing = self.fail_every and len(self.requests) % self.fail_every == 0
+                status = 500 if failing else 200
                 payload = b'{"ok": true}'
                 if self.chunked:
                     writer.write(b"HTTP/1.1 %d X\r\nTransfer-Encoding: chunked\r\n\r\n" % status

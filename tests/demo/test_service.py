@@ -41,7 +41,9 @@ async def test_concurrent_requests_get_their_own_answers(client):
         assert r.json()["tokens"] == alone[i % 5]["tokens"]
 
 
-@pytest.mark.parametrize("body", [{"text": ""}, {}, {"text": 3}, {"text": "x" * (MAX_TEXT_CHARS + 1)}])
+@pytest.mark.parametrize(
+    "body", [{"text": ""}, {}, {"text": 3}, {"text": "x" * (MAX_TEXT_CHARS + 1)}]
+)
 async def test_bad_bodies_are_422(client, body):
     assert (await client.post(CLASSIFY_PATH, json=body)).status_code == 422
 

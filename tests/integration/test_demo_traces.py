@@ -41,7 +41,9 @@ async def _drive(url: str, prompts: list[str]) -> list[int]:
         return await asyncio.gather(*(one(p) for p in prompts))
 
 
-@pytest.mark.parametrize("encoding", [semconv.BATCH_ENCODING_CHILDREN, semconv.BATCH_ENCODING_LINKS])
+@pytest.mark.parametrize(
+    "encoding", [semconv.BATCH_ENCODING_CHILDREN, semconv.BATCH_ENCODING_LINKS]
+)
 def test_every_request_trace_has_every_stage_inside_its_request_span(otlp_sink, encoding):
     settings = DemoSettings(instrumentation=semconv.MODE_FULL, model_size="tiny", max_batch_size=8,
                             max_delay_ms=5, endpoint=otlp_sink.endpoint,
