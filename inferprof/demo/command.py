@@ -59,9 +59,13 @@ def _echo(message: str, quiet: bool) -> None:
               default="small", show_default=True, help="Size of the demo model.")
 @click.option("--max-batch-size", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--max-delay-ms", type=click.FloatRange(min=0), default=5.0, show_default=True)
+@click.option("--forward", "forward", multiple=True, metavar="URL",
+              help="Also re-export every span to this OTLP endpoint, e.g. Jaeger's "
+                   "otlp-grpc://127.0.0.1:4317 (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document instead of tables.")
 def demo(duration: float, concurrency: int | None, rate: float | None, burst: int, mode: str,
-         model_size: str, max_batch_size: int, max_delay_ms: float, as_json: bool) -> None:
+         model_size: str, max_batch_size: int, max_delay_ms: float, forward: tuple[str, ...],
+         as_json: bool) -> None:
     """Run the demo service under load and print where its requests' time goes."""
     if concurrency is not None and rate is not None:
         raise click.UsageError("choose --concurrency (closed loop) or --rate (open loop), not both")
@@ -70,7 +74,9 @@ def demo(duration: float, concurrency: int | None, rate: float | None, burst: in
     try:
         result = run_demo(duration_s=duration, concurrency=concurrency, rate=rate, burst=burst,
                           mode=mode, model_size=model_size, max_batch_size=max_batch_size,
-                          max_delay_ms=max_delay_ms, quiet=as_json)
+                          max_delay_ms=max_delay_ms, forward=forward, quiet=as_json)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--forward") from exc
     except (RuntimeError, OSError) as exc:  # a child failed to start, a port was refused...
         raise click.ClickException(str(exc)) from exc
     if as_json:
@@ -83,7 +89,7 @@ def run_demo(*, duration_s: float = DEFAULT_DURATION_S,
              concurrency: int | None = DEFAULT_CONCURRENCY,
              rate: float | None = None, burst: int = 1, mode: str = semconv.MODE_FULL,
              model_size: str = "small", max_batch_size: int = 16, max_delay_ms: float = 5.0,
-             quiet: bool = True) -> dict[str, Any]:
+             forward: tuple[str, ...] = (), quiet: bool = True) -> dict[str, Any]:
     """Run the demo end to end; return ``{"settings", "client", "breakdown"}``.
 
     ``breakdown`` is the collector's contract §5 document (None for modes that emit no
@@ -95,15 +101,18 @@ def run_demo(*, duration_s: float = DEFAULT_DURATION_S,
 
     # Only inferprof's own modes emit stage spans; the collector folds traces that have them.
     traced = mode in (semconv.MODE_FULL, semconv.MODE_PRODUCTION)
-    collector = CollectorApp(CollectorSettings(grpc_port=0, http_port=0, api_port=0)).start()
+    # ValueError for a bad forward URL, before anything starts.
+    collector_settings = CollectorSettings(grpc_port=0, http_port=0, api_port=0,
+                                           forward=tuple(forward))
+    collector = CollectorApp(collector_settings).start()
     try:
         settings = DemoSettings(
             instrumentation=mode, model_size=model_size, max_batch_size=max_batch_size,
             max_delay_ms=max_delay_ms, service_name=SERVICE_NAME,
             endpoint=collector.otlp_grpc_endpoint,
         )
-        _echo(f"collector: OTLP/gRPC {collector.otlp_grpc_endpoint}, API {collector.api_url}",
-              quiet)
+        _echo(f"collector: OTLP/gRPC {collector.otlp_grpc_endpoint}, API {collector.api_url}"
+              + (f", forwarding to {', '.join(forward)}" if forward else ""), quiet)
         t0 = time.monotonic()
         service = ServiceProcess(settings).start()
         try:

@@ -52,3 +52,26 @@ def test_demo_rejects_both_loops():
     result = CliRunner().invoke(main, ["demo", "--concurrency", "2", "--rate", "5"])
     assert result.exit_code != 0
     assert "not both" in result.output
+
+
+def test_demo_forwards_every_span_to_another_otlp_backend(otlp_sink):
+    # What a user does to see the demo's traces in Jaeger: --forward otlp-grpc://jaeger:4317.
+    result = CliRunner().invoke(main, ["demo", "--duration", "1", "--concurrency", "4",
+                                       "--model-size", "tiny", "--json",
+                                       "--forward", f"otlp-grpc://127.0.0.1:{otlp_sink.port}"],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    requests = json.loads(result.stdout[result.stdout.index("{"):])["client"]["requests"]
+
+    def stage_spans(sink):
+        return [s for _, s in sink.spans()
+                if any(kv.key == semconv.ATTR_STAGE for kv in s.attributes)]
+
+    # Everything the collector received was forwarded: every stage of every request.
+    assert otlp_sink.wait_for(lambda s: len(stage_spans(s)) >= 9 * requests, timeout=15)
+
+
+def test_demo_rejects_a_bad_forward_url():
+    result = CliRunner().invoke(main, ["demo", "--forward", "bogus"])
+    assert result.exit_code != 0
+    assert "forward" in result.output
