@@ -26,6 +26,7 @@ metric scrapes on an instrumented server) is not an inference request and is ign
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Callable
 from typing import Any
 
@@ -110,13 +111,16 @@ class Finalised:
     """Requests finalised by one ``Assembler.advance`` call, column by column.
 
     Columns rather than one object per request: the engine folds them with numpy, and a
-    per-request record with per-request dicts cost more than the folding itself.
+    per-request record with per-request dicts cost more than the folding itself. Numeric
+    columns are ``array.array`` (numpy reads them without a copy; times are unsigned
+    64-bit like OTLP's).
+
     Per request ``i``: ``service[i]``, ``model[i]``, ``weight[i]``, ``start[i]`` and
     ``end[i]`` (ns). Per stage span attributed to a request (a linked batch span once
-    per member): ``span_req`` (request index), ``span_stage``, ``span_start``,
-    ``span_end`` (ns). ``batches``: (request index, effective, padded) of batches seen
-    first here; ``compute``: (request index, (host, gpu id, start s, end s)) of
-    compute-stage spans, deduplicated per batch.
+    per member): ``span_req`` (request index), ``span_stage`` (``Assembler.stage_names``
+    index), ``span_start``, ``span_end`` (ns). ``batches``: (request index, effective,
+    padded) of batches seen first here; ``compute``: (request index, (host, gpu id,
+    start s, end s)) of compute-stage spans, deduplicated per batch.
     """
 
     __slots__ = (
@@ -136,35 +140,28 @@ class Finalised:
     def __init__(self) -> None:
         self.service: list[str] = []
         self.model: list[Any] = []
-        self.weight: list[float] = []
-        self.start: list[int] = []
-        self.end: list[int] = []
-        self.span_req: list[int] = []
-        self.span_stage: list[str] = []
-        self.span_start: list[int] = []
-        self.span_end: list[int] = []
+        self.weight = array("d")
+        self.start = array("Q")
+        self.end = array("Q")
+        self.span_req = array("q")
+        self.span_stage = array("q")
+        self.span_start = array("Q")
+        self.span_end = array("Q")
         self.batches: list[tuple[int, int, int]] = []
         self.compute: list[tuple[int, tuple[str, str, float, float]]] = []
 
     def __len__(self) -> int:
         return len(self.start)
 
-    def intervals(self, i: int) -> list[tuple[str, int, int]]:
-        """(stage, start, end) of request ``i``'s stage spans, in attribution order."""
-        return [
-            (st, s, e)
-            for r, st, s, e in zip(self.span_req, self.span_stage, self.span_start, self.span_end)
-            if r == i
-        ]
-
 
 class _Trace:
     __slots__ = ("candidates", "created", "due", "has_stage", "spans")
 
     def __init__(self, created: float) -> None:
-        # span id -> (parent id, start, end, stage, resource, extra, is_candidate, flags,
-        # trace state). ``extra``: the wanted attributes other than the stage, or None
-        # (most stage spans carry nothing else: no dict for them).
+        # span id -> (parent id, start, end, stage index, resource, extra, is_candidate,
+        # flags, trace state). ``stage index``: into Assembler.stage_names, None for a
+        # span that is no stage span. ``extra``: the wanted attributes other than the
+        # stage, or None (most stage spans carry nothing else: no dict for them).
         self.spans: dict[bytes, tuple] = {}
         self.candidates: list[bytes] = []
         self.due: float | None = None
@@ -197,7 +194,10 @@ class Assembler:
         self.seen_batches: dict[Any, float] = {}
         self.pending = 0
         self.next_check = math.inf
-        self.valid_stages: set[str] = set()
+        # Valid stage names seen, numbered in order of appearance: records and
+        # finalised columns carry the number, so the engine maps names once, not per span.
+        self.stage_index: dict[str, int] = {}
+        self.stage_names: list[str] = []
         self.dropped: dict[str, int] = {}
         self.received = 0
         self.accepted = 0
@@ -215,7 +215,7 @@ class Assembler:
         now = self.clock()
         traces = self.traces
         links = self.links
-        valid_stages = self.valid_stages
+        stage_index = self.stage_index
         wanted = _WANTED
         string_keys = _STRING_KEYS
         int_keys = _INT_KEYS
@@ -304,19 +304,23 @@ class Assembler:
                                 extra = {k: value}
                             else:
                                 extra[k] = value
-                    if stage is not None and stage not in valid_stages:
-                        if (
-                            isinstance(stage, str)
-                            and sc.STAGE_NAME_PATTERN.match(stage)
-                            and stage != sc.STAGE_UNATTRIBUTED
-                        ):
-                            valid_stages.add(stage)
-                        else:
-                            reject(
-                                sc.DROP_INVALID_STAGE,
-                                f"span {sid.hex()}: invalid stage value {stage!r}",
-                            )
-                            continue
+                    if stage is not None:
+                        name = stage
+                        stage = stage_index.get(name)
+                        if stage is None:
+                            if (
+                                isinstance(name, str)
+                                and sc.STAGE_NAME_PATTERN.match(name)
+                                and name != sc.STAGE_UNATTRIBUTED
+                            ):
+                                stage = stage_index[name] = len(self.stage_names)
+                                self.stage_names.append(name)
+                            else:
+                                reject(
+                                    sc.DROP_INVALID_STAGE,
+                                    f"span {sid.hex()}: invalid stage value {name!r}",
+                                )
+                                continue
                     span_links = span.links if stage is not None else None
                     if span_links:
                         # Batch encoding (b): attributed through its links only.
@@ -498,18 +502,16 @@ class Assembler:
         rows: dict[bytes, int] = {}
         first_row = len(out.start)
         owner_of: dict[bytes, bytes | None] = {}
-        span_req = out.span_req
-        span_stage = out.span_stage
-        span_start = out.span_start
-        span_end = out.span_end
+        add_req = out.span_req.append
+        add_stage = out.span_stage.append
+        add_start = out.span_start.append
+        add_end = out.span_end.append
         ignored = 0
-        for sid, rec in spans.items():
-            stage = rec[3]
+        for sid, (parent, s, e, stage, res, extra, _, _, _) in spans.items():
             if stage is None:
                 if sid not in requests:
                     ignored += 1
                 continue
-            parent = rec[0]
             # Common case first: the stage span is a direct child of its request.
             owner = parent if parent in requests else self._owner(sid, spans, requests, owner_of)
             if owner is None:
@@ -518,15 +520,16 @@ class Assembler:
             row = rows.get(owner)
             if row is None:
                 row = rows[owner] = self._open_row(spans[owner], out)
-            span_req.append(row)
-            span_stage.append(stage)
-            span_start.append(rec[1])
-            span_end.append(rec[2])
-            if rec[5] is not None:
-                self._stage_attrs(out, row, stage, rec[1], rec[2], rec[4], rec[5], (tid, sid), now)
+            add_req(row)
+            add_stage(stage)
+            add_start(s)
+            add_end(e)
+            if extra is not None:
+                self._stage_attrs(out, row, stage, s, e, res, extra, (tid, sid), now)
         self.ignored += ignored
+        links = self.links
         for rid in requests:
-            linked = self.links.pop((tid, rid), None)
+            linked = links.pop((tid, rid), None) if links else None
             if linked is not None:
                 self.link_created.pop((tid, rid), None)
                 self._release_linked(linked)
@@ -534,10 +537,10 @@ class Assembler:
                 if row is None:
                     row = rows[rid] = self._open_row(spans[rid], out)
                 for stage, s, e, res, extra, ident in linked:
-                    span_req.append(row)
-                    span_stage.append(stage)
-                    span_start.append(s)
-                    span_end.append(e)
+                    add_req(row)
+                    add_stage(stage)
+                    add_start(s)
+                    add_end(e)
                     if extra is not None:
                         self._stage_attrs(out, row, stage, s, e, res, extra, ident, now)
             if rid not in rows:
@@ -569,7 +572,7 @@ class Assembler:
             ):
                 weight = float(w)
         if weight is None:
-            weight = trace_state_weight(trace_state) or 1.0
+            weight = (trace_state and trace_state_weight(trace_state)) or 1.0
         row = len(out.start)
         out.service.append(resource[0])
         out.model.append(model)
@@ -582,7 +585,7 @@ class Assembler:
         self,
         out: Finalised,
         row: int,
-        stage: str,
+        stage_id: int,
         s: int,
         e: int,
         res: tuple,
@@ -591,6 +594,7 @@ class Assembler:
         now: float,
     ) -> None:
         """Model fallback, padding and compute windows from a stage span's attributes."""
+        stage = self.stage_names[stage_id]
         if out.model[row] is None:
             out.model[row] = extra.get(sc.ATTR_MODEL_NAME)
         batch_id = extra.get(sc.ATTR_BATCH_ID)
