@@ -37,6 +37,8 @@ _ZERO_TRACE = bytes(16)
 _ZERO_SPAN = bytes(8)
 _KIND_SERVER = 2
 _KIND_CONSUMER = 5
+#: Span kinds that make a request-span candidate (besides ``inferprof.request=true``).
+_CANDIDATE_KINDS = frozenset({_KIND_SERVER, _KIND_CONSUMER})
 _FLAG_HAS_IS_REMOTE = 0x100
 _FLAG_IS_REMOTE = 0x200
 _DEFAULT_SERVICE = "unknown_service"
@@ -66,6 +68,15 @@ _PADDING_STAGES = frozenset({sc.STAGE_BATCH_ASSEMBLY, sc.STAGE_COMPUTE})
 def _any_value(v: Any) -> Any:
     kind = v.WhichOneof("value")
     return getattr(v, kind) if kind else None
+
+
+#: Stage attribute present with no value (AnyValue unset).
+_EMPTY = object()
+
+
+def _stage_value(v: Any) -> Any:
+    kind = v.WhichOneof("value")
+    return getattr(v, kind) if kind else _EMPTY
 
 
 def _pop_older(d: dict, horizon: float) -> list:
@@ -155,7 +166,7 @@ class Finalised:
 
 
 class _Trace:
-    __slots__ = ("candidates", "created", "due", "has_stage", "spans")
+    __slots__ = ("candidates", "created", "due", "spans")
 
     def __init__(self, created: float) -> None:
         # span id -> (parent id, start, end, stage index, resource, extra, is_candidate,
@@ -166,7 +177,10 @@ class _Trace:
         self.candidates: list[bytes] = []
         self.due: float | None = None
         self.created = created
-        self.has_stage = False
+
+    def has_stage(self) -> bool:
+        # Asked only of expired traces: cheaper than a flag set per span on ingest.
+        return any(rec[3] is not None for rec in self.spans.values())
 
 
 class Assembler:
@@ -227,7 +241,8 @@ class Assembler:
         # Earliest time a trace of this export can become due or expire (see advance).
         next_check = self.next_check
         expiry = now + self.trace_timeout_s
-        accepted = rejected = 0
+        candidate_kinds = _CANDIDATE_KINDS
+        seen = rejected = 0
         errors: list[str] = []
 
         def reject(reason: str, why: str) -> None:
@@ -251,7 +266,10 @@ class Assembler:
                     instance = kv.value.string_value
             resource = (service, host, instance)
             for ss in rs.scope_spans:
-                for span in ss.spans:
+                spans = ss.spans
+                # Every span is accepted unless rejected (and counted) below.
+                seen += len(spans)
+                for span in spans:
                     tid = span.trace_id
                     sid = span.span_id
                     # A trace already open has a valid id: only a new one is checked.
@@ -268,14 +286,16 @@ class Assembler:
                         continue
                     start = span.start_time_unix_nano
                     end = span.end_time_unix_nano
-                    if end < start:
-                        reject(
-                            sc.DROP_NEGATIVE_DURATION,
-                            f"span {sid.hex()}: end time before start time",
-                        )
-                        continue
-                    if end - start > _DAY_NS:
-                        reject(sc.DROP_ABSURD_DURATION, f"span {sid.hex()}: duration over one day")
+                    if not 0 <= end - start <= _DAY_NS:
+                        if end < start:
+                            reject(
+                                sc.DROP_NEGATIVE_DURATION,
+                                f"span {sid.hex()}: end time before start time",
+                            )
+                        else:
+                            reject(
+                                sc.DROP_ABSURD_DURATION, f"span {sid.hex()}: duration over one day"
+                            )
                         continue
                     stage = None
                     extra = None
@@ -284,14 +304,8 @@ class Assembler:
                         if k == attr_stage:
                             v = kv.value
                             # Typed read first (the contract's type); the generic decode
-                            # only when the sender used another type.
-                            stage = v.string_value or _any_value(v)
-                            if stage is None:
-                                # Present but empty still makes the span "carry an
-                                # inferprof attribute" (see _finalise_request).
-                                if extra is None:
-                                    extra = {}
-                                extra[k] = None
+                            # only when the sender used another type (_EMPTY: no value).
+                            stage = v.string_value or _stage_value(v)
                         elif k in wanted:
                             v = kv.value
                             if k in string_keys:
@@ -305,66 +319,76 @@ class Assembler:
                             else:
                                 extra[k] = value
                     if stage is not None:
-                        name = stage
-                        stage = stage_index.get(name)
-                        if stage is None:
-                            if (
-                                isinstance(name, str)
-                                and sc.STAGE_NAME_PATTERN.match(name)
-                                and name != sc.STAGE_UNATTRIBUTED
+                        # Stage name -> its number; a name not seen before is checked.
+                        try:
+                            sidx = stage_index.get(stage)
+                        except TypeError:  # an array or map value: no stage name
+                            sidx = None
+                        if sidx is None:
+                            if stage is _EMPTY:
+                                # Present but empty: no stage span, though the span still
+                                # "carries an inferprof attribute" (see _finalise_trace).
+                                if extra is None:
+                                    extra = {}
+                                extra[attr_stage] = None
+                            elif (
+                                isinstance(stage, str)
+                                and sc.STAGE_NAME_PATTERN.match(stage)
+                                and stage != sc.STAGE_UNATTRIBUTED
                             ):
-                                stage = stage_index[name] = len(self.stage_names)
-                                self.stage_names.append(name)
+                                sidx = stage_index[stage] = len(self.stage_names)
+                                self.stage_names.append(stage)
                             else:
                                 reject(
                                     sc.DROP_INVALID_STAGE,
-                                    f"span {sid.hex()}: invalid stage value {name!r}",
+                                    f"span {sid.hex()}: invalid stage value {stage!r}",
                                 )
                                 continue
-                    span_links = span.links if stage is not None else None
-                    if span_links:
-                        # Batch encoding (b): attributed through its links only.
-                        ident = (tid, sid)
-                        if ident in link_refs:
-                            reject(
-                                sc.DROP_DUPLICATE,
-                                f"span {sid.hex()}: duplicate span id in trace {tid.hex()}",
-                            )
+                        # Links matter on stage spans only.
+                        span_links = span.links if sidx is not None else None
+                        if span_links:
+                            # Batch encoding (b): attributed through its links only.
+                            ident = (tid, sid)
+                            if ident in link_refs:
+                                reject(
+                                    sc.DROP_DUPLICATE,
+                                    f"span {sid.hex()}: duplicate span id in trace {tid.hex()}",
+                                )
+                                continue
+                            record = (sidx, start, end, resource, extra, ident)
+                            link_refs[ident] = len(span_links)
+                            for link in span_links:
+                                lk = (link.trace_id, link.span_id)
+                                lst = links.get(lk)
+                                if lst is None:
+                                    links[lk] = [record]
+                                    self.link_created[lk] = now
+                                else:
+                                    lst.append(record)
                             continue
-                        record = (stage, start, end, resource, extra, ident)
-                        link_refs[ident] = len(span_links)
-                        for link in span_links:
-                            lk = (link.trace_id, link.span_id)
-                            lst = links.get(lk)
-                            if lst is None:
-                                links[lk] = [record]
-                                self.link_created[lk] = now
-                            else:
-                                lst.append(record)
-                        accepted += 1
-                        continue
+                    else:
+                        sidx = None
                     if trace is None:
                         trace = traces[tid] = _Trace(now)
                         if expiry < next_check:  # noqa: PLR1730 - hot path
                             next_check = expiry
                         trace_spans = trace.spans
-                    elif sid in (trace_spans := trace.spans):
-                        reject(
-                            sc.DROP_DUPLICATE,
-                            f"span {sid.hex()}: duplicate span id in trace {tid.hex()}",
-                        )
-                        continue
-                    if len(trace_spans) >= max_spans:
-                        reject(
-                            sc.DROP_TRACE_TOO_LARGE,
-                            f"trace {tid.hex()}: more than {max_spans} spans",
-                        )
-                        continue
-                    kind = span.kind
-                    if (
-                        kind == _KIND_SERVER
-                        or kind == _KIND_CONSUMER
-                        or (extra is not None and extra.get(attr_request) is True)
+                    else:
+                        trace_spans = trace.spans
+                        if sid in trace_spans:
+                            reject(
+                                sc.DROP_DUPLICATE,
+                                f"span {sid.hex()}: duplicate span id in trace {tid.hex()}",
+                            )
+                            continue
+                        if len(trace_spans) >= max_spans:
+                            reject(
+                                sc.DROP_TRACE_TOO_LARGE,
+                                f"trace {tid.hex()}: more than {max_spans} spans",
+                            )
+                            continue
+                    if span.kind in candidate_kinds or (
+                        extra is not None and extra.get(attr_request) is True
                     ):
                         trace.candidates.append(sid)
                         due = now + settle_s
@@ -372,14 +396,12 @@ class Assembler:
                             trace.due = due
                             if due < next_check:  # noqa: PLR1730 - hot path
                                 next_check = due
-                        if stage is not None:
-                            trace.has_stage = True
                         # Only request spans need the trace state and is-remote bits.
                         trace_spans[sid] = (
                             span.parent_span_id,
                             start,
                             end,
-                            stage,
+                            sidx,
                             resource,
                             extra,
                             True,
@@ -387,20 +409,18 @@ class Assembler:
                             span.trace_state,
                         )
                     else:
-                        if stage is not None:
-                            trace.has_stage = True
                         trace_spans[sid] = (
                             span.parent_span_id,
                             start,
                             end,
-                            stage,
+                            sidx,
                             resource,
                             extra,
                             False,
                             0,
                             None,
                         )
-                    accepted += 1
+        accepted = seen - rejected
         self.next_check = next_check
         self.received += accepted + rejected
         self.accepted += accepted
@@ -444,7 +464,7 @@ class Assembler:
             self.pending -= n
             if tid in recent_done:
                 self._drop(sc.DROP_LATE, n)
-            elif trace.has_stage:
+            elif trace.has_stage():
                 self.incomplete += 1
                 self._drop(sc.DROP_INCOMPLETE_TRACE, n)
             else:
