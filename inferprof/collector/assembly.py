@@ -63,6 +63,12 @@ _WANTED = frozenset(
 _STRING_KEYS = frozenset({sc.ATTR_MODEL_NAME, sc.ATTR_BATCH_ID, sc.ATTR_GPU_ID})
 _INT_KEYS = frozenset({sc.ATTR_TOKENS_EFFECTIVE, sc.ATTR_TOKENS_PADDED})
 _PADDING_STAGES = frozenset({sc.STAGE_BATCH_ASSEMBLY, sc.STAGE_COMPUTE})
+_COMPUTE_STAGES = frozenset(sc.COMPUTE_STAGES)
+_MODEL = sc.ATTR_MODEL_NAME
+_BATCH_ID = sc.ATTR_BATCH_ID
+_EFFECTIVE = sc.ATTR_TOKENS_EFFECTIVE
+_PADDED = sc.ATTR_TOKENS_PADDED
+_GPU_ID = sc.ATTR_GPU_ID
 
 
 def _any_value(v: Any) -> Any:
@@ -616,25 +622,24 @@ class Assembler:
         """Model fallback, padding and compute windows from a stage span's attributes."""
         stage = self.stage_names[stage_id]
         if out.model[row] is None:
-            out.model[row] = extra.get(sc.ATTR_MODEL_NAME)
-        batch_id = extra.get(sc.ATTR_BATCH_ID)
-        seen = self.seen_batches
+            out.model[row] = extra.get(_MODEL)
+        batch_id = extra.get(_BATCH_ID)
         if stage in _PADDING_STAGES:
-            eff = extra.get(sc.ATTR_TOKENS_EFFECTIVE)
-            pad = extra.get(sc.ATTR_TOKENS_PADDED)
+            eff = extra.get(_EFFECTIVE)
+            pad = extra.get(_PADDED)
             if isinstance(eff, int) and isinstance(pad, int) and pad > 0:
                 # One count per batch: batch id within the service instance, or the
                 # span itself when the batch carries no id.
                 key = (res[0], res[2], "b", batch_id) if batch_id is not None else ident
-                if key not in seen:
-                    seen[key] = now
+                if key not in self.seen_batches:
+                    self.seen_batches[key] = now
                     out.batches.append((row, eff, pad))
-        if stage in sc.COMPUTE_STAGES:
-            gpu = extra.get(sc.ATTR_GPU_ID)
+        if stage in _COMPUTE_STAGES:
+            gpu = extra.get(_GPU_ID)
             if gpu:
                 key = (res[0], res[2], "c", stage, batch_id) if batch_id is not None else ident
-                if key not in seen:
-                    seen[key] = now
+                if key not in self.seen_batches:
+                    self.seen_batches[key] = now
                     out.compute.append((row, (res[1], str(gpu), s * 1e-9, e * 1e-9)))
 
     @staticmethod
