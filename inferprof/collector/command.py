@@ -61,7 +61,8 @@ def _windows(ctx: click.Context, param: click.Parameter, value: str | None) -> A
     "--forward",
     multiple=True,
     help="Re-export everything received to this OTLP endpoint (repeatable): "
-    "otlp-grpc://host:port, otlp-grpcs://host:port, http(s)://host:port[/prefix].",
+    "otlp-grpc://host:port, otlp-grpcs://host:port, http(s)://host:port[/prefix], "
+    "or file:///path (a dump `inferprof report` reads).",
 )
 @click.option(
     "--forward-header",

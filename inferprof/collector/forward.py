@@ -144,6 +144,32 @@ class _HttpSender:
         pass
 
 
+class _FileSender:
+    """Appends exports to an inferprof protobuf dump, so a run can be recorded by
+    ``inferprof collect --forward file:///path`` and read later by ``inferprof report``.
+    Logs are not part of the dump format and are skipped."""
+
+    def __init__(self, path: str) -> None:
+        from inferprof.collector.otlp_json import PB_KIND_METRICS, PB_KIND_TRACES, PB_MAGIC
+
+        self._kinds = {semconv.SIGNAL_TRACES: PB_KIND_TRACES, semconv.SIGNAL_METRICS: PB_KIND_METRICS}
+        self._fh = open(path, "ab")  # noqa: SIM115 - held open for the forwarder's lifetime
+        if self._fh.tell() == 0:
+            self._fh.write(PB_MAGIC)
+            self._fh.flush()
+
+    def send(self, signal: str, payload: bytes, timeout_s: float) -> None:
+        from inferprof.report.dump import pb_record
+
+        kind = self._kinds.get(signal)
+        if kind is not None:
+            self._fh.write(pb_record(kind, payload))
+            self._fh.flush()
+
+    def close(self) -> None:
+        self._fh.close()
+
+
 def destination_label(url: str) -> str:
     """``scheme://host:port[/path]`` without credentials, for metric labels and logs."""
     scheme, _, rest = url.partition("://")
@@ -193,6 +219,8 @@ class Forwarder:
                 headers=headers,
                 compress=compression == "gzip",
             )
+        elif scheme == "file":
+            self._sender = _FileSender(urllib.parse.unquote(rest))
         else:
             self._sender = _HttpSender(
                 url, ca_file=ca_file, headers=headers, compress=compression == "gzip"

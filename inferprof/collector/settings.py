@@ -77,7 +77,8 @@ ENV_METRICS_WINDOW_S = "INFERPROF_COLLECTOR_METRICS_WINDOW_S"
 ENV_ADVANCE_INTERVAL_S = "INFERPROF_COLLECTOR_ADVANCE_INTERVAL_S"
 ENV_CONFIG = "INFERPROF_COLLECTOR_CONFIG"
 
-FORWARD_SCHEMES = ("otlp-grpc", "otlp-grpcs", "http", "https")
+# file:///path appends to an inferprof protobuf dump that `inferprof report` reads.
+FORWARD_SCHEMES = ("otlp-grpc", "otlp-grpcs", "http", "https", "file")
 FORWARD_COMPRESSIONS = ("gzip", "none")
 
 
@@ -429,10 +430,11 @@ def validate_forward_url(url: str) -> str:
     if not isinstance(url, str):
         raise ValueError(f"forward URL must be a string, got {url!r}")
     scheme, sep, rest = url.partition("://")
-    if not sep or scheme not in FORWARD_SCHEMES or not rest.split("/", 1)[0]:
+    target = rest if scheme == "file" else rest.split("/", 1)[0]
+    if not sep or scheme not in FORWARD_SCHEMES or not target:
         raise ValueError(
             f"invalid forward URL {url!r}: use otlp-grpc://host:port, otlp-grpcs://host:port, "
-            "http://host:port[/prefix] or https://host:port[/prefix]"
+            "http://host:port[/prefix], https://host:port[/prefix] or file:///path/to/dump"
         )
     return url
 

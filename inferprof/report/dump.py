@@ -40,15 +40,18 @@ def _kind(request) -> bytes:
     )
 
 
+def pb_record(kind: bytes, payload: bytes) -> bytes:
+    """One record of the protobuf dump: ``kind`` (``PB_KIND_*``), a varint length, the bytes."""
+    return kind + _varint(len(payload)) + payload
+
+
 def write_pb(path: str | os.PathLike, requests: Iterable) -> int:
     """Write ``requests`` as a length-delimited protobuf dump; returns how many."""
     n = 0
     with open(path, "wb") as fh:
         fh.write(PB_MAGIC)
         for req in requests:
-            kind = _kind(req)
-            payload = req.SerializeToString()
-            fh.write(kind + _varint(len(payload)) + payload)
+            fh.write(pb_record(_kind(req), req.SerializeToString()))
             n += 1
     return n
 
