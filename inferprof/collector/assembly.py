@@ -134,8 +134,8 @@ class Finalised:
 
     Per request ``i``: ``service[i]``, ``model[i]``, ``weight[i]``, ``start[i]`` and
     ``end[i]`` (ns). Per stage span attributed to a request (a linked batch span once
-    per member): ``span_req`` (request index), ``span_stage`` (``Assembler.stage_names``
-    index), ``span_start``, ``span_end`` (ns). ``batches``: (request index, effective,
+    per member): ``span_key`` = request index << 32 | stage number (one append instead of
+    two; the number indexes ``Assembler.stage_names``), ``span_start``, ``span_end`` (ns). ``batches``: (request index, effective,
     padded) of batches seen first here; ``compute``: (request index, (host, gpu id,
     start s, end s)) of compute-stage spans, deduplicated per batch.
     """
@@ -147,8 +147,7 @@ class Finalised:
         "model",
         "service",
         "span_end",
-        "span_req",
-        "span_stage",
+        "span_key",
         "span_start",
         "start",
         "weight",
@@ -160,8 +159,7 @@ class Finalised:
         self.weight = array("d")
         self.start = array("Q")
         self.end = array("Q")
-        self.span_req = array("q")
-        self.span_stage = array("q")
+        self.span_key = array("q")
         self.span_start = array("Q")
         self.span_end = array("Q")
         self.batches: list[tuple[int, int, int]] = []
@@ -528,8 +526,7 @@ class Assembler:
         rows: dict[bytes, int] = {}
         first_row = len(out.start)
         owner_of: dict[bytes, bytes | None] = {}
-        add_req = out.span_req.append
-        add_stage = out.span_stage.append
+        add_key = out.span_key.append
         add_start = out.span_start.append
         add_end = out.span_end.append
         ignored = 0
@@ -546,8 +543,7 @@ class Assembler:
             row = rows.get(owner)
             if row is None:
                 row = rows[owner] = self._open_row(spans[owner], out)
-            add_req(row)
-            add_stage(stage)
+            add_key(row << 32 | stage)
             add_start(s)
             add_end(e)
             if extra is not None:
@@ -563,8 +559,7 @@ class Assembler:
                 if row is None:
                     row = rows[rid] = self._open_row(spans[rid], out)
                 for stage, s, e, res, extra, ident in linked:
-                    add_req(row)
-                    add_stage(stage)
+                    add_key(row << 32 | stage)
                     add_start(s)
                     add_end(e)
                     if extra is not None:

@@ -93,6 +93,7 @@ _MAX_COMPUTE_WINDOWS = 5_000
 _NO_COLUMN = 1 << 20
 _NS = 1e-9
 _INT64_LIMIT = 1 << 63
+_LOW32 = (1 << 32) - 1
 
 
 @contextlib.contextmanager
@@ -368,7 +369,7 @@ class Engine:
         req_end = req_end.astype(np.int64)
         span_start = span_start.astype(np.int64)
         span_end = span_end.astype(np.int64)
-        span_req = np.frombuffer(fin.span_req, np.int64)
+        span_req = np.frombuffer(fin.span_key, np.int64) >> 32
         n_ids = int(stage.max()) + 1 if stage.size else 1
         # Clip each stage span to its request; durations in integer ns (exact sums).
         cs = np.maximum(span_start, req_start[span_req])
@@ -422,7 +423,8 @@ class Engine:
         n = len(fin)
         per_req: list[list[tuple[str, int, int]]] = [[] for _ in range(n)]
         col_of: dict[str, int] = {}
-        for r, col, s, e in zip(fin.span_req, stage.tolist(), fin.span_start, fin.span_end):
+        for key, col, s, e in zip(fin.span_key, stage.tolist(), fin.span_start, fin.span_end):
+            r = key >> 32
             name = self._column_name(col)
             per_req[r].append((name, s, e))
             col_of[name] = col
@@ -480,7 +482,7 @@ class Engine:
                     windows.extend(by_row[row])
         self._finalised += n
 
-        stage = self._stage_columns(np.frombuffer(fin.span_stage, np.int64))
+        stage = self._stage_columns(np.frombuffer(fin.span_key, np.int64) & _LOW32)
         req_e2e, unattributed, pair_req, pair_stage, pair_time, pair_excl = self._partition(
             fin, stage
         )
