@@ -459,11 +459,14 @@ class Engine:
         series_id = self._series_id
         series_keys = self._series_keys
         series_requests = self._series_requests
+        known = self._series.get
         series: list[int] = []
         for key in zip(fin.service, fin.model):
-            sid = series_id(*key)
-            if series_keys[sid] == overflow_key and key != overflow_key:
-                self._overflow += 1
+            sid = known(key)
+            if sid is None:  # a new series, or one folded into the overflow series
+                sid = series_id(*key)
+                if series_keys[sid] == overflow_key and key != overflow_key:
+                    self._overflow += 1
             series.append(sid)
         for sid, w in zip(series, fin.weight):
             series_requests[sid] += w
