@@ -60,8 +60,10 @@ def build(n_exports: int, per_export: int, service: str = "bench", series: int =
     """Serialized exports; requests are spread over ``series`` services."""
     out = []
     for e in range(n_exports):
-        builders = [TraceBuilder(f"{service}-{k}" if series > 1 else service, host="h1")
-                    for k in range(series)]
+        builders = [
+            TraceBuilder(f"{service}-{k}" if series > 1 else service, host="h1")
+            for k in range(series)
+        ]
         for i in range(per_export):
             b = builders[i % series]
             t = (e * per_export + i) * 0.001

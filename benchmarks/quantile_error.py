@@ -32,8 +32,24 @@ from inferprof.collector.sketch import exact_weighted_quantile
 from tests.collector.synth import FakeClock, TraceBuilder
 
 #: spanmetrics connector default histogram buckets (explicit bounds, milliseconds).
-SPANMETRICS_BUCKETS_MS = (2, 4, 6, 8, 10, 50, 100, 200, 400, 800, 1000, 1400, 2000, 5000,
-                          10000, 15000)
+SPANMETRICS_BUCKETS_MS = (
+    2,
+    4,
+    6,
+    8,
+    10,
+    50,
+    100,
+    200,
+    400,
+    800,
+    1000,
+    1400,
+    2000,
+    5000,
+    10000,
+    15000,
+)
 
 
 def distributions(rng: np.random.Generator, n: int) -> dict[str, np.ndarray]:
@@ -70,8 +86,7 @@ def histogram_quantile(q: float, bounds_s: np.ndarray, counts: np.ndarray) -> fl
 
 def engine_quantiles(values: np.ndarray) -> dict[str, float]:
     clock = FakeClock()
-    engine = Engine(clock=clock, settle_s=0.0, retention_s=math.inf,
-                    max_pending_spans=10_000_000)
+    engine = Engine(clock=clock, settle_s=0.0, retention_s=math.inf, max_pending_spans=10_000_000)
     b = TraceBuilder("qerr")
     for i, v in enumerate(values.tolist()):
         b.request(i * 1e-3, i * 1e-3 + v, model="m")
@@ -92,31 +107,42 @@ def main() -> None:
     rng = np.random.default_rng(args.seed)
     bounds = np.asarray(SPANMETRICS_BUCKETS_MS, dtype=np.float64) / 1000.0
     names = ("p50", "p95", "p99")
-    print(f"{args.n:,} requests per distribution, seed {args.seed}. Relative error vs exact "
-          "(inferprof | Prometheus histogram, spanmetrics default buckets).\n")
-    print("| distribution | exact p50 / p95 / p99 (ms) | inferprof p50 | p95 | p99 "
-          "| Prometheus p50 | p95 | p99 |")
+    print(
+        f"{args.n:,} requests per distribution, seed {args.seed}. Relative error vs exact "
+        "(inferprof | Prometheus histogram, spanmetrics default buckets).\n"
+    )
+    print(
+        "| distribution | exact p50 / p95 / p99 (ms) | inferprof p50 | p95 | p99 "
+        "| Prometheus p50 | p95 | p99 |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     worst_ip = worst_prom = 0.0
     for label, raw in distributions(rng, args.n).items():
         # Nanosecond spans: the engine sees latencies rounded to the ns, so does the
         # reference.
         values = np.round(raw * 1e9) / 1e9
-        exact = {nm: exact_weighted_quantile(values, None, q)
-                 for nm, q in zip(names, sc.QUANTILES)}
+        exact = {nm: exact_weighted_quantile(values, None, q) for nm, q in zip(names, sc.QUANTILES)}
         ours = engine_quantiles(values)
-        counts = np.bincount(np.searchsorted(bounds, values, side="left"),
-                             minlength=len(bounds) + 1)
+        counts = np.bincount(
+            np.searchsorted(bounds, values, side="left"), minlength=len(bounds) + 1
+        )
         prom = {nm: histogram_quantile(q, bounds, counts) for nm, q in zip(names, sc.QUANTILES)}
         err_ip = [abs(ours[nm] - exact[nm]) / exact[nm] for nm in names]
         err_prom = [abs(prom[nm] - exact[nm]) / exact[nm] for nm in names]
         worst_ip = max(worst_ip, *err_ip)
         worst_prom = max(worst_prom, *err_prom)
         ex = " / ".join(f"{exact[nm] * 1e3:.4g}" for nm in names)
-        print(f"| {label} | {ex} | " + " | ".join(f"{e:.2%}" for e in err_ip) + " | "
-              + " | ".join(f"{e:.1%}" for e in err_prom) + " |")
-    print(f"\nworst relative error: inferprof {worst_ip:.2%}, "
-          f"Prometheus spanmetrics histogram {worst_prom:.1%}")
+        print(
+            f"| {label} | {ex} | "
+            + " | ".join(f"{e:.2%}" for e in err_ip)
+            + " | "
+            + " | ".join(f"{e:.1%}" for e in err_prom)
+            + " |"
+        )
+    print(
+        f"\nworst relative error: inferprof {worst_ip:.2%}, "
+        f"Prometheus spanmetrics histogram {worst_prom:.1%}"
+    )
 
 
 if __name__ == "__main__":

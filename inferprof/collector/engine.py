@@ -361,9 +361,8 @@ class Engine:
         req_end = np.frombuffer(fin.end, np.uint64)
         span_start = np.frombuffer(fin.span_start, np.uint64)
         span_end = np.frombuffer(fin.span_end, np.uint64)
-        if max(
-            req_end.max(initial=0), span_end.max(initial=0)
-        ) >= _INT64_LIMIT:  # timestamps past 2262: exact Python integers instead
+        # OTLP times are unsigned; past 2**63 ns (year 2262) use exact Python integers.
+        if max(req_end.max(initial=0), span_end.max(initial=0)) >= _INT64_LIMIT:
             return self._partition_slow(fin, stage)
         req_start = req_start.astype(np.int64)
         req_end = req_end.astype(np.int64)
