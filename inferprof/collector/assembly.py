@@ -135,9 +135,10 @@ class Finalised:
     Per request ``i``: ``service[i]``, ``model[i]``, ``weight[i]``, ``start[i]`` and
     ``end[i]`` (ns). Per stage span attributed to a request (a linked batch span once
     per member): ``span_key`` = request index << 32 | stage number (one append instead of
-    two; the number indexes ``Assembler.stage_names``), ``span_start``, ``span_end`` (ns). ``batches``: (request index, effective,
-    padded) of batches seen first here; ``compute``: (request index, (host, gpu id,
-    start s, end s)) of compute-stage spans, deduplicated per batch.
+    two; the number indexes ``Assembler.stage_names``), ``span_start``, ``span_end``
+    (ns). ``batches``: (request index, effective, padded) of batches seen first here;
+    ``compute``: (request index, (host, gpu id, start s, end s)) of compute-stage spans,
+    deduplicated per batch.
     """
 
     __slots__ = (
