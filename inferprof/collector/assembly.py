@@ -132,7 +132,8 @@ class Finalised:
     columns are ``array.array`` (numpy reads them without a copy; times are unsigned
     64-bit like OTLP's).
 
-    Per request ``i``: ``service[i]``, ``model[i]``, ``weight[i]``, ``start[i]`` and
+    Per request ``i``: ``service[i]``, ``model[i]`` (the attribute's value as sent: the
+    engine turns anything but a string into ""), ``weight[i]``, ``start[i]`` and
     ``end[i]`` (ns). Per stage span attributed to a request (a linked batch span once
     per member): ``span_key`` = request index << 32 | stage number (one append instead of
     two; the number indexes ``Assembler.stage_names``), ``span_start``, ``span_end``
@@ -525,7 +526,6 @@ class Assembler:
         # Request span id -> its row in ``out``; a row is opened by the request's first
         # stage span (or at the end for a request with attributes but no stage span).
         rows: dict[bytes, int] = {}
-        first_row = len(out.start)
         owner_of: dict[bytes, bytes | None] = {}
         add_key = out.span_key.append
         add_start = out.span_start.append
@@ -573,11 +573,6 @@ class Assembler:
                     self.ignored += 1
                 else:
                     self._open_row(req, out)
-        # A model that is not a string (or came from none of the spans) is "".
-        model = out.model
-        for row in range(first_row, len(model)):
-            if not isinstance(model[row], str):
-                model[row] = ""
 
     @staticmethod
     def _open_row(req: tuple, out: Finalised) -> int:

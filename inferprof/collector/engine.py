@@ -459,8 +459,10 @@ class Engine:
         series_keys = self._series_keys
         series_requests = self._series_requests
         known = self._series.get
+        # A model attribute that is not a string (or none at all) is "".
+        models = [m if isinstance(m, str) else "" for m in fin.model]
         series: list[int] = []
-        for key in zip(fin.service, fin.model):
+        for key in zip(fin.service, models):
             sid = known(key)
             if sid is None:  # a new series, or one folded into the overflow series
                 sid = series_id(*key)
