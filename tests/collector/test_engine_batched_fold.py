@@ -157,3 +157,28 @@ def test_too_many_stage_names_count_one_drop_per_request_and_stage():
     # A dropped stage's time still counts as covered: unattributed is 0.04 s everywhere.
     unatt = next(s for s in doc["stages"] if s["stage"] == sc.STAGE_UNATTRIBUTED)
     assert abs(unatt["p99"] - 0.04) <= REL * 0.04
+
+
+def test_cyclic_gc_is_restored_after_ingest_and_left_off_if_the_app_turned_it_off():
+    import gc
+
+    clock = FakeClock()
+    engine = Engine(clock=clock, settle_s=0.0)
+    b = TraceBuilder()
+    b.sequential(0.0, [("queue", 0.01)])
+    was = gc.isenabled()
+    try:
+        gc.enable()
+        engine.ingest_traces(b.export())
+        assert gc.isenabled()
+        gc.disable()
+        b.sequential(1.0, [("queue", 0.01)])
+        engine.ingest_traces(b.export())
+        engine.flush()
+        assert not gc.isenabled()
+    finally:
+        if was:
+            gc.enable()
+        else:
+            gc.disable()
+    assert engine.stats.requests_finalised == 2
