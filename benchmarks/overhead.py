@@ -1,43 +1,61 @@
 """What inferprof costs a saturated model server: one command, one table.
 
-    python3 benchmarks/overhead.py [--duration 8] [--reps 5] [--concurrency 32]
+    python3 benchmarks/overhead.py [--rounds 10] [--duration 4] [--concurrency 32]
                                    [--out docs/overhead.md]
 
 The demo service (FastAPI + dynamic batcher + real tokenizer + numpy model, see
-docs/demo.md) runs under uvicorn on 127.0.0.1, one process per configuration:
+docs/demo.md) runs under uvicorn on 127.0.0.1, one long-lived process per configuration:
 
-  (a) none        uninstrumented: no telemetry code at all (a plain batcher)
+  (a) none        uninstrumented: no telemetry code at all; the same batching algorithm
+                  as inferprof's DynamicBatcher (inferprof/demo/plain_batcher.py)
   (b) otel        opentelemetry-instrumentation-fastapi alone, exporting OTLP/gRPC
-  (c) full        inferprof, every stage of every request traced
-  (d) production  inferprof production mode
-  (e) off         inferprof installed and called, but configured off
+  (c) full        inferprof, every stage of every request traced and exported
+  (d) production  inferprof production mode (stage timings of every request, a
+                  tail-biased weighted sample of full traces exported)
+  (e) off         inferprof installed and called everywhere, configured off
   (c') full, exporter down        and        (d') production, exporter down
 
-(b)-(d) export to a local OTLP/gRPC sink in this process that counts and drops what
-it receives; (c')/(d') point at a closed port, so every export fails and retries.
-Every configuration gets the same closed-loop load from the demo's load generator
-(a separate process) for ``--duration`` seconds, repeated ``--reps`` times with the
-configurations interleaved, so drift (thermal, other tenants) hits all of them
-alike; the table shows medians. CPU per request is the service process's
-utime+stime delta (``/proc/<pid>/stat``) over the load phase divided by completed
-requests: it counts every thread of the server, exporters included. Each
-measurement gets a fresh service process (started, warmed up, measured, stopped),
-so a configuration's background work (an exporter retrying) never lands on
-another's figures. RSS growth is VmRSS after the measurement minus VmRSS after
-warm-up (median over repetitions). The service runs with one BLAS thread (see
-``inferprof/demo/processes.py``).
+(b)-(d) export to an OTLP/gRPC sink in this process that counts and drops what it
+receives; (c')/(d') point at a closed port, so every export fails.
+
+How the figures are made precise on a small, shared machine:
+
+* **Pinning.** With two or more CPUs the services run on CPU 0 and this process, its
+  sink and the load generator on CPU 1, so client and server never compete for a core
+  and the server is CPU-bound on exactly one core (throughput is then the inverse of
+  its CPU per request, and the two columns must agree).
+* **Interleaving.** All services start up front and stay up (an idle one costs
+  nothing); each round measures every configuration once, in an order rotated from
+  round to round, so drift (other tenants, thermal) hits all of them alike. Ratios to
+  (a) are taken *within* a round and the table gives the median ratio over rounds and
+  its interquartile range: a ratio whose range straddles 1.00 is not measurable here.
+* **CPU per request** is the service process's utime+stime delta (``/proc/<pid>/stat``;
+  every thread of it, exporter and span processor included) over a measurement,
+  divided by the requests completed in it.
+* **Same batching.** ``/healthz`` of the demo reports batches run and requests batched;
+  the table shows the mean batch size of each configuration.
+* **What was exported.** For inferprof configurations ``/healthz`` also reports
+  inferprof's own counters: the fraction of traces kept and spans emitted, exported and
+  dropped per request (with the exporter down, everything is dropped and counted).
+* **Memory.** VmRSS after warm-up and after the last round; with the exporter down,
+  a flat RSS shows the bounded queue at work.
+
+The service runs with one BLAS thread (see ``inferprof/demo/processes.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import statistics
 import sys
 import threading
 import time
+import urllib.request
 from concurrent import futures
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from inferprof import semconv
 from inferprof.demo.processes import ServiceProcess, run_loadgen
+from inferprof.demo.service import HEALTH_PATH
 from inferprof.demo.settings import (
     INSTRUMENTATION_NONE,
     INSTRUMENTATION_OTEL,
@@ -111,7 +130,8 @@ def closed_port_endpoint() -> str:
 
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    # fields[11], fields[12] are utime, stime (the 14th and 15th fields of the whole line).
+    # fields[11], fields[12] are utime, stime (the 14th and 15th fields of the whole line);
+    # they include threads that have exited.
     return (int(fields[11]) + int(fields[12])) / _CLK_TCK
 
 
@@ -122,6 +142,11 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
+def health(base_url: str) -> dict:
+    with urllib.request.urlopen(base_url + HEALTH_PATH, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
 @dataclass
 class Config:
     key: str
@@ -130,6 +155,9 @@ class Config:
     exporter: str  # "sink", "down" or "-"
     service: ServiceProcess | None = None
     runs: list[dict] = field(default_factory=list)
+    rss_start: int = 0
+    rss_end: int = 0
+    telemetry_end: dict | None = None
 
 
 def configs(endpoint_down: bool) -> list[Config]:
@@ -148,106 +176,188 @@ def configs(endpoint_down: bool) -> list[Config]:
     return out
 
 
-def measure(cfg: Config, duration: float, concurrency: int, seed: int) -> dict:
-    assert cfg.service is not None
-    pid = cfg.service.pid
+_TELEMETRY_KEYS = ("spans_emitted", "spans_exported", "spans_dropped_queue_full",
+                   "spans_dropped_export_failed", "traces_kept", "traces_discarded")
+
+
+def measure(service: ServiceProcess, duration: float, concurrency: int, seed: int) -> dict:
+    pid = service.pid
+    h0 = health(service.base_url)
     cpu0 = cpu_seconds(pid)
-    summary = run_loadgen(cfg.service.url, duration_s=duration, concurrency=concurrency, seed=seed)
+    summary = run_loadgen(service.url, duration_s=duration, concurrency=concurrency, seed=seed)
     cpu = cpu_seconds(pid) - cpu0
+    h1 = health(service.base_url)
     n = max(summary["requests"], 1)
-    return {
+    batches = h1["batches"] - h0["batches"]
+    run = {
         "rps": summary["throughput_rps"],
         "p50": summary["latency_s"]["p50"],
         "p99": summary["latency_s"]["p99"],
         "cpu_per_req": cpu / n,
         "errors": summary["errors"],
+        "requests": summary["requests"],
+        "batch_mean": (h1["batched_requests"] - h0["batched_requests"]) / batches
+        if batches else float("nan"),
     }
+    t0, t1 = h0.get("telemetry"), h1.get("telemetry")
+    if t0 and t1:
+        run.update({k: t1[k] - t0[k] for k in _TELEMETRY_KEYS})
+    return run
 
 
-def med(runs: list[dict], key: str) -> float:
-    values = [r[key] for r in runs if r[key] is not None]
+def med(values: list[float]) -> float:
+    values = [v for v in values if v is not None and v == v]
     return statistics.median(values) if values else float("nan")
 
 
-def table(cfgs: list[Config], args: argparse.Namespace, sink_spans: int) -> str:
-    base = {k: med(cfgs[0].runs, k) for k in ("rps", "p50", "p99", "cpu_per_req")}
+def quartiles(values: list[float]) -> tuple[float, float]:
+    values = sorted(v for v in values if v == v)
+    if len(values) < 4:
+        return (values[0], values[-1]) if values else (float("nan"), float("nan"))
+    q = statistics.quantiles(values, n=4, method="inclusive")
+    return q[0], q[2]
+
+
+def paired_ratios(c: Config, base: Config, key: str) -> list[float]:
+    return [r[key] / b[key] for r, b in zip(c.runs, base.runs) if r[key] and b[key]]
+
+
+def _fmt_ratio(values: list[float]) -> str:
+    lo, hi = quartiles(values)
+    return f"{med(values):.3f} ({lo:.2f}-{hi:.2f})"
+
+
+def table(cfgs: list[Config], args: argparse.Namespace, sink_spans: int, pinned: bool) -> str:
+    base = cfgs[0]
     lines = [
         (f"Demo service saturated on 127.0.0.1 (model `{args.model_size}`, batch <= "
-         f"{args.max_batch_size}); closed loop, {args.concurrency} clients, {args.duration:g} s x "
-         f"{args.reps} interleaved repetitions; medians. {os.cpu_count()} CPU(s); Python "
-         f"{sys.version.split()[0]}."),
+         f"{args.max_batch_size}); closed loop, {args.concurrency} clients; {args.rounds} "
+         f"interleaved rounds x {args.duration:g} s per configuration. {os.cpu_count()} "
+         f"CPU(s), {'service pinned to CPU 0, client to CPU 1' if pinned else 'not pinned'}; "
+         f"Python {sys.version.split()[0]}. Figures: median over rounds; `x (a)`: median of "
+         f"the per-round ratios to (a), with their interquartile range in brackets."),
         "",
-        ("| config | exporter | throughput (req/s) | x (a) | client p50 (ms) | x (a) "
-         "| client p99 (ms) | x (a) | service CPU / req (ms) | range | x (a) | errors "
-         "| RSS growth (MiB) |"),
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ("| config | throughput (req/s) | x (a) | client p50 (ms) | x (a) | client p99 (ms) "
+         "| x (a) | service CPU / req (ms) | x (a) | mean batch |"),
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in cfgs:
-        m = {k: med(c.runs, k) for k in ("rps", "p50", "p99", "cpu_per_req")}
-        errors = sum(r["errors"] for r in c.runs)
-        growth = med(c.runs, "rss_growth") / 2**20
-        lo, hi = min(r["cpu_per_req"] for r in c.runs), max(r["cpu_per_req"] for r in c.runs)
         lines.append(
-            f"| ({c.key}) {c.label} | {c.exporter} | {m['rps']:.0f} | {m['rps'] / base['rps']:.2f} "
-            f"| {m['p50'] * 1e3:.1f} | {m['p50'] / base['p50']:.2f} "
-            f"| {m['p99'] * 1e3:.1f} | {m['p99'] / base['p99']:.2f} "
-            f"| {m['cpu_per_req'] * 1e3:.2f} | {lo * 1e3:.2f}-{hi * 1e3:.2f} "
-            f"| {m['cpu_per_req'] / base['cpu_per_req']:.2f} "
-            f"| {errors} | {growth:+.1f} |"
+            f"| ({c.key}) {c.label} "
+            f"| {med([r['rps'] for r in c.runs]):.0f} | {_fmt_ratio(paired_ratios(c, base, 'rps'))} "
+            f"| {med([r['p50'] for r in c.runs]) * 1e3:.1f} "
+            f"| {_fmt_ratio(paired_ratios(c, base, 'p50'))} "
+            f"| {med([r['p99'] for r in c.runs]) * 1e3:.1f} "
+            f"| {_fmt_ratio(paired_ratios(c, base, 'p99'))} "
+            f"| {med([r['cpu_per_req'] for r in c.runs]) * 1e3:.3f} "
+            f"| {_fmt_ratio(paired_ratios(c, base, 'cpu_per_req'))} "
+            f"| {med([r['batch_mean'] for r in c.runs]):.2f} |"
         )
-    lines += ["", (f"Spans received by the local sink: {sink_spans}. `range`: the lowest and "
-                   "highest CPU per request over the repetitions; ratios within that spread of "
-                   "1.00 are noise, not overhead.")]
+    lines += [
+        "",
+        ("| config | errors | traces kept | spans emitted / req | spans exported / req "
+         "| spans dropped (queue full + export failed) | RSS after warm-up -> end (MiB) |"),
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for c in cfgs:
+        errors = sum(r["errors"] for r in c.runs)
+        reqs = sum(r["requests"] for r in c.runs) or 1
+        if "spans_emitted" in c.runs[0]:
+            tot = {k: sum(r[k] for r in c.runs) for k in _TELEMETRY_KEYS}
+            traces = tot["traces_kept"] + tot["traces_discarded"]
+            kept = f"{tot['traces_kept'] / traces:.1%}" if traces else "-"
+            tel = (f"{kept} | {tot['spans_emitted'] / reqs:.2f} "
+                   f"| {tot['spans_exported'] / reqs:.2f} "
+                   f"| {tot['spans_dropped_queue_full']} + {tot['spans_dropped_export_failed']}")
+        else:
+            tel = "- | - | - | -"
+        lines.append(f"| ({c.key}) {c.label} | {errors} | {tel} "
+                     f"| {c.rss_start / 2**20:.1f} -> {c.rss_end / 2**20:.1f} |")
+    lines += ["", (f"Spans received by the local sink: {sink_spans}. Spans exported are counted "
+                   "by inferprof when the exporter reports success; the last partial export "
+                   "batch of a round may land in the next round.")]
     return "\n".join(lines)
+
+
+def _pin(cpu: int | None) -> None:
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--duration", type=float, default=8.0, help="seconds per measurement")
-    parser.add_argument("--reps", type=int, default=3, help="interleaved repetitions")
+    parser.add_argument("--duration", type=float, default=4.0,
+                        help="seconds per measurement (default 4)")
+    parser.add_argument("--rounds", type=int, default=10,
+                        help="interleaved rounds, each measuring every configuration once")
     parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--warmup", type=float, default=2.0,
-                        help="seconds of load before measuring")
+    parser.add_argument("--warmup", type=float, default=3.0,
+                        help="seconds of load per service before the first round")
     parser.add_argument("--model-size", default="small")
     parser.add_argument("--max-batch-size", type=int, default=16)
+    parser.add_argument("--only", help="comma-separated configuration keys, e.g. a,d,e "
+                        "(a is always included: it is the reference)")
     parser.add_argument("--no-endpoint-down", action="store_true",
                         help="skip the exporter-down configurations")
-    parser.add_argument("--out", help="also write the table to this Markdown file")
+    parser.add_argument("--no-pin", action="store_true", help="do not pin CPUs")
+    parser.add_argument("--out", help="also write the tables to this Markdown file")
     args = parser.parse_args(argv)
 
     cfgs = configs(not args.no_endpoint_down)
-    with NullSink() as sink:
+    if args.only:
+        keep = {"a", *(k.strip() for k in args.only.split(","))}
+        cfgs = [c for c in cfgs if c.key in keep]
+    cpus = sorted(os.sched_getaffinity(0))
+    pinned = len(cpus) >= 2 and not args.no_pin
+    server_cpu, client_cpu = (cpus[0], cpus[1]) if pinned else (None, None)
+    original = os.sched_getaffinity(0)
+
+    with NullSink() as sink, ExitStack() as stack:
         down = closed_port_endpoint()
-        # A fresh service process per measurement, one at a time: an idle service whose
-        # exporter is still retrying would otherwise steal CPU from the one being measured.
-        for rep in range(args.reps):
-            for c in cfgs:
-                endpoint = {"sink": sink.endpoint, "down": down}.get(c.exporter)
-                settings = DemoSettings(
-                    instrumentation=c.instrumentation, model_size=args.model_size,
-                    max_batch_size=args.max_batch_size, endpoint=endpoint,
-                    service_name=f"overhead-{c.instrumentation}",
-                )
-                # Nothing but the endpoint we chose: no OTLP env from the caller's shell.
-                extra = {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint or down}
-                with ServiceProcess(settings, extra_env=extra) as service:
-                    c.service = service
-                    # warm-up: caches, allocator, exporter connections
-                    run_loadgen(service.url, duration_s=args.warmup, concurrency=args.concurrency)
-                    rss0 = rss_bytes(service.pid)
-                    run = measure(c, args.duration, args.concurrency, seed=rep)
-                    run["rss_growth"] = rss_bytes(service.pid) - rss0
-                    c.runs.append(run)
-                    c.service = None
-                print(f"rep {rep + 1}/{args.reps} ({c.key}) {run['rps']:.0f} req/s, "
-                      f"p99 {run['p99'] * 1e3:.0f} ms, cpu/req {run['cpu_per_req'] * 1e3:.2f} ms",
-                      file=sys.stderr)
-        time.sleep(0.5)
-        report = table(cfgs, args, sink.spans)
+        for c in cfgs:
+            endpoint = {"sink": sink.endpoint, "down": down}.get(c.exporter)
+            settings = DemoSettings(
+                instrumentation=c.instrumentation, model_size=args.model_size,
+                max_batch_size=args.max_batch_size, endpoint=endpoint,
+                service_name=f"overhead-{c.instrumentation}",
+            )
+            # Nothing but the endpoint we chose: no OTLP env from the caller's shell.
+            extra = {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint or down}
+            # The child (and every thread it ever starts) inherits the affinity it is
+            # started with, so the service is pinned from its first instruction.
+            _pin(server_cpu)
+            try:
+                c.service = stack.enter_context(ServiceProcess(settings, extra_env=extra))
+            finally:
+                _pin(client_cpu)
+            print(f"started ({c.key}) {c.label}", file=sys.stderr)
+        for c in cfgs:
+            assert c.service is not None
+            run_loadgen(c.service.url, duration_s=args.warmup, concurrency=args.concurrency)
+            c.rss_start = rss_bytes(c.service.pid)
+        for rnd in range(args.rounds):
+            shift = rnd % len(cfgs)
+            for c in cfgs[shift:] + cfgs[:shift]:
+                assert c.service is not None
+                run = measure(c.service, args.duration, args.concurrency, seed=rnd)
+                run["round"] = rnd
+                c.runs.append(run)
+                print(f"round {rnd + 1}/{args.rounds} ({c.key}) {run['rps']:.0f} req/s, "
+                      f"p99 {run['p99'] * 1e3:.0f} ms, cpu/req {run['cpu_per_req'] * 1e3:.3f} "
+                      f"ms, batch {run['batch_mean']:.2f}", file=sys.stderr)
+            for c in cfgs:  # keep each config's runs in round order for pairing
+                c.runs.sort(key=lambda r: r["round"])
+        time.sleep(1.0)
+        for c in cfgs:
+            assert c.service is not None
+            c.rss_end = rss_bytes(c.service.pid)
+        report = table(cfgs, args, sink.spans, pinned)
+    os.sched_setaffinity(0, original)
     print(report)
     if args.out:
-        Path(args.out).write_text("# inferprof overhead\n\nMeasured with `python3 benchmarks/"
-                                  "overhead.py`; see `benchmarks/README.md`.\n\n" + report + "\n")
+        cmd = "python3 benchmarks/overhead.py " + " ".join(argv if argv is not None
+                                                          else sys.argv[1:])
+        Path(args.out).write_text(f"Command: `{cmd.strip()}`\n\n{report}\n")
     return 0
 
 

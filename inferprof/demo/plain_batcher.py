@@ -1,20 +1,44 @@
-"""A minimal dynamic batcher with no telemetry at all: the demo's uninstrumented baseline.
+"""A dynamic batcher with no telemetry at all: the demo's uninstrumented baseline.
 
 The ``none`` and ``otel`` instrumentation choices of the demo service must not run
 any inferprof code, or the overhead benchmark would compare inferprof with itself.
-This batcher does what a typical hand-written serving loop does: requests wait in an
-asyncio queue; a batch leaves when it is full or when the oldest request has waited
-``max_delay_ms``; collate and the model run on one worker thread (batches run one at
-a time, as on one GPU stream) so the event loop keeps accepting requests meanwhile.
-Its interface matches the subset of ``inferprof.DynamicBatcher`` the demo uses.
+But the baseline must batch *exactly* as ``inferprof.DynamicBatcher`` does: a
+different batch-forming rule gives different batch sizes, hence different padding and
+model work per request, and the benchmark would credit (or blame) telemetry for a
+batching difference. So this is ``DynamicBatcher``'s algorithm with the telemetry hooks
+taken out, step for step:
+
+- requests wait in a deque, each stamped with its arrival time; an ``asyncio.Event``
+  wakes the batching task;
+- a batch leaves when ``max_batch_size`` requests wait or the *oldest* has waited
+  ``max_delay_ms`` since it arrived (Triton's ``max_queue_delay``), the next batch
+  forming only once the previous one has finished (one batch in flight, as on one
+  GPU stream);
+- ``collate`` and the model run together on one worker thread, so the event loop keeps
+  accepting requests meanwhile; results are handed back on the loop.
+
+The overhead benchmark reports the mean batch size of every configuration so a reader
+can check that the batching really was the same. Its interface is the subset of
+``inferprof.DynamicBatcher`` the demo uses.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
+
+
+class _Entry:
+    __slots__ = ("item", "future", "t")
+
+    def __init__(self, item: Any, future: asyncio.Future[Any]) -> None:
+        self.item = item
+        self.future = future
+        self.t = time.monotonic()
 
 
 class PlainBatcher:
@@ -28,47 +52,66 @@ class PlainBatcher:
         self._collate = collate
         self.max_batch_size = max_batch_size
         self._max_delay = max_delay_ms / 1000.0
-        self._queue: asyncio.Queue[tuple[Any, asyncio.Future[Any]]] | None = None
+        self._queue: collections.deque[_Entry] = collections.deque()
+        self._wakeup: asyncio.Event | None = None
         self._worker: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="demo-batch")
 
     async def submit(self, item: Any, tokens: int | None = None) -> Any:
-        if self._queue is None:
-            self._queue = asyncio.Queue()
-            self._worker = asyncio.get_running_loop().create_task(self._run())
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        await self._queue.put((item, future))
-        return await future
+        if self._worker is None:
+            self._loop = asyncio.get_running_loop()
+            self._wakeup = asyncio.Event()
+            self._worker = self._loop.create_task(self._run())
+        assert self._loop is not None and self._wakeup is not None
+        entry = _Entry(item, self._loop.create_future())
+        self._queue.append(entry)
+        self._wakeup.set()
+        try:
+            return await entry.future
+        except asyncio.CancelledError:
+            try:
+                self._queue.remove(entry)
+            except ValueError:
+                pass  # already taken into a batch
+            raise
 
     async def _run(self) -> None:
-        assert self._queue is not None
-        loop = asyncio.get_running_loop()
+        assert self._loop is not None and self._wakeup is not None
+        queue, wakeup, loop = self._queue, self._wakeup, self._loop
         while True:
-            first = await self._queue.get()
-            pending = [first]
-            deadline = loop.time() + self._max_delay
-            while len(pending) < self.max_batch_size:
-                remaining = deadline - loop.time()
+            while not queue:
+                wakeup.clear()
+                await wakeup.wait()
+            deadline = queue[0].t + self._max_delay
+            while len(queue) < self.max_batch_size:
+                remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
+                wakeup.clear()
                 try:
-                    pending.append(await asyncio.wait_for(self._queue.get(), remaining))
-                except asyncio.TimeoutError:
+                    await asyncio.wait_for(wakeup.wait(), remaining)
+                except asyncio.TimeoutError:  # noqa: UP041 - not TimeoutError before 3.11
                     break
-            live = [(item, fut) for item, fut in pending if not fut.done()]
+            live: list[_Entry] = []
+            while queue and len(live) < self.max_batch_size:
+                entry = queue.popleft()
+                if not entry.future.done():  # cancelled while waiting
+                    live.append(entry)
             if not live:
                 continue
             try:
-                results = await loop.run_in_executor(self._pool, self._call, [i for i, _ in live])
+                results = await loop.run_in_executor(self._pool, self._call,
+                                                      [e.item for e in live])
             except Exception as exc:  # noqa: BLE001
                 # One failed batch fails its members, not the server.
-                for _, fut in live:
-                    if not fut.done():
-                        fut.set_exception(exc)
+                for e in live:
+                    if not e.future.done():
+                        e.future.set_exception(exc)
                 continue
-            for (_, fut), result in zip(live, results):
-                if not fut.done():
-                    fut.set_result(result)
+            for e, result in zip(live, results):
+                if not e.future.done():
+                    e.future.set_result(result)
 
     def _call(self, items: list[Any]) -> Sequence[Any]:
         return self._fn(self._collate(items))

@@ -51,7 +51,8 @@ def create_app(settings: DemoSettings | None = None, **overrides: Any) -> Any:
 
     telemetry = _Telemetry(settings)
     pipeline = DemoPipeline(settings, stage=telemetry.stage)
-    batcher = telemetry.batcher(pipeline)
+    counts = BatchCounts()
+    batcher = telemetry.batcher(pipeline, counts)
 
     class ClassifyRequest(pydantic.BaseModel):
         text: str = pydantic.Field(min_length=1, max_length=MAX_TEXT_CHARS)
@@ -68,8 +69,12 @@ def create_app(settings: DemoSettings | None = None, **overrides: Any) -> Any:
                           **_without_native_telemetry(fastapi.FastAPI))
 
     @app.get(HEALTH_PATH)
-    async def healthz() -> dict[str, str]:
-        return {"status": "ok", "instrumentation": settings.instrumentation}
+    async def healthz() -> dict[str, Any]:
+        # Batch counts and telemetry counters let the overhead benchmark show that every
+        # configuration batched alike and how much each one exported (health is untraced).
+        return {"status": "ok", "instrumentation": settings.instrumentation,
+                "batches": counts.batches, "batched_requests": counts.requests,
+                "telemetry": telemetry.stats()}
 
     @app.post(CLASSIFY_PATH)
     async def classify(request: ClassifyRequest) -> dict[str, Any]:
@@ -103,6 +108,25 @@ def _without_native_telemetry(fastapi_class: Any) -> dict[str, Any]:
                           "operation_spans": False, "auto_configure": False}}
 
 
+class BatchCounts:
+    """Batches run and requests in them, the same way in every configuration."""
+
+    __slots__ = ("batches", "requests")
+
+    def __init__(self) -> None:
+        self.batches = 0
+        self.requests = 0
+
+    def counted(self, run_batch: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        def run(batch: Any) -> Any:
+            # Two int adds per batch; only one batch runs at a time in the demo.
+            self.batches += 1
+            self.requests += len(batch.lengths)
+            return run_batch(batch)
+
+        return run
+
+
 class _Telemetry:
     """The one place that knows how each instrumentation choice is wired."""
 
@@ -125,8 +149,10 @@ class _Telemetry:
             if choice == INSTRUMENTATION_OTEL:
                 self._provider = _otel_provider(settings)
 
-    def batcher(self, pipeline: DemoPipeline) -> Any:
+    def batcher(self, pipeline: DemoPipeline, counts: BatchCounts) -> Any:
+        """The same batching algorithm in every configuration; only its telemetry differs."""
         s = self.settings
+        run_batch = counts.counted(pipeline.run_batch)
         if self.inferprof:
             import inferprof
             from inferprof.batching.dynamic import Collated
@@ -137,13 +163,24 @@ class _Telemetry:
                 return Collated(batch, batch.effective_tokens, batch.padded_tokens)
 
             return inferprof.DynamicBatcher(
-                pipeline.run_batch, max_batch_size=s.max_batch_size, max_delay_ms=s.max_delay_ms,
+                run_batch, max_batch_size=s.max_batch_size, max_delay_ms=s.max_delay_ms,
                 collate=collate, model_name=s.model_name,
             )
         from inferprof.demo.plain_batcher import PlainBatcher
 
-        return PlainBatcher(pipeline.run_batch, max_batch_size=s.max_batch_size,
+        return PlainBatcher(run_batch, max_batch_size=s.max_batch_size,
                             max_delay_ms=s.max_delay_ms, collate=pipeline.collate)
+
+    def stats(self) -> dict[str, int] | None:
+        """inferprof's own counters (spans emitted/exported/dropped, traces kept)."""
+        if not self.inferprof:
+            return None
+        from dataclasses import asdict
+
+        from inferprof.instrumentation import stats
+
+        snap = stats()
+        return asdict(snap) if snap is not None else None
 
     def instrument(self, app: Any) -> None:
         if self.inferprof:

@@ -1,0 +1,129 @@
+"""The overhead baseline is fair: the plain batcher batches exactly as DynamicBatcher does,
+and the demo reports its batching and telemetry counters on /healthz."""
+
+import asyncio
+
+import httpx
+import pytest
+
+import inferprof
+from inferprof.demo.plain_batcher import PlainBatcher
+from inferprof.demo.service import CLASSIFY_PATH, HEALTH_PATH, create_app
+from inferprof.demo.settings import DemoSettings
+
+
+async def _batch_sizes(make) -> list[int]:
+    """Sizes of the batches formed for one arrival pattern: 6 requests at once, then 3 more
+    arriving 10 ms apart, each within the 60 ms window of the oldest waiting one."""
+    sizes: list[int] = []
+
+    def fn(batch):
+        sizes.append(len(batch))
+        return list(batch)
+
+    b = make(fn)
+    try:
+        first = [asyncio.ensure_future(b.submit(i)) for i in range(6)]
+        await asyncio.sleep(0)
+        later = []
+        for i in range(3):
+            await asyncio.sleep(0.01)
+            later.append(asyncio.ensure_future(b.submit(10 + i)))
+        results = await asyncio.gather(*first, *later)
+    finally:
+        await b.stop()
+    assert sorted(results) == [0, 1, 2, 3, 4, 5, 10, 11, 12]
+    return sizes
+
+
+@pytest.fixture
+def unconfigured():
+    inferprof.shutdown()
+    yield
+    inferprof.shutdown()
+
+
+async def test_plain_batcher_forms_the_same_batches_as_dynamic_batcher(unconfigured):
+    plain = await _batch_sizes(lambda fn: PlainBatcher(fn, max_batch_size=4, max_delay_ms=60))
+    dynamic = await _batch_sizes(
+        lambda fn: inferprof.DynamicBatcher(fn, max_batch_size=4, max_delay_ms=60)
+    )
+    assert plain == dynamic
+    assert plain[0] == 4 and sum(plain) == 9
+
+
+async def _overdue_pattern(make) -> list[list]:
+    """A request that waited through a running batch is overdue when that batch ends: it
+    must leave at once (its deadline counts from its arrival), not wait for company."""
+    seen: list[list] = []
+    loop = asyncio.get_running_loop()
+    first_done = asyncio.Event()
+
+    def fn(batch):
+        seen.append(list(batch))
+        if batch == ["a"]:
+            import time
+
+            time.sleep(0.3)
+            loop.call_soon_threadsafe(first_done.set)
+        return list(batch)
+
+    b = make(fn)
+    try:
+        a = asyncio.ensure_future(b.submit("a"))
+        await asyncio.sleep(0.15)  # "a" is running (it left after 100 ms)
+        x = asyncio.ensure_future(b.submit("x"))
+        await first_done.wait()
+        await asyncio.sleep(0.03)  # inside x's window had it been counted from pickup
+        y = asyncio.ensure_future(b.submit("y"))
+        await asyncio.gather(a, x, y)
+    finally:
+        await b.stop()
+    return seen
+
+
+async def test_plain_batcher_deadline_counts_from_the_oldest_arrival(unconfigured):
+    plain = await _overdue_pattern(lambda fn: PlainBatcher(fn, max_batch_size=8,
+                                                           max_delay_ms=100))
+    dynamic = await _overdue_pattern(
+        lambda fn: inferprof.DynamicBatcher(fn, max_batch_size=8, max_delay_ms=100)
+    )
+    assert plain == dynamic == [["a"], ["x"], ["y"]]
+
+
+async def test_a_cancelled_request_leaves_the_plain_batchers_queue():
+    seen = []
+
+    def fn(batch):
+        seen.append(list(batch))
+        return list(batch)
+
+    b = PlainBatcher(fn, max_batch_size=8, max_delay_ms=30)
+    try:
+        gone = asyncio.ensure_future(b.submit("gone"))
+        kept = asyncio.ensure_future(b.submit("kept"))
+        await asyncio.sleep(0)
+        gone.cancel()
+        assert await kept == "kept"
+    finally:
+        await b.stop()
+    assert seen == [["kept"]]
+
+
+@pytest.mark.parametrize("instrumentation", ["none", "off"])
+async def test_healthz_reports_batches_and_batched_requests(instrumentation, unconfigured):
+    app = create_app(DemoSettings(instrumentation=instrumentation, model_size="tiny",
+                                  max_batch_size=4))
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://demo") as c:
+            before = (await c.get(HEALTH_PATH)).json()
+            rs = await asyncio.gather(*(c.post(CLASSIFY_PATH, json={"text": f"gpu {i}"})
+                                        for i in range(6)))
+            after = (await c.get(HEALTH_PATH)).json()
+    assert all(r.status_code == 200 for r in rs)
+    assert before["batches"] == 0 and before["batched_requests"] == 0
+    assert after["batched_requests"] == 6
+    assert 2 <= after["batches"] <= 6  # batches of at most 4
+    if instrumentation == "none":
+        assert after["telemetry"] is None
