@@ -325,9 +325,11 @@ def _span_exporter(config: Config):
         if endpoint and not endpoint.rstrip("/").endswith("/v1/traces"):
             endpoint = endpoint.rstrip("/") + "/v1/traces"
         return OTLPSpanExporter(endpoint=endpoint)
-    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    # The SDK's gRPC exporter with inferprof's wire encoder (same bytes, a quarter of the
+    # CPU per span; see inferprof/instrumentation/otlp_encode.py and docs/overhead.md).
+    from inferprof.instrumentation.otlp_encode import grpc_span_exporter
 
-    return OTLPSpanExporter(endpoint=config.endpoint)
+    return grpc_span_exporter(endpoint=config.endpoint)
 
 
 def _metric_exporter(config: Config):
