@@ -116,7 +116,11 @@ def test_an_unsupported_value_falls_back_to_the_sdk_encoder():
 
 
 def test_configure_exports_through_the_fast_encoder_to_a_real_receiver(otlp_sink):
-    inferprof.configure(service_name="enc-test", endpoint=otlp_sink.endpoint, mode="full")
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    # Not global: later tests must not inherit this process-wide provider.
+    inferprof.configure(service_name="enc-test", endpoint=otlp_sink.endpoint, mode="full",
+                        set_global=False, metric_readers=[InMemoryMetricReader()])
     with inferprof.request(model="m"):
         with inferprof.stage(semconv.STAGE_TOKENIZE, **{semconv.ATTR_BYTES: 12}):
             pass
