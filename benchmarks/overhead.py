@@ -1,6 +1,7 @@
 """What inferprof costs a saturated model server: one command, one table.
 
     python3 benchmarks/overhead.py [--rounds 10] [--duration 4] [--concurrency 32]
+                                   [--rate R]  # open loop at R req/s instead of saturation
                                    [--out docs/overhead.md]
 
 The demo service (FastAPI + dynamic batcher + real tokenizer + numpy model, see
@@ -180,11 +181,16 @@ _TELEMETRY_KEYS = ("spans_emitted", "spans_exported", "spans_dropped_queue_full"
                    "spans_dropped_export_failed", "traces_kept", "traces_discarded")
 
 
-def measure(service: ServiceProcess, duration: float, concurrency: int, seed: int) -> dict:
+def measure(service: ServiceProcess, duration: float, concurrency: int, seed: int,
+            rate: float | None = None) -> dict:
     pid = service.pid
     h0 = health(service.base_url)
     cpu0 = cpu_seconds(pid)
-    summary = run_loadgen(service.url, duration_s=duration, concurrency=concurrency, seed=seed)
+    if rate is not None:  # open loop: latency at a given load, not at saturation
+        summary = run_loadgen(service.url, duration_s=duration, rate=rate, seed=seed)
+    else:
+        summary = run_loadgen(service.url, duration_s=duration, concurrency=concurrency,
+                              seed=seed)
     cpu = cpu_seconds(pid) - cpu0
     h1 = health(service.base_url)
     n = max(summary["requests"], 1)
@@ -229,9 +235,11 @@ def _fmt_ratio(values: list[float]) -> str:
 
 def table(cfgs: list[Config], args: argparse.Namespace, sink_spans: int, pinned: bool) -> str:
     base = cfgs[0]
+    load = (f"open loop, {args.rate:g} req/s" if args.rate is not None
+            else f"closed loop, {args.concurrency} clients")
     lines = [
-        (f"Demo service saturated on 127.0.0.1 (model `{args.model_size}`, batch <= "
-         f"{args.max_batch_size}); closed loop, {args.concurrency} clients; {args.rounds} "
+        (f"Demo service on 127.0.0.1 (model `{args.model_size}`, batch <= "
+         f"{args.max_batch_size}); {load}; {args.rounds} "
          f"interleaved rounds x {args.duration:g} s per configuration. {os.cpu_count()} "
          f"CPU(s), {'service pinned to CPU 0, client to CPU 1' if pinned else 'not pinned'}; "
          f"Python {sys.version.split()[0]}. Figures: median over rounds; `x (a)`: median of "
@@ -291,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=10,
                         help="interleaved rounds, each measuring every configuration once")
     parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--rate", type=float,
+                        help="open loop at this many requests/s (Poisson arrivals) instead "
+                             "of the closed loop: latency at a load below saturation")
     parser.add_argument("--warmup", type=float, default=3.0,
                         help="seconds of load per service before the first round")
     parser.add_argument("--model-size", default="small")
@@ -339,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
             shift = rnd % len(cfgs)
             for c in cfgs[shift:] + cfgs[:shift]:
                 assert c.service is not None
-                run = measure(c.service, args.duration, args.concurrency, seed=rnd)
+                run = measure(c.service, args.duration, args.concurrency, seed=rnd,
+                              rate=args.rate)
                 run["round"] = rnd
                 c.runs.append(run)
                 print(f"round {rnd + 1}/{args.rounds} ({c.key}) {run['rps']:.0f} req/s, "

@@ -105,3 +105,36 @@ def test_number_of_threshold_windows_is_bounded():
     for i in range(sampling._MAX_KEYS + 50):
         sampler.decide(1000, False, key=f"route-{i}")
     assert len(sampler._windows) == sampling._MAX_KEYS + 1
+
+
+def test_overload_guard_bounds_the_kept_fraction_and_keeps_weights_unbiased():
+    # Latency climbing steadily (a queue building up): each request is slower than the
+    # lagging p90 estimate, so without the guard every trace would be kept.
+    random.seed(3)
+    n = 20000
+    sampler = TailSampler(sample_rate=0.05, tail_quantile=0.9)
+    kept, weight = 0, 0.0
+    for i in range(n):
+        head = random.random() < 0.05
+        w = sampler.decide(1_000_000 + 1_000 * i, head)
+        if w is not None:
+            kept += 1
+            weight += w
+    assert kept < 0.25 * n  # budget: 2 x 10% of requests kept for being slow (+ warm-up)
+    assert abs(weight - n) / n < 0.05  # each kept one stands for 1/p requests
+
+
+def test_overload_guard_keeps_head_sampled_requests():
+    sampler = TailSampler(sample_rate=0.05, tail_quantile=0.9, warmup=8, refresh=8)
+    for i in range(200):  # climbing: trips the guard
+        sampler.decide(1_000 + i, head=False)
+    # A slow request whose head coin said "sampled" (downstream saw sampled=1) is kept.
+    assert all(sampler.decide(10_000 + i, head=True) is not None for i in range(50))
+
+
+def test_steady_latencies_never_trip_the_overload_guard():
+    rng = np.random.default_rng(5)
+    sampler = TailSampler(sample_rate=0.05, tail_quantile=0.9)
+    weights = {sampler.decide(int(x), random.random() < 0.05)
+               for x in rng.lognormal(15, 1.0, 30000)}
+    assert weights <= {None, 1.0, 20.0}
