@@ -1,5 +1,7 @@
 import pytest
 
+import inferprof
+from tests.instrumentation.helpers import captured
 from tests.otlp_sink import OtlpSink
 
 
@@ -11,3 +13,17 @@ def otlp_sink():
         yield sink
     finally:
         sink.stop()
+
+
+@pytest.fixture
+def cap():
+    """inferprof configured against an in-memory span exporter (see helpers.captured)."""
+    with captured() as c:
+        yield c
+
+
+@pytest.fixture(autouse=True)
+def _unconfigured_after():
+    # Whatever a test configured, the next one starts unconfigured (a no-op otherwise).
+    yield
+    inferprof.shutdown()
