@@ -186,6 +186,7 @@ async def test_exception_in_fn_fails_only_that_batch(cap):
     assert second == [3, 4]
     failed = [r for r in cap.requests() if r.attributes["i"] < 2]
     ok = [r for r in cap.requests() if r.attributes["i"] >= 2]
+    assert len(failed) == len(ok) == 2
     assert all(r.status.status_code is StatusCode.ERROR for r in failed)
     assert all(r.status.status_code is StatusCode.UNSET for r in ok)
     bad_computes = [s for s in cap.stages("compute") if s.status.status_code is StatusCode.ERROR]
@@ -201,6 +202,7 @@ async def _one(b, i):
 async def test_fn_returning_wrong_number_of_results_fails_the_batch(cap):
     async with inferprof.DynamicBatcher(lambda xs: [1], max_batch_size=2, max_delay_ms=20) as b:
         out = await asyncio.gather(*(_one(b, i) for i in range(2)), return_exceptions=True)
+    assert len(out) == len(cap.requests()) == 2
     assert all(isinstance(e, ValueError) for e in out)
     assert all(r.status.description.startswith("ValueError") for r in cap.requests())
 
@@ -244,6 +246,7 @@ async def test_async_fn_and_collate_reporting_tokens(cap):
         fn, max_batch_size=2, max_delay_ms=20, collate=collate
     ) as b:
         await asyncio.gather(*(_one(b, i) for i in range(2)))
+    assert len(cap.stages("batch_assembly")) == 2  # one copy under each member request
     for s in cap.stages("batch_assembly"):
         assert s.attributes[semconv.ATTR_TOKENS_EFFECTIVE] == 7
         assert s.attributes[semconv.ATTR_TOKENS_PADDED] == 9
@@ -258,6 +261,7 @@ async def test_collate_can_report_tokens_through_the_current_batch(cap):
         lambda xs: xs, max_batch_size=2, max_delay_ms=20, collate=collate
     ) as b:
         await asyncio.gather(*(_one(b, i) for i in range(2)))
+    assert len(cap.stages("batch_assembly")) == 2
     for s in cap.stages("batch_assembly"):
         assert s.attributes[semconv.ATTR_TOKENS_EFFECTIVE] == 4
 

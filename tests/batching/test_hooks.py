@@ -44,6 +44,7 @@ async def test_hooks_produce_queue_and_batch_stages(cap):
     assert await asyncio.gather(*tasks) == [0, 1, 2]
 
     spans = cap.spans()
+    assert len(cap.requests()) == 3
     for r in cap.requests():
         kids = {k.attributes[semconv.ATTR_STAGE]: k for k in children_of(spans, r)}
         assert set(kids) == {"queue", "batch_assembly", "compute"}

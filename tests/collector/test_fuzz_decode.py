@@ -7,7 +7,7 @@ import gzip
 import json
 import zlib
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
@@ -63,6 +63,7 @@ def test_random_bytes_decode_or_fail_cleanly(body, content_type, encoding, signa
 
 @FAST
 @given(st.integers(min_value=0, max_value=len(VALID)))
+@example(len(VALID))
 def test_truncated_protobuf_decodes_or_fails_cleanly(cut):
     message = _decode(VALID[:cut], "application/x-protobuf", "")
     if cut == len(VALID):

@@ -20,6 +20,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 from opentelemetry.sdk.trace.export import SpanExportResult
 
 from inferprof.collector.auth import token_matches
+from inferprof.collector.settings import CollectorSettings
 from tests.collector.test_server_fixtures import make_requests, running_app
 
 TOKEN = "s3cret-token"
@@ -221,4 +222,4 @@ def test_tls_and_token_with_sdk_exporters_on_grpc_and_http(tls_files, monkeypatc
 
 def test_tls_settings_must_come_in_pairs(tls_files):
     with pytest.raises(ValueError, match="together"):
-        running_app(tls_cert=tls_files[1]).__enter__()
+        CollectorSettings(tls_cert=tls_files[1])

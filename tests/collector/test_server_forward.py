@@ -14,6 +14,7 @@ from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExport
 from opentelemetry.sdk.trace.export import SpanExportResult
 
 from inferprof.collector.forward import Forwarder, destination_label
+from inferprof.collector.settings import CollectorSettings
 from tests.collector.test_server_fixtures import breakdown, make_requests, running_app, wait_until
 
 PB = {"content-type": "application/x-protobuf"}
@@ -189,7 +190,7 @@ def test_destination_labels_hide_credentials():
 @pytest.mark.parametrize("url", ["tempo:4317", "grpc://x:1", "ftp://x", "http://", 5])
 def test_bad_forward_urls_are_rejected(url):
     with pytest.raises(ValueError, match="forward"):
-        running_app(forward=(url,)).__enter__()
+        CollectorSettings(forward=(url,))
 
 
 def test_forward_queue_must_be_positive():

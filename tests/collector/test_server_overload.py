@@ -16,6 +16,7 @@ from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExport
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.sdk.trace.export import SpanExportResult
 
+from inferprof.collector.settings import CollectorSettings
 from tests.collector.test_server_fixtures import breakdown, make_requests, running_app, wait_until
 
 PB = {"content-type": "application/x-protobuf"}
@@ -134,7 +135,7 @@ def _in_flight(app) -> float:
 @pytest.mark.parametrize("bad", [0, -1, "5"])
 def test_caps_must_be_positive(bad):
     with pytest.raises(ValueError):
-        running_app(max_concurrent_requests=bad).__enter__()
+        CollectorSettings(max_concurrent_requests=bad)
 
 
 def test_concurrent_clients_that_retry_get_every_request_in_exactly_once():

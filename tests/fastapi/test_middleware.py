@@ -288,6 +288,7 @@ async def test_batched_service_end_to_end(cap):
     await batcher.stop()
     assert sorted(o.json()["out"] for o in outs) == list("ABCD")
     spans = cap.spans()
+    assert len(cap.requests()) == 4
     for r in cap.requests():
         kids = {k.attributes[semconv.ATTR_STAGE] for k in children_of(spans, r)}
         assert kids == {"receive", "queue", "batch_assembly", "compute", "serialize"}

@@ -128,6 +128,7 @@ def test_overload_guard_keeps_head_sampled_requests():
     sampler = TailSampler(sample_rate=0.05, tail_quantile=0.9, warmup=8, refresh=8)
     for i in range(200):  # climbing: trips the guard
         sampler.decide(1_000 + i, head=False)
+    assert any(w.tail_p < 1.0 for w in sampler._windows.values())  # the guard is on
     # A slow request whose head coin said "sampled" (downstream saw sampled=1) is kept.
     assert all(sampler.decide(10_000 + i, head=True) is not None for i in range(50))
 

@@ -11,6 +11,7 @@ from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExport
 from opentelemetry.sdk.trace.export import SpanExportResult
 
 from inferprof.cli import main
+from inferprof.collector.settings import CollectorSettings
 from tests.collector.test_server_fixtures import breakdown, make_requests, running_app
 
 
@@ -40,4 +41,4 @@ def test_a_recorded_run_reports_the_same_breakdown_offline(tmp_path):
 
 def test_file_destinations_need_a_path():
     with pytest.raises(ValueError, match="forward"):
-        running_app(forward=("file://",)).__enter__()
+        CollectorSettings(forward=("file://",))
