@@ -350,4 +350,4 @@ async def test_max_delay_counts_from_the_oldest_arrival(cap):
     assert batch1 == ["a", "a2"] and batch2 == ["b"]
     # "b" had waited 250 ms > max_delay when batch 1 finished: it leaves at once
     # (counting from when the loop got to it, it would leave 200 ms later)
-    assert t2 - t1 < 0.3 + 0.1
+    assert t2 - t1 < 0.3 + 0.15  # the wrong rule gives >= 0.3 + 0.2
