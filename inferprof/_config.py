@@ -228,19 +228,7 @@ def _auto_runtime() -> Any:
         return None
     from inferprof.instrumentation.runtime import Runtime
 
-    config = _resolve(
-        mode=None,
-        service_name=None,
-        endpoint=None,
-        protocol=None,
-        sample_rate=None,
-        tail_quantile=None,
-        batch_encoding=None,
-        record_content=None,
-        content_max_bytes=None,
-        excluded_paths=None,
-        owns=False,
-    )
+    config = _resolve(owns=False)
     if not config.enabled:
         return None
     rt = Runtime(config, provider, metrics_api.get_meter_provider())
@@ -250,18 +238,20 @@ def _auto_runtime() -> Any:
 
 def _resolve(
     *,
-    mode,
-    service_name,
-    endpoint,
-    protocol,
-    sample_rate,
-    tail_quantile,
-    batch_encoding,
-    record_content,
-    content_max_bytes,
-    excluded_paths,
-    owns,
+    mode=None,
+    service_name=None,
+    endpoint=None,
+    protocol=None,
+    sample_rate=None,
+    tail_quantile=None,
+    batch_encoding=None,
+    record_content=None,
+    content_max_bytes=None,
+    excluded_paths=None,
+    owns: bool,
 ) -> Config:
+    """Settings from arguments, then ``INFERPROF_*``/``OTEL_*`` variables, then defaults
+    (``None`` means "not given")."""
     resolved_mode = _choice(mode, ENV_MODE, semconv.MODES, _DEFAULT_MODE, "mode")
     if mode is None and _flag(None, ENV_OTEL_SDK_DISABLED, False):
         resolved_mode = semconv.MODE_OFF
@@ -317,14 +307,18 @@ def _resource(service_name: str | None, extra: Mapping[str, Any] | None):
     return base.merge(Resource.create(attrs))
 
 
+def _http_signal_endpoint(endpoint: str | None, path: str) -> str | None:
+    """OTLP/HTTP wants the signal's path on a base endpoint (``/v1/traces``...)."""
+    if endpoint and not endpoint.rstrip("/").endswith(path):
+        return endpoint.rstrip("/") + path
+    return endpoint
+
+
 def _span_exporter(config: Config):
     if config.protocol == PROTOCOL_HTTP:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-        endpoint = config.endpoint
-        if endpoint and not endpoint.rstrip("/").endswith("/v1/traces"):
-            endpoint = endpoint.rstrip("/") + "/v1/traces"
-        return OTLPSpanExporter(endpoint=endpoint)
+        return OTLPSpanExporter(endpoint=_http_signal_endpoint(config.endpoint, "/v1/traces"))
     # The SDK's gRPC exporter with inferprof's wire encoder (same bytes, a quarter of the
     # CPU per span; see inferprof/instrumentation/otlp_encode.py and docs/overhead.md).
     from inferprof.instrumentation.otlp_encode import grpc_span_exporter
@@ -336,10 +330,7 @@ def _metric_exporter(config: Config):
     if config.protocol == PROTOCOL_HTTP:
         from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 
-        endpoint = config.endpoint
-        if endpoint and not endpoint.rstrip("/").endswith("/v1/metrics"):
-            endpoint = endpoint.rstrip("/") + "/v1/metrics"
-        return OTLPMetricExporter(endpoint=endpoint)
+        return OTLPMetricExporter(endpoint=_http_signal_endpoint(config.endpoint, "/v1/metrics"))
     from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
 
     return OTLPMetricExporter(endpoint=config.endpoint)

@@ -450,6 +450,13 @@ def iter_otlp_file(
             buf = fh.readline()
 
 
+def _decode_record(cls, payload: bytes, path, record: int) -> OtlpRequest:
+    try:
+        return cls.FromString(payload)
+    except DecodeError as exc:
+        raise ValueError(f"{os.fspath(path)}: record {record}: {exc}") from None
+
+
 def _iter_pb(fh, path, raw, on_bytes) -> Iterator[OtlpRequest]:
     record = 0
     while True:
@@ -467,13 +474,9 @@ def _iter_pb(fh, path, raw, on_bytes) -> Iterator[OtlpRequest]:
         }.get(kind)
         if cls is None:
             raise ValueError(f"{os.fspath(path)}: record {record} has unknown kind {kind!r}")
-        try:
-            msg = cls.FromString(payload)
-        except DecodeError as exc:
-            raise ValueError(f"{os.fspath(path)}: record {record}: {exc}") from None
+        yield _decode_record(cls, payload, path, record)
         if on_bytes is not None:
             on_bytes(raw.tell())
-        yield msg
 
 
 def _plausible_traces(req: ExportTraceServiceRequest) -> bool:
@@ -511,13 +514,9 @@ def _iter_collector_proto(first: bytes, fh, path, raw, on_bytes) -> Iterator[Otl
                     cls = ExportTraceServiceRequest
             except DecodeError:
                 pass
-        try:
-            msg = cls.FromString(payload)
-        except DecodeError as exc:
-            raise ValueError(f"{os.fspath(path)}: record {record}: {exc}") from None
+        yield _decode_record(cls, payload, path, record)
         if on_bytes is not None:
             on_bytes(raw.tell())
-        yield msg
 
 
 def to_json(request: OtlpRequest) -> dict:

@@ -124,13 +124,6 @@ class InferprofMiddleware:
         self._runtime: Runtime | None = None
         if tracer_provider is not None:
             config = _config._resolve(
-                mode=None,
-                service_name=None,
-                endpoint=None,
-                protocol=None,
-                sample_rate=None,
-                tail_quantile=None,
-                batch_encoding=None,
                 record_content=record_content,
                 content_max_bytes=content_max_bytes,
                 excluded_paths=paths,
