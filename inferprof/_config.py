@@ -451,7 +451,8 @@ def configure(
         if set_global:
             _set_global(tp, mp)
         with _lock:
-            _runtime = Runtime(config, tp, mp, stats=stats)
+            deferred = processor if processor._emit is not None else None
+            _runtime = Runtime(config, tp, mp, stats=stats, deferred=deferred)
         return config
 
     with _lock:

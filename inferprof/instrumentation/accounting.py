@@ -1,4 +1,6 @@
-"""Self-accounting of the in-process half: spans emitted and spans dropped, and why.
+"""Self-accounting of the in-process half, and the export queue's deferred traces.
+
+Spans emitted and spans dropped, and why:
 
 When the exporter is down, spans must be dropped — never queued without bound, never
 slowing requests — and the drops must be visible. The SDK's ``BatchSpanProcessor`` already
@@ -6,16 +8,61 @@ bounds its queue (``OTEL_BSP_MAX_QUEUE_SIZE``, default 2048) and never blocks ``
 these wrappers count what it throws away (queue full) and what the exporter fails to send,
 so ``inferprof.instrumentation.stats()`` and the OTel counter ``inferprof.spans.dropped``
 report them.
+
+Deferred traces: when ``configure()`` built the provider, a kept request is queued as one
+:class:`DeferredTrace` (its records, frozen) instead of ~10 ``ReadableSpan`` objects, and
+:class:`CountingSpanExporter` builds the spans on the processor's export thread, just
+before encoding them. The request's own thread pays one queue append per kept trace
+(docs/overhead.md). The bounded queue then holds at most ``OTEL_BSP_MAX_QUEUE_SIZE``
+entries, each a span or a trace; drops are counted in spans.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+
+_logger = logging.getLogger(__name__)
+#: Traces built between voluntary GIL releases on the export thread, so that a large
+#: export does not hold the request threads off for a whole switch interval (5 ms).
+_BUILD_SLICE = 16
+
+
+class DeferredTrace:
+    """A kept trace of ``n`` spans: ``build(*args)`` gives its (trace id, span specs,
+    trace state) on the export thread; ``runtime`` turns those into ``ReadableSpan``
+    objects or, for inferprof's own OTLP exporter, straight into protobuf bytes."""
+
+    __slots__ = ("runtime", "build", "args", "n")
+
+    def __init__(self, runtime: Any, build: Callable[..., tuple], args: tuple, n: int) -> None:
+        self.runtime = runtime
+        self.build = build
+        self.args = args
+        self.n = n
+
+    def spans(self) -> list:
+        return self.runtime._spans(*self.build(*self.args))
+
+
+class EncodedSpans:
+    """``n`` spans already encoded as an ``ExportTraceServiceRequest`` (``payload``)."""
+
+    __slots__ = ("payload", "n")
+
+    def __init__(self, payload: bytes, n: int) -> None:
+        self.payload = payload
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
 
 
 @dataclass(frozen=True)
@@ -62,13 +109,79 @@ class Stats:
 
 
 class CountingSpanExporter(SpanExporter):
-    """Delegates to ``exporter``; counts spans in failed exports as dropped."""
+    """Delegates to ``exporter``; counts spans in failed exports as dropped. Builds the
+    spans of :class:`DeferredTrace` entries first, handing the exporter at most
+    ``max_batch`` spans per call."""
 
-    def __init__(self, exporter: SpanExporter, stats: Stats) -> None:
+    def __init__(self, exporter: SpanExporter, stats: Stats, max_batch: int = 512) -> None:
         self._exporter = exporter
         self._stats = stats
+        self._max_batch = max(1, max_batch)
 
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+    def export(self, spans: Sequence[Any]) -> SpanExportResult:
+        if any(type(s) is DeferredTrace for s in spans):
+            return self._export_deferred(spans)
+        return self._export(spans)
+
+    def _export_deferred(self, items: Sequence[Any]) -> SpanExportResult:
+        # inferprof's gRPC exporter takes encoded bytes: deferred traces go from their
+        # records to protobuf with no ReadableSpan in between (otlp_encode.encode_traces).
+        direct = getattr(self._exporter, "accepts_encoded", False)
+        result = SpanExportResult.SUCCESS
+        spans: list = []
+        traces: list = []
+        pending = 0
+        built = 0
+        for item in items:
+            if type(item) is not DeferredTrace:
+                spans.append(item)
+                pending += 1
+            else:
+                try:
+                    if direct:
+                        traces.append((item.runtime, item.build(*item.args)))
+                    else:
+                        spans.extend(item.spans())
+                except Exception:
+                    _logger.exception("inferprof could not build the spans of a trace")
+                    with self._stats._lock:
+                        self._stats.export_failed += item.n
+                    continue
+                pending += item.n
+                built += 1
+                if built % _BUILD_SLICE == 0:
+                    time.sleep(0)  # let the request threads in (GIL)
+            if pending >= self._max_batch:
+                if self._send(spans, traces, pending, direct) is not SpanExportResult.SUCCESS:
+                    result = SpanExportResult.FAILURE
+                spans, traces, pending = [], [], 0
+        if pending and self._send(spans, traces, pending, direct) is not SpanExportResult.SUCCESS:
+            result = SpanExportResult.FAILURE
+        return result
+
+    def _send(self, spans: list, traces: list, n: int, direct: bool) -> SpanExportResult:
+        if not direct:
+            return self._export_counted(spans)
+        from inferprof.instrumentation.otlp_encode import encode_request, encode_traces
+
+        try:
+            # Serialized protobuf messages concatenate into their merge: one request.
+            payload = (encode_request(spans) if spans else b"") + encode_traces(traces)
+        except Exception:
+            _logger.exception("inferprof could not encode spans")
+            with self._stats._lock:
+                self._stats.export_failed += n
+            return SpanExportResult.FAILURE
+        return self._export_counted(EncodedSpans(payload, n))
+
+    def _export_counted(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        try:
+            return self._export(spans)
+        except Exception:  # counted in _export; the rest of the entries still go out
+            _logger.exception("inferprof's span exporter failed")
+            return SpanExportResult.FAILURE
+
+    def _export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         try:
             result = self._exporter.export(spans)
         except Exception:
@@ -100,12 +213,33 @@ class CountingBatchSpanProcessor(BatchSpanProcessor):
         inner = getattr(self, "_batch_processor", None)
         self._queue = getattr(inner, "_queue", None)
         self._max = getattr(inner, "_max_queue_size", None)
+        #: the SDK's own queueing entry point, or None when its layout changed (then
+        #: configure() does not defer traces and spans are built on the request's thread)
+        self._emit = getattr(inner, "emit", None)
+        batch_size = getattr(inner, "_max_export_batch_size", None)
+        if isinstance(exporter, CountingSpanExporter) and batch_size:
+            exporter._max_batch = batch_size  # spans per export call, deferred traces built
 
-    def on_end(self, span: ReadableSpan) -> None:
+    def on_end(self, span: Any) -> None:
         queue = self._queue
         if queue is not None and len(queue) >= self._max:
-            self._stats.queue_full += 1
-        super().on_end(span)
+            # The SDK's queue drops its oldest entry to make room: count its spans.
+            try:
+                oldest = queue[-1]
+            except IndexError:  # the export thread emptied it meanwhile
+                oldest = None
+            self._stats.queue_full += oldest.n if type(oldest) is DeferredTrace else 1
+        if type(span) is DeferredTrace:
+            self._emit(span)  # sampled by construction: it was kept
+        else:
+            super().on_end(span)
 
 
-__all__ = ["Stats", "StatsSnapshot", "CountingSpanExporter", "CountingBatchSpanProcessor"]
+__all__ = [
+    "DeferredTrace",
+    "EncodedSpans",
+    "Stats",
+    "StatsSnapshot",
+    "CountingSpanExporter",
+    "CountingBatchSpanProcessor",
+]

@@ -31,7 +31,7 @@ from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
 from inferprof import __version__, semconv
 from inferprof.batching.device import resolve_stages
-from inferprof.instrumentation.accounting import Stats, StatsSnapshot
+from inferprof.instrumentation.accounting import DeferredTrace, Stats, StatsSnapshot
 from inferprof.instrumentation.records import BatchRecord, RequestRecord, StageRecord
 from inferprof.instrumentation.sampling import TailSampler
 
@@ -54,8 +54,10 @@ def new_trace_id() -> int:
     return _getrandbits(128) or 1
 
 
-def _error_parts(error: BaseException, when: int) -> tuple[Status, tuple, dict]:
+def _error_parts(error: Any, when: int) -> tuple[Status, tuple, dict]:
     """Status, events and extra attributes for a span that ended with ``error``."""
+    if isinstance(error, tuple):  # frozen already (_freeze_errors)
+        return error
     if isinstance(error, str):  # an error without an exception (e.g. an HTTP 5xx response)
         return Status(StatusCode.ERROR, error), (), {}
     if isinstance(error, asyncio.CancelledError):
@@ -106,11 +108,33 @@ def _roots_always_on(sampler: Any) -> bool:
     )
 
 
+def _freeze_stage_errors(stages: Iterable[StageRecord], default_end: int) -> None:
+    for st in stages:
+        if st.error is not None and not isinstance(st.error, tuple):
+            st.error = _error_parts(st.error, st.end or default_end)
+
+
+def _freeze_errors(rec: RequestRecord, batches: list) -> None:
+    """Turn exceptions into their span parts now, on the request's thread: a trace
+    waiting in the export queue must not keep a traceback (and every frame's locals,
+    model inputs included) alive, and the message must be the one of the moment."""
+    if rec.error is not None and not isinstance(rec.error, tuple):
+        rec.error = _error_parts(rec.error, rec.end)
+    _freeze_stage_errors(rec.stages, rec.end)
+    for _, stages in batches:
+        _freeze_stage_errors(stages, rec.end)
+
+
 class Runtime:
     """Configured state: providers, the span sink, the sampler and the counters."""
 
     def __init__(
-        self, config: Any, tracer_provider: Any, meter_provider: Any, stats: Stats | None = None
+        self,
+        config: Any,
+        tracer_provider: Any,
+        meter_provider: Any,
+        stats: Stats | None = None,
+        deferred: Any = None,
     ) -> None:
         self.config = config
         self.enabled = config.enabled and tracer_provider is not None
@@ -133,6 +157,9 @@ class Runtime:
         self._batch_ids = itertools.count(1)
         self._batch_prefix = f"{_getrandbits(32):08x}"
         self._processor = None
+        #: inferprof's own batch processor (configure() built the provider): kept traces go
+        #: to it as one DeferredTrace each, built into spans on its export thread.
+        self._deferred = deferred
         self._resource = None
         self._sampler = None
         self.tracer = None
@@ -269,7 +296,23 @@ class Runtime:
         rec.kept = kept
         if kept:
             self.stats.kept += 1
-            self._emit_request(rec, weight)
+            # What the trace will hold, fixed now: a batch that outlives the request adds
+            # no stage that ended after it.
+            batches = [
+                (b, tuple(b.stages))
+                if b.encoding != semconv.BATCH_ENCODING_CHILDREN
+                else (b, tuple(st for st in b.stages if st.end is not None))
+                for b in rec.batches
+            ]
+            if self._deferred is not None:
+                _freeze_errors(rec, batches)
+                n = (1 if rec.emit_request_span and rec.live_span is None else 0) + len(rec.stages)
+                for b, stages in batches:
+                    if b.encoding == semconv.BATCH_ENCODING_CHILDREN:
+                        n += len(stages)
+                self._defer(DeferredTrace(self, self._request_trace, (rec, weight, batches), n))
+            else:
+                self._emit_spans(self._spans(*self._request_trace(rec, weight, batches)))
         else:
             self.stats.discarded += 1
         for batch in rec.batches:
@@ -277,7 +320,9 @@ class Runtime:
                 self.member_done(batch, rec)
         rec.batches = []
 
-    def _emit_request(self, rec: RequestRecord, weight: float | None) -> None:
+    def _request_trace(self, rec: RequestRecord, weight: float | None, batches: list) -> tuple:
+        """(trace id, span specs, trace state) of a kept request; ``batches``: (batch, its
+        stages to include) pairs. Specs are what :meth:`_spans` takes."""
         trace_id = rec.trace_id
         end = rec.end
         specs: list[tuple] = []
@@ -287,9 +332,9 @@ class Runtime:
             # spans' own links; links on a request span carry no attribution).
             back_links = tuple(
                 Link(trace_api.SpanContext(b.trace_id, st.span_id, False, _SAMPLED))
-                for b in rec.batches
+                for b, stages in batches
                 if b.encoding == semconv.BATCH_ENCODING_LINKS and b.trace_id
-                for st in b.stages
+                for st in stages
                 if st.parent_id is None
             )
             attrs = dict(rec.attrs)
@@ -330,13 +375,11 @@ class Runtime:
                     (),
                 )
             )
-        for batch in rec.batches:
+        for batch, stages in batches:
             if batch.encoding != semconv.BATCH_ENCODING_CHILDREN:
                 continue
             mapping: dict[int, int] = {}
-            for st in batch.stages:
-                if st.end is None:
-                    continue  # the batch outlived the request: only finished stages are copied
+            for st in stages:
                 copy_id = new_span_id()
                 mapping[st.span_id] = copy_id
                 specs.append(
@@ -352,7 +395,7 @@ class Runtime:
                         (),
                     )
                 )
-        self._emit(trace_id, specs, rec.trace_state)
+        return trace_id, specs, rec.trace_state
 
     @staticmethod
     def _batch_attrs(batch: BatchRecord, st: StageRecord) -> dict:
@@ -402,9 +445,21 @@ class Runtime:
                 return
             batch.emitted = True
         links = tuple(Link(ctx) for ctx in batch.kept_members)
-        end = max((st.end or 0 for st in batch.stages), default=0)
+        if self._deferred is not None:
+            stages = tuple(batch.stages)
+            _freeze_stage_errors(stages, 0)
+            self._defer(
+                DeferredTrace(self, self._linked_batch_trace, (batch, stages, links), len(stages))
+            )
+        else:
+            self._emit_spans(
+                self._spans(*self._linked_batch_trace(batch, tuple(batch.stages), links))
+            )
+
+    def _linked_batch_trace(self, batch: BatchRecord, stages: tuple, links: tuple) -> tuple:
+        end = max((st.end or 0 for st in stages), default=0)
         specs = []
-        for st in batch.stages:
+        for st in stages:
             specs.append(
                 (
                     semconv.span_name(st.name),
@@ -418,16 +473,30 @@ class Runtime:
                     links,
                 )
             )
-        self._emit(batch.trace_id or new_trace_id(), specs)
+        return batch.trace_id or new_trace_id(), specs, None
 
     # --- the sink ----------------------------------------------------------------------
-    def _emit(self, trace_id: int, specs: Iterable[tuple], trace_state: Any = None) -> None:
-        processor = self._processor
-        if processor is None:
+    def _defer(self, item: DeferredTrace) -> None:
+        self._deferred.on_end(item)
+        self.stats.emitted += item.n
+
+    def _emit_spans(self, spans: list) -> None:
+        if self._processor is None:
+            return  # _spans emitted them through the public API already
+        on_end = self._processor.on_end
+        for span in spans:
+            on_end(span)
+        self.stats.emitted += len(spans)
+
+    def _spans(self, trace_id: int, specs: Iterable[tuple], trace_state: Any = None) -> list:
+        """``ReadableSpan`` objects for ``specs`` (name, span id, parent, kind, start, end,
+        attributes, error, links); the parent is a SpanContext, None, or a span id of this
+        trace. Without an SDK provider the spans are emitted through the API instead."""
+        if self._processor is None:
             self._emit_via_api(trace_id, specs)
-            return
+            return []
         resource, scope = self._resource, self._scope
-        n = 0
+        out = []
         parents: dict[int, trace_api.SpanContext] = {}
         for name, span_id, parent, kind, start, end, attrs, error, links in specs:
             if parent is None or isinstance(parent, trace_api.SpanContext):
@@ -443,23 +512,23 @@ class Runtime:
                 status, events, extra = _error_parts(error, end)
                 if extra:
                     attrs.update(extra)
-            span = ReadableSpan(
-                name=name,
-                context=trace_api.SpanContext(trace_id, span_id, False, _SAMPLED, trace_state),
-                parent=parent_ctx,
-                resource=resource,
-                attributes=attrs,
-                events=events,
-                links=links,
-                kind=kind,
-                status=status,
-                start_time=start,
-                end_time=end,
-                instrumentation_scope=scope,
+            out.append(
+                ReadableSpan(
+                    name=name,
+                    context=trace_api.SpanContext(trace_id, span_id, False, _SAMPLED, trace_state),
+                    parent=parent_ctx,
+                    resource=resource,
+                    attributes=attrs,
+                    events=events,
+                    links=links,
+                    kind=kind,
+                    status=status,
+                    start_time=start,
+                    end_time=end,
+                    instrumentation_scope=scope,
+                )
             )
-            processor.on_end(span)
-            n += 1
-        self.stats.emitted += n
+        return out
 
     def _emit_via_api(self, trace_id: int, specs: Iterable[tuple]) -> None:
         # A non-SDK provider chooses its own ids: map ours to the contexts it produced.

@@ -1,0 +1,229 @@
+"""Kept traces built on the export thread: same spans, same bytes, nothing held, all counted.
+
+When ``configure()`` builds the provider, a kept request is queued as one DeferredTrace
+and turned into spans (or straight into OTLP bytes) on the processor's thread.
+"""
+
+import asyncio
+import gc
+import weakref
+
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
+
+import inferprof
+from inferprof import _config, semconv
+from inferprof.instrumentation.accounting import (
+    CountingSpanExporter,
+    DeferredTrace,
+    EncodedSpans,
+    Stats,
+)
+from inferprof.instrumentation.otlp_encode import encode_request, encode_traces
+from tests.instrumentation.helpers import captured
+
+_PARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
+
+class _Queue:
+    """Stands in for the batch processor: keeps what the runtime queues."""
+
+    def __init__(self) -> None:
+        self.items = []
+
+    def on_end(self, item) -> None:
+        self.items.append(item)
+
+
+class Boom(Exception):
+    pass
+
+
+def _configure(**options):
+    exporter = InMemorySpanExporter()
+    inferprof.configure(span_exporter=exporter, set_global=False, metric_readers=[], **options)
+    return exporter
+
+
+async def _traffic():
+    """Requests touching every spec shape: errors, nesting, a remote parent with
+    tracestate, both batch encodings, several attribute types."""
+    with inferprof.request(
+        model="m", carrier={"traceparent": _PARENT, "tracestate": "vendor=1"}, flag=True
+    ):
+        with inferprof.stage("tokenize", chars=12, ratio=0.5, tags=["a", "b"]):
+            with inferprof.stage("my_substage"):
+                pass
+    try:
+        with inferprof.request(model="m"):
+            with inferprof.stage("compute"):
+                raise Boom("device lost")
+    except Boom:
+        pass
+    for encoding in (semconv.BATCH_ENCODING_CHILDREN, semconv.BATCH_ENCODING_LINKS):
+        handles = []
+        for _ in range(3):
+            with inferprof.request(model="m"):
+                handles.append(inferprof.enqueue(depth=len(handles)))
+        # requests have ended before their batch: finished batch stages only
+        with inferprof.batch(handles, max_size=8, model="m", batch_encoding=encoding) as b:
+            with b.stage("batch_assembly"):
+                b.set_tokens(effective=10, padded=12)
+            with b.stage("compute"):
+                pass
+    for encoding in (semconv.BATCH_ENCODING_CHILDREN, semconv.BATCH_ENCODING_LINKS):
+        batcher = inferprof.DynamicBatcher(
+            lambda xs: [x * 2 for x in xs],
+            max_batch_size=4,
+            max_delay_ms=1,
+            batch_encoding=encoding,
+        )
+
+        async def one(i, batcher=batcher):
+            with inferprof.request(model="m"):
+                return await batcher.submit(i)
+
+        assert await asyncio.gather(*(one(i) for i in range(6))) == [0, 2, 4, 6, 8, 10]
+        await batcher.stop()
+
+
+async def test_direct_encoding_equals_the_sdk_encoding_of_the_same_spans():
+    _configure(mode="full")
+    rt = _config._runtime
+    queue = rt._deferred = _Queue()
+    await _traffic()
+    assert len(queue.items) >= 12
+    shapes = set()
+    for item in queue.items:
+        trace = item.build(*item.args)
+        direct = ExportTraceServiceRequest.FromString(encode_traces([(rt, trace)]))
+        spans = rt._spans(*trace)
+        assert len(spans) == item.n  # the count taken on the request's thread is exact
+        via_sdk = ExportTraceServiceRequest.FromString(encode_request(spans))
+        assert direct == via_sdk
+        for span in spans:
+            shapes.add(
+                (
+                    span.kind,
+                    span.status.status_code,
+                    bool(span.links),
+                    bool(span.events),
+                    span.parent is not None and span.parent.is_remote,
+                )
+            )
+    assert (SpanKind.INTERNAL, StatusCode.ERROR, False, True, False) in shapes
+    assert (SpanKind.INTERNAL, StatusCode.UNSET, True, False, False) in shapes
+    assert any(remote for *_, remote in shapes)
+
+
+async def test_the_exported_trace_is_the_same_as_built_on_the_request_thread():
+    exporter = _configure(mode="full")
+    await _traffic()
+    inferprof.shutdown()
+    deferred = sorted(
+        (s.name, s.kind.value, s.status.status_code.value, len(s.links), len(s.events))
+        for s in exporter.get_finished_spans()
+    )
+    with captured(mode="full") as cap:
+        await _traffic()
+        synchronous = sorted(
+            (s.name, s.kind.value, s.status.status_code.value, len(s.links), len(s.events))
+            for s in cap.spans()
+        )
+    assert deferred == synchronous
+    assert len(deferred) > 40
+
+
+def test_a_queued_trace_holds_no_exception_or_traceback():
+    _configure(mode="full")
+    rt = _config._runtime
+    queue = rt._deferred = _Queue()
+    payload = bytearray(1 << 20)  # stands for a model input in the failing frame
+
+    def fail():
+        data = payload  # noqa: F841 - kept alive by the traceback's frame, if anything holds it
+        with inferprof.request(model="m"):
+            with inferprof.stage("compute"):
+                raise Boom("out of memory")
+
+    try:
+        fail()
+    except Boom as exc:
+        ref = weakref.ref(exc)
+    gc.collect()
+    assert ref() is None
+    assert len(queue.items) == 1
+    (trace_id, specs, _) = queue.items[0].build(*queue.items[0].args)
+    spans = rt._spans(trace_id, specs)
+    compute = next(s for s in spans if s.attributes.get(semconv.ATTR_STAGE) == "compute")
+    assert compute.status.status_code is StatusCode.ERROR
+    event = compute.events[0]
+    assert event.attributes["exception.message"] == "out of memory"
+    assert "in fail" in event.attributes["exception.stacktrace"]
+
+
+def test_spans_emitted_are_the_spans_exported():
+    exporter = _configure(mode="full")
+    for _ in range(50):
+        with inferprof.request(model="m"):
+            with inferprof.stage("tokenize"):
+                pass
+            with inferprof.stage("postprocess"):
+                pass
+    stats = inferprof.instrumentation.stats
+    emitted = stats().spans_emitted
+    inferprof.shutdown()
+    assert emitted == 150
+    assert len(exporter.get_finished_spans()) == 150
+
+
+class _Failing:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def build(self):
+        raise RuntimeError("broken record")
+
+
+class _Recorder(SpanExporter):
+    accepts_encoded = True
+
+    def __init__(self) -> None:
+        self.calls = []
+
+    def export(self, data):
+        self.calls.append(data)
+        return SpanExportResult.SUCCESS
+
+
+def test_a_trace_that_cannot_be_built_is_counted_and_the_rest_goes_out():
+    _configure(mode="full")
+    rt = _config._runtime
+    queue = rt._deferred = _Queue()
+    for _ in range(4):
+        with inferprof.request(model="m"):
+            with inferprof.stage("tokenize"):
+                pass
+    broken = DeferredTrace(rt, _Failing().build, (), 7)
+    items = [queue.items[0], broken, *queue.items[1:]]
+    for direct in (False, True):
+        stats = Stats()
+        inner = _Recorder() if direct else InMemorySpanExporter()
+        result = CountingSpanExporter(inner, stats, max_batch=3).export(items)
+        assert result is SpanExportResult.SUCCESS
+        assert stats.export_failed == 7
+        assert stats.exported == 8
+        if direct:
+            # chunks of at least max_batch spans (whole traces), as encoded messages
+            assert [type(c) for c in inner.calls] == [EncodedSpans] * 2
+            n_spans = sum(
+                len(ss.spans)
+                for c in inner.calls
+                for rs in ExportTraceServiceRequest.FromString(c.payload).resource_spans
+                for ss in rs.scope_spans
+            )
+            assert n_spans == 8
+        else:
+            assert len(inner.get_finished_spans()) == 8
