@@ -9,6 +9,9 @@ docs/demo.md) runs under uvicorn on 127.0.0.1, one long-lived process per config
 
   (a) none        uninstrumented: no telemetry code at all; the same batching algorithm
                   as inferprof's DynamicBatcher (inferprof/demo/plain_batcher.py)
+  (a2) none       the control: a second, identical uninstrumented process. Its ratios to
+                  (a) are what this machine's noise alone produces; a configuration is
+                  distinguishable from (a) only by more than that
   (b) otel        opentelemetry-instrumentation-fastapi alone, exporting OTLP/gRPC
   (c) full        inferprof, every stage of every request traced and exported
   (d) production  inferprof production mode (stage timings of every request, a
@@ -33,8 +36,16 @@ How the figures are made precise on a small, shared machine:
 * **CPU per request** is the service process's utime+stime delta (``/proc/<pid>/stat``;
   every thread of it, exporter and span processor included) over a measurement,
   divided by the requests completed in it.
-* **Same batching.** ``/healthz`` of the demo reports batches run and requests batched;
-  the table shows the mean batch size of each configuration.
+* **Same batching, same model work.** ``/healthz`` of the demo reports batches run,
+  requests batched and padded tokens; the table shows the mean batch size and padded
+  tokens per request of each configuration. The model's weights are page-aligned
+  (``inferprof/demo/model.py``): without that, two processes of the same service ran
+  the same model up to 4% apart, depending on where numpy happened to put them.
+* **Latency quantiles are pooled**: every request's latency of every round, per
+  configuration (a 4 s round at saturation holds only ~15 requests above its p99).
+* **Uncertainty**: ``[lo, hi]`` is a 90% bootstrap interval over rounds (rounds resampled
+  with replacement, the statistic recomputed). Throughput and CPU ratios are medians of
+  per-round paired ratios; p50/p99 ratios are ratios of pooled quantiles.
 * **What was exported.** For inferprof configurations ``/healthz`` also reports
   inferprof's own counters: the fraction of traces kept and spans emitted, exported and
   dropped per request (with the exporter down, everything is dropped and counted).
@@ -52,6 +63,7 @@ import os
 import socket
 import statistics
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -61,6 +73,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np
 
 from inferprof import semconv
 from inferprof.demo.processes import ServiceProcess, run_loadgen
@@ -164,6 +178,7 @@ class Config:
 def configs(endpoint_down: bool) -> list[Config]:
     out = [
         Config("a", "uninstrumented", INSTRUMENTATION_NONE, "-"),
+        Config("a2", "uninstrumented, second process (control)", INSTRUMENTATION_NONE, "-"),
         Config("b", "OTel FastAPI only", INSTRUMENTATION_OTEL, "sink"),
         Config("c", "inferprof full", semconv.MODE_FULL, "sink"),
         Config("d", "inferprof production", semconv.MODE_PRODUCTION, "sink"),
@@ -186,24 +201,31 @@ def measure(service: ServiceProcess, duration: float, concurrency: int, seed: in
     pid = service.pid
     h0 = health(service.base_url)
     cpu0 = cpu_seconds(pid)
-    if rate is not None:  # open loop: latency at a given load, not at saturation
-        summary = run_loadgen(service.url, duration_s=duration, rate=rate, seed=seed)
-    else:
-        summary = run_loadgen(service.url, duration_s=duration, concurrency=concurrency,
-                              seed=seed)
-    cpu = cpu_seconds(pid) - cpu0
+    with tempfile.NamedTemporaryFile("r", suffix=".txt") as lat_file:
+        extra = ["--latencies-out", lat_file.name]
+        if rate is not None:  # open loop: latency at a given load, not at saturation
+            summary = run_loadgen(service.url, duration_s=duration, rate=rate, seed=seed,
+                                  extra_args=extra)
+        else:
+            summary = run_loadgen(service.url, duration_s=duration, concurrency=concurrency,
+                                  seed=seed, extra_args=extra)
+        cpu = cpu_seconds(pid) - cpu0
+        latencies = np.loadtxt(lat_file.name, ndmin=1)
     h1 = health(service.base_url)
     n = max(summary["requests"], 1)
     batches = h1["batches"] - h0["batches"]
+    batched = h1["batched_requests"] - h0["batched_requests"]
     run = {
         "rps": summary["throughput_rps"],
         "p50": summary["latency_s"]["p50"],
         "p99": summary["latency_s"]["p99"],
+        "latencies": latencies,
         "cpu_per_req": cpu / n,
         "errors": summary["errors"],
         "requests": summary["requests"],
-        "batch_mean": (h1["batched_requests"] - h0["batched_requests"]) / batches
-        if batches else float("nan"),
+        "batch_mean": batched / batches if batches else float("nan"),
+        "padded_per_req": (h1["padded_tokens"] - h0["padded_tokens"]) / batched
+        if batched else float("nan"),
     }
     t0, t1 = h0.get("telemetry"), h1.get("telemetry")
     if t0 and t1:
@@ -216,21 +238,44 @@ def med(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def quartiles(values: list[float]) -> tuple[float, float]:
-    values = sorted(v for v in values if v == v)
-    if len(values) < 4:
-        return (values[0], values[-1]) if values else (float("nan"), float("nan"))
-    q = statistics.quantiles(values, n=4, method="inclusive")
-    return q[0], q[2]
+_BOOTSTRAP = 2000
+_INTERVAL = (5.0, 95.0)  # a 90% interval
 
 
-def paired_ratios(c: Config, base: Config, key: str) -> list[float]:
-    return [r[key] / b[key] for r, b in zip(c.runs, base.runs) if r[key] and b[key]]
+def paired_ratio(c: Config, base: Config, key: str) -> tuple[float, float, float]:
+    """Median over rounds of c's per-round ``key`` over base's, with a bootstrap interval."""
+    ratios = np.array([r[key] / b[key] for r, b in zip(c.runs, base.runs) if r[key] and b[key]])
+    if not len(ratios):
+        return float("nan"), float("nan"), float("nan")
+    rng = np.random.default_rng(0)
+    picks = rng.integers(0, len(ratios), size=(_BOOTSTRAP, len(ratios)))
+    lo, hi = np.percentile(np.median(ratios[picks], axis=1), _INTERVAL)
+    return float(np.median(ratios)), float(lo), float(hi)
 
 
-def _fmt_ratio(values: list[float]) -> str:
-    lo, hi = quartiles(values)
-    return f"{med(values):.3f} ({lo:.2f}-{hi:.2f})"
+def pooled_quantile_ratio(c: Config, base: Config, q: float) -> tuple[float, float, float]:
+    """c's quantile ``q`` of every latency of its rounds over base's, with a bootstrap
+    interval (the same resampled rounds for both: they were measured side by side)."""
+    rounds = min(len(c.runs), len(base.runs))
+
+    def ratio(idx: np.ndarray) -> float:
+        a = np.concatenate([c.runs[i]["latencies"] for i in idx])
+        b = np.concatenate([base.runs[i]["latencies"] for i in idx])
+        return float(np.quantile(a, q) / np.quantile(b, q))
+
+    rng = np.random.default_rng(1)
+    boots = [ratio(rng.integers(0, rounds, size=rounds)) for _ in range(_BOOTSTRAP // 4)]
+    lo, hi = np.percentile(boots, _INTERVAL)
+    return ratio(np.arange(rounds)), float(lo), float(hi)
+
+
+def pooled_quantile(c: Config, q: float) -> float:
+    return float(np.quantile(np.concatenate([r["latencies"] for r in c.runs]), q))
+
+
+def _fmt(ratio: tuple[float, float, float]) -> str:
+    mid, lo, hi = ratio
+    return f"{mid:.3f} [{lo:.3f}, {hi:.3f}]"
 
 
 def table(cfgs: list[Config], args: argparse.Namespace, sink_spans: int, pinned: bool) -> str:
@@ -242,24 +287,28 @@ def table(cfgs: list[Config], args: argparse.Namespace, sink_spans: int, pinned:
          f"{args.max_batch_size}); {load}; {args.rounds} "
          f"interleaved rounds x {args.duration:g} s per configuration. {os.cpu_count()} "
          f"CPU(s), {'service pinned to CPU 0, client to CPU 1' if pinned else 'not pinned'}; "
-         f"Python {sys.version.split()[0]}. Figures: median over rounds; `x (a)`: median of "
-         f"the per-round ratios to (a), with their interquartile range in brackets."),
+         f"Python {sys.version.split()[0]}. `x (a)`: throughput and CPU, the median over "
+         f"rounds of the per-round ratio to (a); p50 and p99, the ratio of the quantiles of "
+         f"all rounds' latencies pooled. `[lo, hi]`: 90% bootstrap interval over rounds. "
+         f"(a2), a second uninstrumented process, shows the noise floor."),
         "",
-        ("| config | throughput (req/s) | x (a) | client p50 (ms) | x (a) | client p99 (ms) "
-         "| x (a) | service CPU / req (ms) | x (a) | mean batch |"),
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ("| config | throughput (req/s) | x (a) | service CPU / req (ms) | x (a) "
+         "| client p50 (ms) | x (a) | client p99 (ms) | x (a) | mean batch "
+         "| padded tokens / req |"),
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in cfgs:
         lines.append(
             f"| ({c.key}) {c.label} "
-            f"| {med([r['rps'] for r in c.runs]):.0f} | {_fmt_ratio(paired_ratios(c, base, 'rps'))} "
-            f"| {med([r['p50'] for r in c.runs]) * 1e3:.1f} "
-            f"| {_fmt_ratio(paired_ratios(c, base, 'p50'))} "
-            f"| {med([r['p99'] for r in c.runs]) * 1e3:.1f} "
-            f"| {_fmt_ratio(paired_ratios(c, base, 'p99'))} "
+            f"| {med([r['rps'] for r in c.runs]):.0f} | {_fmt(paired_ratio(c, base, 'rps'))} "
             f"| {med([r['cpu_per_req'] for r in c.runs]) * 1e3:.3f} "
-            f"| {_fmt_ratio(paired_ratios(c, base, 'cpu_per_req'))} "
-            f"| {med([r['batch_mean'] for r in c.runs]):.2f} |"
+            f"| {_fmt(paired_ratio(c, base, 'cpu_per_req'))} "
+            f"| {pooled_quantile(c, 0.5) * 1e3:.1f} "
+            f"| {_fmt(pooled_quantile_ratio(c, base, 0.5))} "
+            f"| {pooled_quantile(c, 0.99) * 1e3:.1f} "
+            f"| {_fmt(pooled_quantile_ratio(c, base, 0.99))} "
+            f"| {med([r['batch_mean'] for r in c.runs]):.2f} "
+            f"| {med([r['padded_per_req'] for r in c.runs]):.1f} |"
         )
     lines += [
         "",
@@ -306,8 +355,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds of load per service before the first round")
     parser.add_argument("--model-size", default="small")
     parser.add_argument("--max-batch-size", type=int, default=16)
-    parser.add_argument("--only", help="comma-separated configuration keys, e.g. a,d,e "
-                        "(a is always included: it is the reference)")
+    parser.add_argument("--only", help="comma-separated configuration keys, e.g. d,e "
+                        "(a, the reference, and a2, the control, are always included)")
+    parser.add_argument("--no-control", action="store_true",
+                        help="skip (a2), the second uninstrumented process")
     parser.add_argument("--no-endpoint-down", action="store_true",
                         help="skip the exporter-down configurations")
     parser.add_argument("--no-pin", action="store_true", help="do not pin CPUs")
@@ -316,8 +367,10 @@ def main(argv: list[str] | None = None) -> int:
 
     cfgs = configs(not args.no_endpoint_down)
     if args.only:
-        keep = {"a", *(k.strip() for k in args.only.split(","))}
+        keep = {"a", "a2", *(k.strip() for k in args.only.split(","))}
         cfgs = [c for c in cfgs if c.key in keep]
+    if args.no_control:
+        cfgs = [c for c in cfgs if c.key != "a2"]
     cpus = sorted(os.sched_getaffinity(0))
     pinned = len(cpus) >= 2 and not args.no_pin
     server_cpu, client_cpu = (cpus[0], cpus[1]) if pinned else (None, None)

@@ -389,6 +389,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="prompt lengths, e.g. short=0.6,medium=0.3,long=0.1")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.add_argument("--latencies-out", metavar="FILE",
+                        help="also write every request's latency (seconds), one per line")
     args = parser.parse_args(argv)
     try:
         result = asyncio.run(run_load(args.url, duration_s=args.duration,
@@ -399,6 +401,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C: stop quietly, like any command-line tool
         return 130
     summary = result.summary()
+    if args.latencies_out:
+        with open(args.latencies_out, "w", encoding="utf-8") as f:
+            f.writelines(f"{v:.7f}\n" for v in result.latencies_s)
     print(json.dumps(summary) if args.json else format_summary(summary))
     return 0
 

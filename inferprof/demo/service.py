@@ -74,6 +74,7 @@ def create_app(settings: DemoSettings | None = None, **overrides: Any) -> Any:
         # configuration batched alike and how much each one exported (health is untraced).
         return {"status": "ok", "instrumentation": settings.instrumentation,
                 "batches": counts.batches, "batched_requests": counts.requests,
+                "padded_tokens": counts.padded_tokens,
                 "telemetry": telemetry.stats()}
 
     @app.post(CLASSIFY_PATH)
@@ -109,19 +110,21 @@ def _without_native_telemetry(fastapi_class: Any) -> dict[str, Any]:
 
 
 class BatchCounts:
-    """Batches run and requests in them, the same way in every configuration."""
+    """Batches run, requests and padded tokens in them, the same way in every configuration."""
 
-    __slots__ = ("batches", "requests")
+    __slots__ = ("batches", "padded_tokens", "requests")
 
     def __init__(self) -> None:
         self.batches = 0
         self.requests = 0
+        self.padded_tokens = 0
 
     def counted(self, run_batch: Callable[[Any], Any]) -> Callable[[Any], Any]:
         def run(batch: Any) -> Any:
-            # Two int adds per batch; only one batch runs at a time in the demo.
+            # Three int adds per batch; only one batch runs at a time in the demo.
             self.batches += 1
             self.requests += len(batch.lengths)
+            self.padded_tokens += batch.padded_tokens
             return run_batch(batch)
 
         return run

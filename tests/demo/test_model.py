@@ -88,3 +88,17 @@ def test_sentences_it_never_saw_get_sensible_topics(tokenizer):
     batch = collate([e.ids for e in tokenizer.encode_batch(list(cases))])
     best = model.forward(batch.ids, batch.mask).logits.argmax(axis=1)
     assert [model.topics[i] for i in best] == list(cases.values())
+
+
+def test_weights_and_device_buffers_start_on_a_page_boundary(model):
+    from inferprof.demo.device import HostDevice
+    from inferprof.demo.model import page_aligned
+
+    arrays = [model.embed, model.head, *(w for block in model.blocks for w in block)]
+    device = HostDevice(4, 16)
+    arrays += [device._ids, device._mask]
+    assert all(a.ctypes.data % 4096 == 0 and a.flags.c_contiguous for a in arrays)
+    odd = np.arange(7, dtype=np.float32)[1:]  # data 4 bytes past an allocation's start
+    copy = page_aligned(odd)
+    assert copy.ctypes.data % 4096 == 0
+    np.testing.assert_array_equal(copy, odd)
