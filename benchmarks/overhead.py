@@ -49,7 +49,8 @@ How the figures are made precise on a small, shared machine:
 * **What was exported.** For inferprof configurations ``/healthz`` also reports
   inferprof's own counters: the fraction of traces kept and spans emitted, exported and
   dropped per request (with the exporter down, everything is dropped and counted).
-* **Memory.** VmRSS after warm-up and after the last round; with the exporter down,
+* **Memory.** VmRSS after warm-up and at the end (the last round's processes, or with
+  ``--same-processes`` the processes of every round); with the exporter down,
   a flat RSS shows the bounded queue at work.
 
 The service runs with one BLAS thread (see ``inferprof/demo/processes.py``).
@@ -64,7 +65,6 @@ import socket
 import statistics
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from concurrent import futures
@@ -91,39 +91,53 @@ _CLK_TCK = os.sysconf("SC_CLK_TCK")
 # --- a null OTLP sink ---------------------------------------------------------------------
 
 class NullSink:
-    """OTLP/gRPC traces + metrics receiver that counts and discards."""
+    """OTLP/gRPC traces + metrics receiver that keeps the raw bytes and answers at once.
+
+    It shares the client's CPU, so it must cost the client nothing measurable: requests
+    are not deserialized while the benchmark runs (a gRPC handler without deserializer
+    gets the bytes); their spans are counted once, at the end (:meth:`spans`).
+    """
+
+    _TRACES = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
+    _METRICS = "/opentelemetry.proto.collector.metrics.v1.MetricsService/Export"
 
     def __init__(self) -> None:
         import grpc
-        from opentelemetry.proto.collector.metrics.v1 import (
-            metrics_service_pb2,
-            metrics_service_pb2_grpc,
+
+        self._payloads: list[bytes] = []
+        empty = b""  # an empty Export*ServiceResponse
+
+        def traces(request: bytes, context: object) -> bytes:
+            self._payloads.append(request)  # list.append: atomic under the GIL
+            return empty
+
+        def metrics(request: bytes, context: object) -> bytes:
+            return empty
+
+        handler = grpc.method_handlers_generic_handler(
+            "opentelemetry.proto.collector.trace.v1.TraceService",
+            {"Export": grpc.unary_unary_rpc_method_handler(traces)},
         )
-        from opentelemetry.proto.collector.trace.v1 import (
-            trace_service_pb2,
-            trace_service_pb2_grpc,
+        metrics_handler = grpc.method_handlers_generic_handler(
+            "opentelemetry.proto.collector.metrics.v1.MetricsService",
+            {"Export": grpc.unary_unary_rpc_method_handler(metrics)},
         )
-
-        sink = self
-        self.spans = 0
-        self._lock = threading.Lock()
-
-        class Traces(trace_service_pb2_grpc.TraceServiceServicer):
-            def Export(self, request, context):
-                n = sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
-                with sink._lock:
-                    sink.spans += n
-                return trace_service_pb2.ExportTraceServiceResponse()
-
-        class Metrics(metrics_service_pb2_grpc.MetricsServiceServicer):
-            def Export(self, request, context):
-                return metrics_service_pb2.ExportMetricsServiceResponse()
-
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Traces(), self._server)
-        metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(Metrics(), self._server)
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=2),
+                                   handlers=[handler, metrics_handler])
         port = self._server.add_insecure_port("127.0.0.1:0")
         self.endpoint = f"http://127.0.0.1:{port}"
+
+    @property
+    def spans(self) -> int:
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+            ExportTraceServiceRequest,
+        )
+
+        total = 0
+        for payload in list(self._payloads):
+            req = ExportTraceServiceRequest.FromString(payload)
+            total += sum(len(ss.spans) for rs in req.resource_spans for ss in rs.scope_spans)
+        return total
 
     def __enter__(self) -> NullSink:  # noqa: PYI034
         self._server.start()
@@ -351,8 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float,
                         help="open loop at this many requests/s (Poisson arrivals) instead "
                              "of the closed loop: latency at a load below saturation")
-    parser.add_argument("--warmup", type=float, default=3.0,
-                        help="seconds of load per service before the first round")
+    parser.add_argument("--warmup", type=float, default=2.0,
+                        help="seconds of load per service before it is measured")
     parser.add_argument("--model-size", default="small")
     parser.add_argument("--max-batch-size", type=int, default=16)
     parser.add_argument("--only", help="comma-separated configuration keys, e.g. d,e "
@@ -362,6 +376,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-endpoint-down", action="store_true",
                         help="skip the exporter-down configurations")
     parser.add_argument("--no-pin", action="store_true", help="do not pin CPUs")
+    parser.add_argument("--same-processes", action="store_true",
+                        help="start each service once and keep it for every round (faster; "
+                             "process-to-process differences then stay in the ratios)")
     parser.add_argument("--out", help="also write the tables to this Markdown file")
     args = parser.parse_args(argv)
 
@@ -376,9 +393,10 @@ def main(argv: list[str] | None = None) -> int:
     server_cpu, client_cpu = (cpus[0], cpus[1]) if pinned else (None, None)
     original = os.sched_getaffinity(0)
 
-    with NullSink() as sink, ExitStack() as stack:
+    with NullSink() as sink:
         down = closed_port_endpoint()
-        for c in cfgs:
+
+        def start(c: Config, stack: ExitStack) -> None:
             endpoint = {"sink": sink.endpoint, "down": down}.get(c.exporter)
             settings = DemoSettings(
                 instrumentation=c.instrumentation, model_size=args.model_size,
@@ -394,28 +412,51 @@ def main(argv: list[str] | None = None) -> int:
                 c.service = stack.enter_context(ServiceProcess(settings, extra_env=extra))
             finally:
                 _pin(client_cpu)
-            print(f"started ({c.key}) {c.label}", file=sys.stderr)
-        for c in cfgs:
+
+        def warm(c: Config) -> None:
             assert c.service is not None
             run_loadgen(c.service.url, duration_s=args.warmup, concurrency=args.concurrency)
-            c.rss_start = rss_bytes(c.service.pid)
-        for rnd in range(args.rounds):
-            shift = rnd % len(cfgs)
-            for c in cfgs[shift:] + cfgs[:shift]:
-                assert c.service is not None
-                run = measure(c.service, args.duration, args.concurrency, seed=rnd,
-                              rate=args.rate)
-                run["round"] = rnd
-                c.runs.append(run)
-                print(f"round {rnd + 1}/{args.rounds} ({c.key}) {run['rps']:.0f} req/s, "
-                      f"p99 {run['p99'] * 1e3:.0f} ms, cpu/req {run['cpu_per_req'] * 1e3:.3f} "
-                      f"ms, batch {run['batch_mean']:.2f}", file=sys.stderr)
-            for c in cfgs:  # keep each config's runs in round order for pairing
-                c.runs.sort(key=lambda r: r["round"])
-        time.sleep(1.0)
-        for c in cfgs:
-            assert c.service is not None
-            c.rss_end = rss_bytes(c.service.pid)
+
+        with ExitStack() as long_lived:
+            if args.same_processes:
+                for c in cfgs:
+                    start(c, long_lived)
+                    warm(c)
+                    c.rss_start = rss_bytes(c.service.pid)
+            for rnd in range(args.rounds):
+                with ExitStack() as this_round:
+                    if not args.same_processes:
+                        # Fresh processes every round: where a process's code and data
+                        # land in memory (ASLR, hash seeds, the allocator) moves its speed
+                        # by a few percent for its whole life, so one process per
+                        # configuration would be a sample of one. Restarting turns that
+                        # into round-to-round noise, which the intervals then include.
+                        for c in cfgs:
+                            start(c, this_round)
+                        for c in cfgs:
+                            warm(c)
+                            c.rss_start = rss_bytes(c.service.pid)  # the last round's stays
+                    shift = rnd % len(cfgs)
+                    for c in cfgs[shift:] + cfgs[:shift]:
+                        assert c.service is not None
+                        run = measure(c.service, args.duration, args.concurrency, seed=rnd,
+                                      rate=args.rate)
+                        run["round"] = rnd
+                        c.runs.append(run)
+                        print(f"round {rnd + 1}/{args.rounds} ({c.key}) {run['rps']:.0f} req/s, "
+                              f"p99 {run['p99'] * 1e3:.0f} ms, cpu/req "
+                              f"{run['cpu_per_req'] * 1e3:.3f} ms, batch {run['batch_mean']:.2f}",
+                              file=sys.stderr)
+                    for c in cfgs:  # keep each config's runs in round order for pairing
+                        c.runs.sort(key=lambda r: r["round"])
+                    if not args.same_processes and rnd == args.rounds - 1:
+                        time.sleep(1.0)
+                        for c in cfgs:
+                            c.rss_end = rss_bytes(c.service.pid)
+            if args.same_processes:
+                time.sleep(1.0)
+                for c in cfgs:
+                    c.rss_end = rss_bytes(c.service.pid)
         report = table(cfgs, args, sink.spans, pinned)
     os.sched_setaffinity(0, original)
     print(report)

@@ -55,6 +55,11 @@ _DEFAULT_PROTOCOL = "grpc"
 _DEFAULT_CONTENT_MAX_BYTES = 1024
 _DEFAULT_EXCLUDED_PATHS = ("/healthz", "/health", "/livez", "/readyz", "/metrics", "/favicon.ico")
 _DEFAULT_METRIC_EXPORT_INTERVAL_MS = 15000
+#: Span export every second (the SDK's default is 5 s) unless OTEL_BSP_SCHEDULE_DELAY says
+#: otherwise: the export thread shares the service's CPU, and five seconds of kept traces
+#: built and sent in one go held requests up long enough to show in the p99
+#: (docs/overhead.md, "Export in small steps").
+_DEFAULT_SPAN_SCHEDULE_DELAY_MS = 1000
 PROTOCOL_GRPC = "grpc"
 PROTOCOL_HTTP = "http/protobuf"
 PROTOCOLS = (PROTOCOL_GRPC, PROTOCOL_HTTP)
@@ -422,15 +427,16 @@ def configure(
         tp = TracerProvider(resource=resource)
         exporter = span_exporter if span_exporter is not None else _span_exporter(config)
         counted = CountingSpanExporter(exporter, stats)
+        delay = None if _env("OTEL_BSP_SCHEDULE_DELAY") else _DEFAULT_SPAN_SCHEDULE_DELAY_MS
         try:
-            processor = CountingBatchSpanProcessor(counted, stats)
+            processor = CountingBatchSpanProcessor(counted, stats, schedule_delay_millis=delay)
         except ValueError as exc:  # inconsistent OTEL_BSP_* values: log and default them
             _logger.warning("ignoring OTEL_BSP_* settings (%s); using the SDK defaults", exc)
             processor = CountingBatchSpanProcessor(
                 counted,
                 stats,
                 max_queue_size=2048,
-                schedule_delay_millis=5000,
+                schedule_delay_millis=_DEFAULT_SPAN_SCHEDULE_DELAY_MS,
                 max_export_batch_size=512,
             )
         tp.add_span_processor(processor)

@@ -24,9 +24,11 @@ from typing import IO, Any
 from inferprof.demo.service import CLASSIFY_PATH, HEALTH_PATH
 from inferprof.demo.settings import (
     ENV_ENDPOINT,
+    ENV_GC_FREEZE,
     ENV_INSTRUMENTATION,
     ENV_MAX_BATCH_SIZE,
     ENV_MAX_DELAY_MS,
+    ENV_MAX_TOKENS,
     ENV_MODEL_SIZE,
     ENV_SERVICE_NAME,
     DemoSettings,
@@ -48,6 +50,8 @@ def settings_env(settings: DemoSettings) -> dict[str, str]:
         ENV_MAX_BATCH_SIZE: str(settings.max_batch_size),
         ENV_MAX_DELAY_MS: str(settings.max_delay_ms),
         ENV_SERVICE_NAME: settings.service_name,
+        ENV_MAX_TOKENS: str(settings.max_tokens),
+        ENV_GC_FREEZE: "1" if settings.gc_freeze else "0",
     }
     if settings.endpoint:
         env[ENV_ENDPOINT] = settings.endpoint

@@ -19,6 +19,7 @@ Run it with ``uvicorn --factory inferprof.demo.service:create_app`` (options fro
 # No ``from __future__ import annotations`` here: FastAPI reads the handler's annotations
 # at runtime, and the request model is local to create_app().
 import contextlib
+import gc
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -59,6 +60,9 @@ def create_app(settings: DemoSettings | None = None, **overrides: Any) -> Any:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Any) -> AsyncIterator[None]:
+        if settings.gc_freeze:
+            gc.collect()
+            gc.freeze()  # see DemoSettings.gc_freeze
         try:
             yield
         finally:
@@ -75,6 +79,8 @@ def create_app(settings: DemoSettings | None = None, **overrides: Any) -> Any:
         return {"status": "ok", "instrumentation": settings.instrumentation,
                 "batches": counts.batches, "batched_requests": counts.requests,
                 "padded_tokens": counts.padded_tokens,
+                "gc_collections": [g["collections"] for g in gc.get_stats()],
+                "gc_collections": [g["collections"] for g in gc.get_stats()],
                 "telemetry": telemetry.stats()}
 
     @app.post(CLASSIFY_PATH)

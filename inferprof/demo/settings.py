@@ -31,6 +31,7 @@ ENV_MAX_DELAY_MS = "INFERPROF_DEMO_MAX_DELAY_MS"
 ENV_MAX_TOKENS = "INFERPROF_DEMO_MAX_TOKENS"
 ENV_SERVICE_NAME = "INFERPROF_DEMO_SERVICE_NAME"
 ENV_ENDPOINT = "INFERPROF_DEMO_OTLP_ENDPOINT"
+ENV_GC_FREEZE = "INFERPROF_DEMO_GC_FREEZE"
 
 _DEFAULT_INSTRUMENTATION = semconv.MODE_FULL
 _DEFAULT_MAX_BATCH_SIZE = 16
@@ -53,6 +54,11 @@ class DemoSettings:
     #: OTLP endpoint; None leaves it to inferprof's / OpenTelemetry's own env vars.
     endpoint: str | None = None
     model_name: str = DEFAULT_MODEL_NAME
+    #: ``gc.freeze()`` once started, as long-running Python servers commonly do: the
+    #: start-up objects (modules, the tokenizer, FastAPI's routing) then never get scanned
+    #: again by full garbage collections, which otherwise stall every request in flight
+    #: for tens of milliseconds (docs/overhead.md, "Garbage collection and the p99").
+    gc_freeze: bool = True
 
     def __post_init__(self) -> None:
         for name, value in ((f.name, getattr(self, f.name)) for f in fields(self)):
@@ -80,6 +86,15 @@ class DemoSettings:
             values[field_name] = value
         values.update({k: v for k, v in overrides.items() if v is not None})
         return replace(cls(), **values)
+
+
+def _flag(raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"must be a boolean (1/0, true/false), got {raw!r}")
 
 
 def _one_of(choices: tuple[str, ...] | list[str]) -> Callable[[Any], str | None]:
@@ -116,11 +131,13 @@ _ENV: tuple[tuple[str, str, Callable[[str], Any]], ...] = (
     ("max_tokens", ENV_MAX_TOKENS, int),
     ("service_name", ENV_SERVICE_NAME, str.strip),
     ("endpoint", ENV_ENDPOINT, str.strip),
+    ("gc_freeze", ENV_GC_FREEZE, lambda raw: _flag(raw)),
 )
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
     "ENV_ENDPOINT",
+    "ENV_GC_FREEZE",
     "ENV_INSTRUMENTATION",
     "ENV_MAX_BATCH_SIZE",
     "ENV_MAX_DELAY_MS",

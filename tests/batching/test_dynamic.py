@@ -105,9 +105,7 @@ async def test_links_encoding_one_span_per_stage_linked_to_every_member():
         }
         for r in requests:
             assert {(lk.context.trace_id, lk.context.span_id) for lk in r.links} == batch_spans
-        assert all(
-            not cap.stages("compute")[0].attributes.get(semconv.ATTR_REQUEST, False) for _ in [0]
-        )
+        assert not cap.stages("compute")[0].attributes.get(semconv.ATTR_REQUEST, False)
 
 
 async def test_links_encoding_links_only_sampled_members():
@@ -119,14 +117,19 @@ async def test_links_encoding_links_only_sampled_members():
             for _ in range(30):  # warm the sampler up
                 await _serve(b, 8)
             cap.clear()
-            await _serve(b, 8)
+            for _ in range(4):
+                await _serve(b, 8)
         kept = {(r.context.trace_id, r.context.span_id) for r in cap.requests()}
-        computes = cap.stages("compute")
-        if kept:
-            (span,) = computes
-            assert {(lk.context.trace_id, lk.context.span_id) for lk in span.links} == kept
-        else:
-            assert computes == []
+        # some of the 32 requests kept, some not (each is kept with probability >= 0.5, and
+        # at most ~0.55 at steady state: all or none would be a ~1e-8 event)
+        assert 0 < len(kept) < 32
+        linked = [
+            (lk.context.trace_id, lk.context.span_id)
+            for span in cap.stages("compute")
+            for lk in span.links
+        ]
+        # each kept member linked from exactly one batch, no member that was not kept
+        assert sorted(linked) == sorted(kept)
 
 
 async def test_batch_encoding_constructor_argument_wins(cap):

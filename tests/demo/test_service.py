@@ -77,3 +77,21 @@ async def test_plain_batcher_batches_up_to_the_limit_and_isolates_failures():
         assert await b.submit(5) == 10  # the batcher survives a failed batch
     finally:
         await b.stop()
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+async def test_start_up_objects_are_frozen_out_of_garbage_collection(freeze):
+    import gc
+
+    gc.unfreeze()
+    app = create_app(DemoSettings(instrumentation="none", model_size="tiny", gc_freeze=freeze))
+    try:
+        async with app.router.lifespan_context(app):
+            frozen = gc.get_freeze_count()
+            health = (await httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=app), base_url="http://demo"
+            ).get(HEALTH_PATH)).json()
+    finally:
+        gc.unfreeze()  # the test process's collector back as it was
+    assert (frozen > 10_000) is freeze  # the tokenizer, model and modules, when frozen
+    assert len(health["gc_collections"]) == 3

@@ -35,3 +35,20 @@ def test_bad_arguments_are_value_errors(kwargs):
     with pytest.raises(ValueError):
         DemoSettings(**kwargs)
 
+
+
+def test_gc_freeze_is_on_by_default_and_env_turns_it_off(caplog):
+    assert DemoSettings().gc_freeze is True
+    assert DemoSettings.from_env({s.ENV_GC_FREEZE: "0"}).gc_freeze is False
+    assert DemoSettings.from_env({s.ENV_GC_FREEZE: "true"}).gc_freeze is True
+    with caplog.at_level(logging.WARNING):
+        assert DemoSettings.from_env({s.ENV_GC_FREEZE: "maybe"}).gc_freeze is True
+    assert s.ENV_GC_FREEZE in caplog.text
+
+
+def test_child_process_env_reproduces_the_settings():
+    from inferprof.demo.processes import settings_env
+
+    settings = DemoSettings(instrumentation="production", max_tokens=64, gc_freeze=False,
+                            endpoint="http://127.0.0.1:4317", max_delay_ms=2.0)
+    assert DemoSettings.from_env(settings_env(settings)) == settings

@@ -6,6 +6,7 @@ and turned into spans (or straight into OTLP bytes) on the processor's thread.
 
 import asyncio
 import gc
+import time
 import weakref
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -227,3 +228,29 @@ def test_a_trace_that_cannot_be_built_is_counted_and_the_rest_goes_out():
             assert n_spans == 8
         else:
             assert len(inner.get_finished_spans()) == 8
+
+
+def _exported_within(exporter, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if exporter.get_finished_spans():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_kept_traces_leave_within_a_second_unless_the_env_sets_the_delay(monkeypatch):
+    # Small, frequent exports: the export thread shares the service's CPU.
+    monkeypatch.delenv("OTEL_BSP_SCHEDULE_DELAY", raising=False)
+    exporter = _configure(mode="full")
+    with inferprof.request(model="m"):
+        pass
+    assert _exported_within(exporter, 3.0)  # the SDK's own default would take 5 s
+    inferprof.shutdown()
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "30000")
+    exporter = _configure(mode="full")
+    with inferprof.request(model="m"):
+        pass
+    assert not _exported_within(exporter, 1.5)
+    inferprof.shutdown()  # shutdown still flushes what waits
+    assert len(exporter.get_finished_spans()) == 1

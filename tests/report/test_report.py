@@ -28,8 +28,13 @@ def _exports(service: str = "svc", model: str = "m", n: int = 150):
     b = TraceBuilder(service)
     out = []
     for i in range(n):
-        stages = [(s, d if d is not None else 0.001 + 0.0004 * (i % 100)) for s, d in STAGES]
-        b.sequential(i * 0.05, stages, tail_gap=0.0005, model=model)
+        t = i * 0.05
+        req = b.request(t, t + 0.0005 + sum(d or 0.001 + 0.0004 * (i % 100) for _, d in STAGES),
+                        model=model)
+        for stage, d in STAGES:
+            d = d if d is not None else 0.001 + 0.0004 * (i % 100)
+            b.stage(req, stage, t, t + d, gpu_id="GPU-0" if stage == "compute" else None)
+            t += d
         if i % 50 == 49:
             out.append(b.export())
     if b.spans:
@@ -43,14 +48,20 @@ def files(tmp_path):
     jsonl = tmp_path / "otel.jsonl"
     write_json_lines(jsonl, exports)
     pb = tmp_path / "dump.pb"
-    write_pb(pb, exports + [gpu_metrics([(0.0, 0.5)])])
+    write_pb(pb, exports + [GPU])
     return exports, jsonl, pb
 
 
-def _engine_doc(exports) -> dict:
+#: Synthetic GPU samples (clearly not from a device) covering every compute window.
+GPU = gpu_metrics([(i * 0.05, 0.3 + 0.2 * (i % 3)) for i in range(160)])
+
+
+def _engine_doc(exports, metrics=()) -> dict:
     engine = Engine(clock=FakeClock(), retention_s=math.inf)
     for req in exports:
         engine.ingest_traces(req)
+    for req in metrics:
+        engine.ingest_metrics(req)
     engine.flush()
     return engine.breakdown("svc", "m", window_s=None)
 
@@ -70,21 +81,19 @@ def test_table_lists_every_stage_e2e_and_verdict(files):
 
 def test_json_equals_engine_breakdown_for_both_formats(files):
     exports, jsonl, pb = files
-    expected = _engine_doc(exports)
-    for path in (jsonl, pb):
+    docs = {}
+    for path, expected in ((jsonl, _engine_doc(exports)), (pb, _engine_doc(exports, [GPU]))):
         result = CliRunner().invoke(main, ["report", str(path), "--format", "json"])
         assert result.exit_code == 0, result.output
-        doc = json.loads(result.output)
-        gpu = doc.pop("gpu")
-        expected_gpu = expected.get("gpu")
-        assert doc == {k: v for k, v in expected.items() if k != "gpu"}
-        assert gpu["utilization_during_compute"] == expected_gpu["utilization_during_compute"]
-    assert (
-        json.loads(CliRunner().invoke(main, ["report", str(pb), "--format", "json"]).output)["gpu"][
-            "samples_received"
-        ]
-        == 1
-    )
+        docs[path] = json.loads(result.output)
+        assert docs[path] == json.loads(json.dumps(expected))
+    # the GPU samples in the proto dump reached the report and were joined to compute
+    with_gpu = docs[pb]["gpu"]
+    assert with_gpu["samples_received"] == 160
+    util = with_gpu["utilization_during_compute"]
+    assert with_gpu["samples"] > 0
+    assert 0.3 <= util["p50"] <= 0.7 and 0.3 <= util["mean"] <= 0.7
+    assert docs[jsonl]["gpu"]["utilization_during_compute"] is None
 
 
 def test_several_services_give_a_list_and_filters_select(tmp_path):
