@@ -324,6 +324,25 @@ def table(cfgs: list[Config], args: argparse.Namespace, sink_spans: int, pinned:
             f"| {med([r['batch_mean'] for r in c.runs]):.2f} "
             f"| {med([r['padded_per_req'] for r in c.runs]):.1f} |"
         )
+    off = next((c for c in cfgs if c.key == "e"), None)
+    recording = [c for c in cfgs if c.instrumentation in (semconv.MODE_FULL,
+                                                          semconv.MODE_PRODUCTION)]
+    if off is not None and recording:
+        lines += [
+            "",
+            ("Against (e), inferprof installed but off (the same batcher and middleware "
+             "stack: what recording and exporting add):"),
+            "",
+            "| config | throughput x (e) | CPU / req x (e) | p50 x (e) | p99 x (e) |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for c in recording:
+            lines.append(
+                f"| ({c.key}) {c.label} | {_fmt(paired_ratio(c, off, 'rps'))} "
+                f"| {_fmt(paired_ratio(c, off, 'cpu_per_req'))} "
+                f"| {_fmt(pooled_quantile_ratio(c, off, 0.5))} "
+                f"| {_fmt(pooled_quantile_ratio(c, off, 0.99))} |"
+            )
     lines += [
         "",
         ("| config | errors | traces kept | spans emitted / req | spans exported / req "

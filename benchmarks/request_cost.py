@@ -1,0 +1,114 @@
+"""CPU per HTTP request of inferprof's request path, with no application work around it.
+
+    python3 benchmarks/request_cost.py [--requests 5000] [--rounds 7]
+
+One request = the ASGI middleware (``receive`` and ``serialize`` measured), ``tokenize``
+and ``postprocess`` stages, an ``enqueue()`` into a batcher's queue: the per-request part
+of what the demo service does, without the service. Configurations: no middleware at all
+(``none``), and inferprof configured ``off``, ``production`` and ``full``, exporting
+through ``configure()``'s own path (kept traces queued as records, built and encoded to
+OTLP bytes on the export thread) into an exporter that discards the bytes.
+
+CPU is ``time.process_time()`` over the requests plus a flush of the export queue, so the
+export thread's work is included; ``loop`` is the requesting thread's alone. Rounds are
+interleaved (every configuration once per round, inferprof reconfigured each time); the
+table gives medians over rounds and the extra over ``off``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult  # noqa: E402
+
+import inferprof  # noqa: E402
+import inferprof.fastapi  # noqa: E402
+from inferprof.batching.hooks import enqueue  # noqa: E402
+
+MODES = ("none", "off", "production", "full")
+
+
+class DiscardEncoded(SpanExporter):
+    """Takes what inferprof's OTLP exporter takes (encoded bytes) and drops it."""
+
+    accepts_encoded = True
+
+    def export(self, spans) -> SpanExportResult:
+        return SpanExportResult.SUCCESS
+
+
+async def app(scope, receive, send) -> None:
+    await receive()
+    with inferprof.stage("tokenize"):
+        pass
+    handle = enqueue(depth=3)
+    if handle.stage is not None:
+        handle.stage.end = time.time_ns()  # the batch took it
+    with inferprof.stage("postprocess"):
+        pass
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": b'{"label": "x"}'})
+
+
+SCOPE = {"type": "http", "method": "POST", "path": "/v1/classify", "scheme": "http",
+         "headers": [(b"content-type", b"application/json")]}
+
+
+async def receive() -> dict:
+    return {"type": "http.request", "body": b'{"text": "a prompt"}', "more_body": False}
+
+
+async def send(message: dict) -> None:
+    pass
+
+
+async def drive(target, n: int) -> None:
+    for _ in range(n):
+        await target(SCOPE, receive, send)
+
+
+def one_round(mode: str, n: int) -> tuple[float, float]:
+    """(process CPU, requesting-thread CPU) per request, in µs."""
+    target = app
+    if mode != "none":
+        inferprof.configure(mode=mode, span_exporter=DiscardEncoded(), set_global=False,
+                            metric_readers=[])
+        target = inferprof.fastapi.InferprofMiddleware(app, model_name="m")
+    asyncio.run(drive(target, 500))  # warm up (and the tail sampler's threshold)
+    c0, t0 = time.process_time(), time.thread_time()
+    asyncio.run(drive(target, n))
+    loop = time.thread_time() - t0
+    inferprof.shutdown()  # flushes the export queue: its CPU is part of the cost
+    cpu = time.process_time() - c0
+    return cpu / n * 1e6, loop / n * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=5000)
+    ap.add_argument("--rounds", type=int, default=7)
+    args = ap.parse_args()
+    results: dict[str, list[tuple[float, float]]] = {m: [] for m in MODES}
+    for r in range(args.rounds):
+        order = MODES[r % len(MODES):] + MODES[:r % len(MODES)]
+        for mode in order:
+            results[mode].append(one_round(mode, args.requests))
+    off = statistics.median(c for c, _ in results["off"])
+    print(f"{args.requests} requests x {args.rounds} interleaved rounds; medians.\n")
+    print("| configuration | CPU per request (µs) | of which the requesting thread | extra over off |")
+    print("|---|---:|---:|---:|")
+    for mode in MODES:
+        cpu = statistics.median(c for c, _ in results[mode])
+        loop = statistics.median(t for _, t in results[mode])
+        print(f"| {mode} | {cpu:.1f} | {loop:.1f} | {cpu - off:+.1f} |")
+
+
+if __name__ == "__main__":
+    main()
