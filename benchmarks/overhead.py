@@ -301,9 +301,10 @@ def table(cfgs: list[Config], args: argparse.Namespace, sink_spans: int, pinned:
          f"{args.max_batch_size}); {load}; {args.rounds} "
          f"interleaved rounds x {args.duration:g} s per configuration. {os.cpu_count()} "
          f"CPU(s), {'service pinned to CPU 0, client to CPU 1' if pinned else 'not pinned'}; "
-         f"Python {sys.version.split()[0]}. `x (a)`: throughput and CPU, the median over "
-         f"rounds of the per-round ratio to (a); p50 and p99, the ratio of the quantiles of "
-         f"all rounds' latencies pooled. `[lo, hi]`: 90% bootstrap interval over rounds. "
+         f"Python {sys.version.split()[0]}; services "
+         f"{'without' if args.no_gc_freeze else 'with'} gc.freeze() after start-up. "
+         f"`x (a)`: throughput and CPU, the median over rounds of the per-round ratio to "
+         f"(a); p50 and p99, the ratio of the quantiles of all rounds' latencies pooled. `[lo, hi]`: 90% bootstrap interval over rounds. "
          f"(a2), a second uninstrumented process, shows the noise floor."),
         "",
         ("| config | throughput (req/s) | x (a) | service CPU / req (ms) | x (a) "
@@ -395,6 +396,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-endpoint-down", action="store_true",
                         help="skip the exporter-down configurations")
     parser.add_argument("--no-pin", action="store_true", help="do not pin CPUs")
+    parser.add_argument("--no-gc-freeze", action="store_true",
+                        help="services do not gc.freeze() after start-up (see docs/overhead.md)")
     parser.add_argument("--same-processes", action="store_true",
                         help="start each service once and keep it for every round (faster; "
                              "process-to-process differences then stay in the ratios)")
@@ -421,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
                 instrumentation=c.instrumentation, model_size=args.model_size,
                 max_batch_size=args.max_batch_size, endpoint=endpoint,
                 service_name=f"overhead-{c.instrumentation}",
+                gc_freeze=not args.no_gc_freeze,
             )
             # Nothing but the endpoint we chose: no OTLP env from the caller's shell.
             extra = {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint or down}
