@@ -310,7 +310,10 @@ class Runtime:
                 for b, stages in batches:
                     if b.encoding == semconv.BATCH_ENCODING_CHILDREN:
                         n += len(stages)
-                self._defer(DeferredTrace(self, self._request_trace, (rec, weight, batches), n))
+                # The record's stage list and attributes as of now: the application may
+                # still hold the handle while the export thread builds the spans.
+                args = (rec, weight, batches, tuple(rec.stages), dict(rec.attrs))
+                self._defer(DeferredTrace(self, self._request_trace, args, n))
             else:
                 self._emit_spans(self._spans(*self._request_trace(rec, weight, batches)))
         else:
@@ -320,9 +323,17 @@ class Runtime:
                 self.member_done(batch, rec)
         rec.batches = []
 
-    def _request_trace(self, rec: RequestRecord, weight: float | None, batches: list) -> tuple:
+    def _request_trace(
+        self,
+        rec: RequestRecord,
+        weight: float | None,
+        batches: list,
+        stages: tuple | None = None,
+        attrs: dict | None = None,
+    ) -> tuple:
         """(trace id, span specs, trace state) of a kept request; ``batches``: (batch, its
-        stages to include) pairs. Specs are what :meth:`_spans` takes."""
+        stages to include) pairs; ``stages``/``attrs``: the record's, snapshotted when it
+        ended (default: read now). Specs are what :meth:`_spans` takes."""
         trace_id = rec.trace_id
         end = rec.end
         specs: list[tuple] = []
@@ -337,7 +348,7 @@ class Runtime:
                 for st in stages
                 if st.parent_id is None
             )
-            attrs = dict(rec.attrs)
+            attrs = dict(rec.attrs) if attrs is None else attrs
             if rec.kind is not SpanKind.SERVER and rec.kind is not SpanKind.CONSUMER:
                 attrs[semconv.ATTR_REQUEST] = True
             if weight is not None and weight != 1.0:
@@ -359,7 +370,7 @@ class Runtime:
                 )
             )
         root = rec.span_id
-        for st in rec.stages:
+        for st in rec.stages if stages is None else stages:
             attrs = {semconv.ATTR_STAGE: st.name}
             attrs.update(st.attrs)
             specs.append(

@@ -254,3 +254,19 @@ def test_kept_traces_leave_within_a_second_unless_the_env_sets_the_delay(monkeyp
     assert not _exported_within(exporter, 1.5)
     inferprof.shutdown()  # shutdown still flushes what waits
     assert len(exporter.get_finished_spans()) == 1
+
+
+def test_what_the_application_does_after_the_request_ended_is_not_in_its_trace():
+    _configure(mode="full")
+    rt = _config._runtime
+    queue = rt._deferred = _Queue()
+    with inferprof.request(model="m") as handle:
+        with inferprof.stage("tokenize"):
+            pass
+    handle.set_attribute("late", True)  # the export thread has not built the spans yet
+    (item,) = queue.items
+    spans = rt._spans(*item.build(*item.args))
+    assert len(spans) == item.n == 2
+    (request,) = [s for s in spans if semconv.ATTR_STAGE not in s.attributes]
+    assert request.attributes[semconv.ATTR_MODEL_NAME] == "m"
+    assert "late" not in request.attributes
