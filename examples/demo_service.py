@@ -21,6 +21,7 @@ See examples/README.md for every option.
 """
 
 import contextlib
+import gc
 
 from fastapi import FastAPI
 from pydantic import BaseModel, Field
@@ -70,6 +71,10 @@ async def lifespan(app):
     # Endpoint, protocol and mode come from INFERPROF_* / OTEL_* environment variables
     # unless given here; configure() at start-up, never at import.
     inferprof.configure(service_name="demo-classifier")
+    # Model and tokenizer are loaded: keep them out of full garbage collections, which
+    # otherwise stall every request in flight (docs/overhead.md, "Garbage collection").
+    gc.collect()
+    gc.freeze()
     try:
         yield
     finally:
