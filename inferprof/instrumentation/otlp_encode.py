@@ -140,6 +140,26 @@ def _trace_state(field: int, trace_state: Any) -> bytes:
     return _str(field, ",".join(f"{k}={v}" for k, v in trace_state.items()))
 
 
+def _event(event: Any) -> bytes:
+    """Span field 11: one ``Event``."""
+    payload = (b"\x09" + _pack_q(event.timestamp or 0) + _str(2, event.name)
+               + _attributes(3, event.attributes))
+    if event.dropped_attributes:
+        payload += b"\x20" + _varint(event.dropped_attributes)
+    return _ld(11, payload)
+
+
+def _link(link: Any) -> bytes:
+    """Span field 13: one ``Link``."""
+    lctx = link.context
+    payload = (b"\x0a\x10" + lctx.trace_id.to_bytes(16, "big")
+               + b"\x12\x08" + lctx.span_id.to_bytes(8, "big")
+               + _attributes(4, link.attributes))
+    if link.dropped_attributes:
+        payload += b"\x28" + _varint(link.dropped_attributes)
+    return _ld(13, payload + _flags(b"\x35", lctx))
+
+
 def _span(span: Any) -> bytes:
     ctx = span.get_span_context()
     parent = span.parent
@@ -160,22 +180,11 @@ def _span(span: Any) -> bytes:
     if span.dropped_attributes:
         out.append(b"\x50" + _varint(span.dropped_attributes))
     for event in span.events or ():
-        payload = (b"\x09" + _pack_q(event.timestamp or 0) + _str(2, event.name)
-                   + _attributes(3, event.attributes))
-        if event.dropped_attributes:
-            payload += b"\x20" + _varint(event.dropped_attributes)
-        out.append(_ld(11, payload))
+        out.append(_event(event))
     if span.dropped_events:
         out.append(b"\x60" + _varint(span.dropped_events))
     for link in span.links or ():
-        lctx = link.context
-        payload = (b"\x0a\x10" + lctx.trace_id.to_bytes(16, "big")
-                   + b"\x12\x08" + lctx.span_id.to_bytes(8, "big")
-                   + _attributes(4, link.attributes))
-        if link.dropped_attributes:
-            payload += b"\x28" + _varint(link.dropped_attributes)
-        payload += _flags(b"\x35", lctx)
-        out.append(_ld(13, payload))
+        out.append(_link(link))
     if span.dropped_links:
         out.append(b"\x70" + _varint(span.dropped_links))
     out.append(_status(span.status))
@@ -301,16 +310,8 @@ def _spec_span(
             attrs = {**attrs, **extra}
     out.append(_attributes(9, attrs))
     if status is not None:
-        for event in events:
-            out.append(_ld(11, b"\x09" + _pack_q(event.timestamp or 0) + _str(2, event.name)
-                           + _attributes(3, event.attributes)))
-    for link in links:
-        lctx = link.context
-        payload = (b"\x0a\x10" + lctx.trace_id.to_bytes(16, "big")
-                   + b"\x12\x08" + lctx.span_id.to_bytes(8, "big")
-                   + _attributes(4, link.attributes))
-        payload += _flags(b"\x35", lctx)
-        out.append(_ld(13, payload))
+        out += map(_event, events)
+    out += map(_link, links)
     out.append(_status(status) if status is not None else _STATUS_UNSET)
     out.append(flags)
     return _ld(2, b"".join(out))
