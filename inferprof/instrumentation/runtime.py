@@ -328,12 +328,12 @@ class Runtime:
         rec: RequestRecord,
         weight: float | None,
         batches: list,
-        stages: tuple | None = None,
-        attrs: dict | None = None,
+        own_stages: tuple | None = None,
+        request_attrs: dict | None = None,
     ) -> tuple:
         """(trace id, span specs, trace state) of a kept request; ``batches``: (batch, its
-        stages to include) pairs; ``stages``/``attrs``: the record's, snapshotted when it
-        ended (default: read now). Specs are what :meth:`_spans` takes."""
+        stages to include) pairs; ``own_stages``/``request_attrs``: the record's,
+        snapshotted when it ended (default: read now). Specs are what :meth:`_spans` takes."""
         trace_id = rec.trace_id
         end = rec.end
         specs: list[tuple] = []
@@ -348,7 +348,7 @@ class Runtime:
                 for st in stages
                 if st.parent_id is None
             )
-            attrs = dict(rec.attrs) if attrs is None else attrs
+            attrs = dict(rec.attrs) if request_attrs is None else request_attrs
             if rec.kind is not SpanKind.SERVER and rec.kind is not SpanKind.CONSUMER:
                 attrs[semconv.ATTR_REQUEST] = True
             if weight is not None and weight != 1.0:
@@ -370,7 +370,7 @@ class Runtime:
                 )
             )
         root = rec.span_id
-        for st in rec.stages if stages is None else stages:
+        for st in rec.stages if own_stages is None else own_stages:
             attrs = {semconv.ATTR_STAGE: st.name}
             attrs.update(st.attrs)
             specs.append(
@@ -386,11 +386,11 @@ class Runtime:
                     (),
                 )
             )
-        for batch, stages in batches:
+        for batch, batch_stages in batches:
             if batch.encoding != semconv.BATCH_ENCODING_CHILDREN:
                 continue
             mapping: dict[int, int] = {}
-            for st in stages:
+            for st in batch_stages:
                 copy_id = new_span_id()
                 mapping[st.span_id] = copy_id
                 specs.append(
