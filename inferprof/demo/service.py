@@ -26,6 +26,7 @@ from typing import Any
 
 from inferprof import semconv
 from inferprof._optional import require
+from inferprof.demo import host
 from inferprof.demo.pipeline import DemoPipeline, RowOutput, no_stage
 from inferprof.demo.settings import (
     INSTRUMENTATION_NONE,
@@ -49,6 +50,8 @@ def create_app(settings: DemoSettings | None = None, **overrides: Any) -> Any:
         raise ValueError("pass either settings or keyword overrides, not both")
     fastapi = require("fastapi", "demo")
     pydantic = require("pydantic", "demo")
+    if settings.retain_memory and not host.retain_freed_memory():
+        _log.info("this C library keeps no freed memory on request; the demo runs without it")
 
     telemetry = _Telemetry(settings)
     pipeline = DemoPipeline(settings, stage=telemetry.stage)
@@ -80,7 +83,8 @@ def create_app(settings: DemoSettings | None = None, **overrides: Any) -> Any:
                 "batches": counts.batches, "batched_requests": counts.requests,
                 "padded_tokens": counts.padded_tokens,
                 "gc_collections": [g["collections"] for g in gc.get_stats()],
-                "gc_collections": [g["collections"] for g in gc.get_stats()],
+                "minor_faults": host.minor_faults(),
+                "thread_cpu_s": host.thread_cpu_seconds(),
                 "telemetry": telemetry.stats()}
 
     @app.post(CLASSIFY_PATH)
