@@ -41,6 +41,10 @@ How the figures are made precise on a small, shared machine:
   tokens per request of each configuration. The model's weights are page-aligned
   (``inferprof/demo/model.py``): without that, two processes of the same service ran
   the same model up to 4% apart, depending on where numpy happened to put them.
+  The services keep freed heap memory (``inferprof.demo.host.py``): with glibc's
+  defaults the model's per-batch activations page-fault back in every batch, and how
+  often moves with every other allocation in the process (the table's page-fault
+  column; ``--no-retain-memory`` measures that way).
 * **Latency quantiles are pooled**: every request's latency of every round, per
   configuration (a 4 s round at saturation holds only ~15 requests above its p99).
 * **Uncertainty**: ``[lo, hi]`` is a 90% bootstrap interval over rounds (rounds resampled
@@ -240,6 +244,11 @@ def measure(service: ServiceProcess, duration: float, concurrency: int, seed: in
         "batch_mean": batched / batches if batches else float("nan"),
         "padded_per_req": (h1["padded_tokens"] - h0["padded_tokens"]) / batched
         if batched else float("nan"),
+        "faults_per_req": (h1.get("minor_faults", 0) - h0.get("minor_faults", 0)) / n,
+        "thread_us_per_req": {
+            name: (cpu_s - h0.get("thread_cpu_s", {}).get(name, 0.0)) / n * 1e6
+            for name, cpu_s in h1.get("thread_cpu_s", {}).items()
+        },
     }
     t0, t1 = h0.get("telemetry"), h1.get("telemetry")
     if t0 and t1:
@@ -302,15 +311,16 @@ def table(cfgs: list[Config], args: argparse.Namespace, sink_spans: int, pinned:
          f"interleaved rounds x {args.duration:g} s per configuration. {os.cpu_count()} "
          f"CPU(s), {'service pinned to CPU 0, client to CPU 1' if pinned else 'not pinned'}; "
          f"Python {sys.version.split()[0]}; services "
-         f"{'without' if args.no_gc_freeze else 'with'} gc.freeze() after start-up. "
+         f"{'without' if args.no_gc_freeze else 'with'} gc.freeze() after start-up, "
+         f"{'returning' if args.no_retain_memory else 'keeping'} freed heap memory. "
          f"`x (a)`: throughput and CPU, the median over rounds of the per-round ratio to "
          f"(a); p50 and p99, the ratio of the quantiles of all rounds' latencies pooled. `[lo, hi]`: 90% bootstrap interval over rounds. "
          f"(a2), a second uninstrumented process, shows the noise floor."),
         "",
         ("| config | throughput (req/s) | x (a) | service CPU / req (ms) | x (a) "
          "| client p50 (ms) | x (a) | client p99 (ms) | x (a) | mean batch "
-         "| padded tokens / req |"),
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+         "| padded tokens / req | page faults / req |"),
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in cfgs:
         lines.append(
@@ -323,7 +333,8 @@ def table(cfgs: list[Config], args: argparse.Namespace, sink_spans: int, pinned:
             f"| {pooled_quantile(c, 0.99) * 1e3:.1f} "
             f"| {_fmt(pooled_quantile_ratio(c, base, 0.99))} "
             f"| {med([r['batch_mean'] for r in c.runs]):.2f} "
-            f"| {med([r['padded_per_req'] for r in c.runs]):.1f} |"
+            f"| {med([r['padded_per_req'] for r in c.runs]):.1f} "
+            f"| {med([r['faults_per_req'] for r in c.runs]):.1f} |"
         )
     off = next((c for c in cfgs if c.key == "e"), None)
     recording = [c for c in cfgs if c.instrumentation in (semconv.MODE_FULL,
@@ -364,10 +375,35 @@ def table(cfgs: list[Config], args: argparse.Namespace, sink_spans: int, pinned:
             tel = "- | - | - | -"
         lines.append(f"| ({c.key}) {c.label} | {errors} | {tel} "
                      f"| {c.rss_start / 2**20:.1f} -> {c.rss_end / 2**20:.1f} |")
+    lines += ["", *thread_table(cfgs)]
     lines += ["", (f"Spans received by the local sink: {sink_spans}. Spans exported are counted "
                    "by inferprof when the exporter reports success; the last partial export "
                    "batch of a round may land in the next round.")]
     return "\n".join(lines)
+
+
+def thread_table(cfgs: list[Config]) -> list[str]:
+    """Service CPU per request by thread (medians over rounds), from the demo's /healthz."""
+    names: dict[str, float] = {}
+    for c in cfgs:
+        for r in c.runs:
+            for name, us in r.get("thread_us_per_req", {}).items():
+                names[name] = max(names.get(name, 0.0), us)
+    shown = [n for n, us in sorted(names.items(), key=lambda kv: -kv[1]) if us >= 0.5]
+    if not shown:
+        return []
+    lines = [
+        "Service CPU per request by thread (µs, median over rounds; `native`: threads Python "
+        "did not start, such as gRPC's):",
+        "",
+        "| config | " + " | ".join(shown) + " |",
+        "|---|" + "---:|" * len(shown),
+    ]
+    for c in cfgs:
+        cells = [med([r.get("thread_us_per_req", {}).get(n, 0.0) for r in c.runs])
+                 for n in shown]
+        lines.append(f"| ({c.key}) {c.label} | " + " | ".join(f"{v:.1f}" for v in cells) + " |")
+    return lines
 
 
 def _pin(cpu: int | None) -> None:
@@ -398,6 +434,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-pin", action="store_true", help="do not pin CPUs")
     parser.add_argument("--no-gc-freeze", action="store_true",
                         help="services do not gc.freeze() after start-up (see docs/overhead.md)")
+    parser.add_argument("--no-retain-memory", action="store_true",
+                        help="services return freed heap memory to the kernel (glibc's "
+                             "default; see docs/overhead.md, 'Page faults in the model')")
     parser.add_argument("--same-processes", action="store_true",
                         help="start each service once and keep it for every round (faster; "
                              "process-to-process differences then stay in the ratios)")
@@ -424,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
                 instrumentation=c.instrumentation, model_size=args.model_size,
                 max_batch_size=args.max_batch_size, endpoint=endpoint,
                 service_name=f"overhead-{c.instrumentation}",
-                gc_freeze=not args.no_gc_freeze,
+                gc_freeze=not args.no_gc_freeze, retain_memory=not args.no_retain_memory,
             )
             # Nothing but the endpoint we chose: no OTLP env from the caller's shell.
             extra = {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint or down}
