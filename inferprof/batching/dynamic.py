@@ -243,13 +243,7 @@ class DynamicBatcher:
                         await asyncio.wait_for(wakeup.wait(), remaining)
                     except asyncio.TimeoutError:  # noqa: UP041 - not TimeoutError before 3.11
                         break
-                entries = []
-                while queue and len(entries) < self.max_batch_size:
-                    entry = queue.popleft()
-                    if entry.future.done():  # cancelled while we were waiting
-                        continue
-                    entry.taken = True
-                    entries.append(entry)
+                entries = self._take()
             except BaseException:
                 slots.release()
                 raise
@@ -259,6 +253,21 @@ class DynamicBatcher:
             task = asyncio.get_running_loop().create_task(self._run_batch(entries))
             self._inflight.add(task)
             task.add_done_callback(self._batch_done)
+            # Not kept by this frame while it waits for the next batch: the entries hold
+            # the batch's inputs and its requests' records.
+            entries = task = None
+
+    def _take(self) -> list[_Entry]:
+        """The next batch's entries, oldest first (in a frame of its own: no local of the
+        waiting loop keeps an entry alive)."""
+        queue, entries = self._queue, []
+        while queue and len(entries) < self.max_batch_size:
+            entry = queue.popleft()
+            if entry.future.done():  # cancelled while we were waiting
+                continue
+            entry.taken = True
+            entries.append(entry)
+        return entries
 
     def _batch_done(self, task: asyncio.Task) -> None:
         self._inflight.discard(task)
