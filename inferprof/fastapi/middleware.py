@@ -35,7 +35,13 @@ from inferprof.instrumentation.stage import begin_request
 
 _logger = logging.getLogger(__name__)
 _time_ns = time.time_ns
-_PROPAGATION_HEADERS = (b"traceparent", b"tracestate", b"baggage")
+_PROPAGATION_HEADERS = frozenset((b"traceparent", b"tracestate", b"baggage"))
+_STAGE_RECEIVE = semconv.STAGE_RECEIVE
+_STAGE_SERIALIZE = semconv.STAGE_SERIALIZE
+_ATTR_BYTES = semconv.ATTR_BYTES
+_METHOD = http_attributes.HTTP_REQUEST_METHOD
+_PATH = url_attributes.URL_PATH
+_SCHEME = url_attributes.URL_SCHEME
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -45,7 +51,8 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 class _Exchange:
-    """Per-request state shared by the receive and send wrappers."""
+    """Per-request state, and the wrapped ``receive``/``send`` the app is given (bound
+    methods: fewer objects per request than two closures and their cells)."""
 
     __slots__ = (
         "rec",
@@ -58,9 +65,12 @@ class _Exchange:
         "response_body",
         "last_byte",
         "limit",
+        "_receive",
+        "_send",
     )
 
-    def __init__(self, rec: RequestRecord, limit: int | None) -> None:
+    def __init__(self, rec: RequestRecord, limit: int | None, receive: Receive,
+                 send: Send) -> None:
         self.rec = rec
         self.receive_stage: StageRecord | None = None
         self.received = 0
@@ -71,6 +81,54 @@ class _Exchange:
         self.request_body = bytearray() if limit else None
         self.response_body = bytearray() if limit else None
         self.last_byte: int | None = None
+        self._receive = receive
+        self._send = send
+
+    async def receive(self) -> Message:
+        st = self.receive_stage
+        if st is not None and st.end is not None:
+            return await self._receive()
+        t0 = _time_ns()
+        message = await self._receive()
+        if message.get("type") == "http.request":
+            if st is None:
+                st = self.receive_stage = StageRecord(_STAGE_RECEIVE, new_span_id(), None, t0, {})
+            body = message.get("body") or b""
+            self.received += len(body)
+            if self.request_body is not None and len(self.request_body) < self.limit:
+                self.request_body += body[: self.limit - len(self.request_body)]
+            if not message.get("more_body", False):
+                st.end = _time_ns()
+                st.attrs[_ATTR_BYTES] = self.received
+                # A body-less request (GET; or a streaming response listening for
+                # disconnects) has nothing to time: no `receive` stage for it.
+                if self.received:
+                    self.rec.stages.append(st)
+        return message
+
+    async def send(self, message: Message) -> None:
+        kind = message.get("type")
+        if kind == "http.response.body":
+            body = message.get("body") or b""
+            self.sent += len(body)
+            if self.response_body is not None and len(self.response_body) < self.limit:
+                self.response_body += body[: self.limit - len(self.response_body)]
+            await self._send(message)
+            if not message.get("more_body", False):
+                now = _time_ns()
+                st = self.serialize_stage
+                if st is not None and st.end is None:
+                    st.end = now
+                    st.attrs[_ATTR_BYTES] = self.sent
+                self.last_byte = now
+            return
+        if kind == "http.response.start":
+            self.status = message.get("status")
+            st = self.serialize_stage = StageRecord(
+                _STAGE_SERIALIZE, new_span_id(), None, _time_ns(), {}
+            )
+            self.rec.stages.append(st)
+        await self._send(message)
 
 
 class InferprofMiddleware:
@@ -155,14 +213,14 @@ class InferprofMiddleware:
             await self.app(scope, receive, send)
             return
         try:
-            ex, token, otel_token = self._open(rt, scope)
+            ex, token, otel_token = self._open(rt, scope, receive, send)
         except Exception:
             _logger.exception("inferprof could not open a request; serving it untraced")
             await self.app(scope, receive, send)
             return
         rec = ex.rec
         try:
-            await self.app(scope, self._wrap_receive(receive, ex), self._wrap_send(send, ex))
+            await self.app(scope, ex.receive, ex.send)
         except BaseException as exc:
             rec.error = exc
             raise
@@ -170,7 +228,9 @@ class InferprofMiddleware:
             self._close(rt, scope, ex, token, otel_token)
 
     # --- open / close --------------------------------------------------------------------
-    def _open(self, rt: Runtime, scope: Scope) -> tuple[_Exchange, Any, Any]:
+    def _open(
+        self, rt: Runtime, scope: Scope, receive: Receive, send: Send
+    ) -> tuple[_Exchange, Any, Any]:
         start = _time_ns()
         parent = None
         carrier = {}
@@ -182,9 +242,9 @@ class InferprofMiddleware:
             parent = sc if sc.is_valid else None
         method = scope.get("method", "GET")
         attrs: dict[str, Any] = {
-            http_attributes.HTTP_REQUEST_METHOD: method,
-            url_attributes.URL_PATH: scope.get("path", ""),
-            url_attributes.URL_SCHEME: scope.get("scheme", "http"),
+            _METHOD: method,
+            _PATH: scope.get("path", ""),
+            _SCHEME: scope.get("scheme", "http"),
         }
         if self.model_name is not None:
             attrs[semconv.ATTR_MODEL_NAME] = self.model_name
@@ -195,7 +255,7 @@ class InferprofMiddleware:
         limit = None
         if record_content:
             limit = self._content_max_bytes or rt.config.content_max_bytes
-        ex = _Exchange(rec, limit)
+        ex = _Exchange(rec, limit, receive, send)
         token = SCOPE.set((rec, None))
         otel_token = None
         if rec.live_span is None:
@@ -252,65 +312,6 @@ class InferprofMiddleware:
             _logger.exception("inferprof could not finish a request's attributes")
         rec.end = ex.last_byte or now
         rt.finish_request(rec)
-
-    # --- wrappers --------------------------------------------------------------------------
-    @staticmethod
-    def _wrap_receive(receive: Receive, ex: _Exchange) -> Receive:
-        async def wrapped() -> Message:
-            st = ex.receive_stage
-            if st is None or st.end is None:
-                t0 = _time_ns()
-                message = await receive()
-                if message.get("type") == "http.request":
-                    if st is None:
-                        st = ex.receive_stage = StageRecord(
-                            semconv.STAGE_RECEIVE, new_span_id(), None, t0, {}
-                        )
-                    body = message.get("body") or b""
-                    ex.received += len(body)
-                    if ex.request_body is not None and len(ex.request_body) < ex.limit:
-                        ex.request_body += body[: ex.limit - len(ex.request_body)]
-                    if not message.get("more_body", False):
-                        st.end = _time_ns()
-                        st.attrs[semconv.ATTR_BYTES] = ex.received
-                        # A body-less request (GET; or a streaming response listening for
-                        # disconnects) has nothing to time: no `receive` stage for it.
-                        if ex.received:
-                            ex.rec.stages.append(st)
-                return message
-            return await receive()
-
-        return wrapped
-
-    @staticmethod
-    def _wrap_send(send: Send, ex: _Exchange) -> Send:
-        async def wrapped(message: Message) -> None:
-            kind = message.get("type")
-            if kind == "http.response.start":
-                ex.status = message.get("status")
-                st = ex.serialize_stage = StageRecord(
-                    semconv.STAGE_SERIALIZE, new_span_id(), None, _time_ns(), {}
-                )
-                ex.rec.stages.append(st)
-                await send(message)
-                return
-            if kind == "http.response.body":
-                body = message.get("body") or b""
-                ex.sent += len(body)
-                if ex.response_body is not None and len(ex.response_body) < ex.limit:
-                    ex.response_body += body[: ex.limit - len(ex.response_body)]
-                await send(message)
-                if not message.get("more_body", False):
-                    now = _time_ns()
-                    st = ex.serialize_stage
-                    if st is not None and st.end is None:
-                        st.end = now
-                        st.attrs[semconv.ATTR_BYTES] = ex.sent
-                    ex.last_byte = now
-                return
-            await send(message)
-
-        return wrapped
 
 
 def split_paths(paths: tuple[str, ...]) -> tuple[frozenset, tuple]:
