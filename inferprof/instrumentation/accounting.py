@@ -9,17 +9,26 @@ these wrappers count what it throws away (queue full) and what the exporter fail
 so ``inferprof.instrumentation.stats()`` and the OTel counter ``inferprof.spans.dropped``
 report them.
 
-Deferred traces: when ``configure()`` built the provider, a kept request is queued as one
-:class:`DeferredTrace` (its records, frozen) instead of ~10 ``ReadableSpan`` objects, and
-:class:`CountingSpanExporter` builds the spans on the processor's export thread, just
-before encoding them. The request's own thread pays one queue append per kept trace
-(docs/overhead.md). The bounded queue then holds at most ``OTEL_BSP_MAX_QUEUE_SIZE``
-entries, each a span or a trace; drops are counted in spans.
+Queued traces: when ``configure()`` built the provider, a kept request goes into the
+queue as one entry instead of ~10 ``ReadableSpan`` objects:
+
+* :class:`EncodedTrace`, its spans already encoded to OTLP protobuf bytes when the
+  request ended, when the exporter is inferprof's own (it takes bytes). A queued entry
+  is then two objects, not the ~15 records of the request: a trace waiting up to a second
+  for export would otherwise keep them alive past the garbage collector's youngest
+  generation, and on the demo that tripled the collections on the serving thread and
+  made each ten times slower (docs/overhead.md, "Garbage collection and queued traces");
+* :class:`DeferredTrace`, its records (frozen), for any other exporter;
+  :class:`CountingSpanExporter` builds the spans on the export thread.
+
+The bounded queue holds at most ``OTEL_BSP_MAX_QUEUE_SIZE`` entries, each a span or a
+trace; drops are counted in spans.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -29,10 +38,18 @@ from typing import Any
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
+from inferprof.instrumentation.otlp_encode import (
+    encode_request,
+    encode_trace_spans,
+    wrap_trace_spans,
+)
+
 _logger = logging.getLogger(__name__)
 #: Traces built between voluntary GIL releases on the export thread, so that a large
 #: export does not hold the request threads off for a whole switch interval (5 ms).
 _BUILD_SLICE = 16
+#: Seconds between two "export queue full" warnings.
+_DROP_WARNING_INTERVAL_S = 10.0
 
 
 class DeferredTrace:
@@ -50,6 +67,22 @@ class DeferredTrace:
 
     def spans(self) -> list:
         return self.runtime._spans(*self.build(*self.args))
+
+
+class EncodedTrace:
+    """A kept trace of ``n`` spans, encoded (``otlp_encode.encode_trace_spans``) for
+    ``runtime``'s resource and scope."""
+
+    __slots__ = ("runtime", "payload", "n")
+
+    def __init__(self, runtime: Any, payload: bytes, n: int) -> None:
+        self.runtime = runtime
+        self.payload = payload
+        self.n = n
+
+
+#: Queue entries that stand for several spans (the rest are single ReadableSpans).
+_TRACE_ENTRIES = (DeferredTrace, EncodedTrace)
 
 
 class EncodedSpans:
@@ -118,28 +151,38 @@ class CountingSpanExporter(SpanExporter):
         self._stats = stats
         self._max_batch = max(1, max_batch)
 
+    @property
+    def accepts_encoded(self) -> bool:
+        """Whether the wrapped exporter takes :class:`EncodedSpans` (inferprof's own)."""
+        return bool(getattr(self._exporter, "accepts_encoded", False))
+
     def export(self, spans: Sequence[Any]) -> SpanExportResult:
-        if any(type(s) is DeferredTrace for s in spans):
+        if any(type(s) in _TRACE_ENTRIES for s in spans):
             return self._export_deferred(spans)
         return self._export(spans)
 
     def _export_deferred(self, items: Sequence[Any]) -> SpanExportResult:
         # inferprof's gRPC exporter takes encoded bytes: deferred traces go from their
         # records to protobuf with no ReadableSpan in between (otlp_encode.encode_traces).
-        direct = getattr(self._exporter, "accepts_encoded", False)
+        direct = self.accepts_encoded
         result = SpanExportResult.SUCCESS
         spans: list = []
-        traces: list = []
+        traces: list = []  # (runtime, encoded spans of one trace)
         pending = 0
         built = 0
         for item in items:
-            if type(item) is not DeferredTrace:
+            kind = type(item)
+            if kind is EncodedTrace and direct:
+                traces.append((item.runtime, item.payload))
+                pending += item.n
+            elif kind is not DeferredTrace:
                 spans.append(item)
                 pending += 1
             else:
                 try:
                     if direct:
-                        traces.append((item.runtime, item.build(*item.args)))
+                        trace = item.build(*item.args)
+                        traces.append((item.runtime, encode_trace_spans(*trace)))
                     else:
                         spans.extend(item.spans())
                 except Exception:
@@ -162,11 +205,9 @@ class CountingSpanExporter(SpanExporter):
     def _send(self, spans: list, traces: list, n: int, direct: bool) -> SpanExportResult:
         if not direct:
             return self._export_counted(spans)
-        from inferprof.instrumentation.otlp_encode import encode_request, encode_traces
-
         try:
             # Serialized protobuf messages concatenate into their merge: one request.
-            payload = (encode_request(spans) if spans else b"") + encode_traces(traces)
+            payload = (encode_request(spans) if spans else b"") + wrap_trace_spans(traces)
         except Exception:
             _logger.exception("inferprof could not encode spans")
             with self._stats._lock:
@@ -203,41 +244,84 @@ class CountingSpanExporter(SpanExporter):
 
 
 class CountingBatchSpanProcessor(BatchSpanProcessor):
-    """A ``BatchSpanProcessor`` that counts the spans its bounded queue drops."""
+    """A ``BatchSpanProcessor`` that counts the spans its bounded queue drops.
+
+    When the queue is full (the exporter slow or down) the SDK logs a warning for every
+    entry it drops, which on a busy service is a log line per request; here the oldest
+    entry is dropped the same way, counted, and a warning logged at most every
+    ``_DROP_WARNING_INTERVAL_S`` seconds.
+    """
 
     def __init__(self, exporter: SpanExporter, stats: Stats, **kwargs) -> None:
         super().__init__(exporter, **kwargs)
         self._stats = stats
         # The SDK keeps its queue private; when its layout changes we lose only the
         # queue-full count (export failures are still counted by the exporter wrapper).
-        inner = getattr(self, "_batch_processor", None)
+        inner = self._inner = getattr(self, "_batch_processor", None)
         self._queue = getattr(inner, "_queue", None)
         self._max = getattr(inner, "_max_queue_size", None)
         #: the SDK's own queueing entry point, or None when its layout changed (then
         #: configure() does not defer traces and spans are built on the request's thread)
         self._emit = getattr(inner, "emit", None)
+        self._awaken = getattr(inner, "_worker_awaken", None)
+        self._can_drop = (
+            getattr(self._queue, "maxlen", None) == self._max
+            and self._awaken is not None
+            and hasattr(inner, "_shutdown")
+            and hasattr(inner, "_pid")
+        )
+        self._next_warning = 0.0
         batch_size = getattr(inner, "_max_export_batch_size", None)
         if isinstance(exporter, CountingSpanExporter) and batch_size:
             exporter._max_batch = batch_size  # spans per export call, deferred traces built
+        #: whether the exporter takes encoded bytes (then traces are encoded at request end)
+        self.accepts_encoded = isinstance(exporter, CountingSpanExporter) and (
+            exporter.accepts_encoded
+        )
 
     def on_end(self, span: Any) -> None:
+        entry = type(span) in _TRACE_ENTRIES
+        if not entry and not (span.context and span.context.trace_flags.sampled):
+            return
         queue = self._queue
         if queue is not None and len(queue) >= self._max:
-            # The SDK's queue drops its oldest entry to make room: count its spans.
+            # The queue drops its oldest entry to make room: count its spans.
             try:
                 oldest = queue[-1]
             except IndexError:  # the export thread emptied it meanwhile
                 oldest = None
-            self._stats.queue_full += oldest.n if type(oldest) is DeferredTrace else 1
-        if type(span) is DeferredTrace:
+            self._stats.queue_full += oldest.n if type(oldest) in _TRACE_ENTRIES else 1
+            if self._drop_oldest(span):
+                return
+        if entry:
             self._emit(span)  # sampled by construction: it was kept
         else:
             super().on_end(span)
+
+    def _drop_oldest(self, span: Any) -> bool:
+        """Queue ``span`` in place of the oldest entry as the SDK does, minus its log line
+        per drop. False where the SDK must do it (shut down, forked, changed layout)."""
+        inner = self._inner
+        if not self._can_drop or inner._shutdown or inner._pid != os.getpid():
+            return False
+        self._queue.appendleft(span)  # a bounded deque: the oldest entry falls off
+        if not self._awaken.is_set():
+            self._awaken.set()
+        now = time.monotonic()
+        if now >= self._next_warning:
+            self._next_warning = now + _DROP_WARNING_INTERVAL_S
+            _logger.warning(
+                "inferprof's span export queue is full (the exporter is slow or down): "
+                "%d spans dropped so far, counted in inferprof.spans.dropped",
+                self._stats.queue_full,
+            )
+        return True
 
 
 __all__ = [
     "DeferredTrace",
     "EncodedSpans",
+    "EncodedTrace",
     "Stats",
     "StatsSnapshot",
     "CountingSpanExporter",

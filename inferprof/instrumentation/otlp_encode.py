@@ -317,33 +317,43 @@ def _spec_span(
     return _ld(2, b"".join(out))
 
 
-def encode_traces(traces: Sequence[tuple[Any, tuple]]) -> bytes:
-    """Serialized ``ExportTraceServiceRequest`` for inferprof's deferred traces.
-
-    ``traces``: (runtime, (trace id, span specs, trace state)) pairs, the specs being
-    those ``Runtime._spans`` turns into ``ReadableSpan`` objects. The message equals
-    ``encode_request`` of those spans (tests compare them); it is built without them.
-    """
+def encode_trace_spans(trace_id: int, specs: Sequence[tuple], trace_state: Any = None) -> bytes:
+    """One trace's spans as repeated ``ScopeSpans.spans`` fields (field 2), ready to be
+    concatenated with other traces' under one scope by :func:`wrap_trace_spans`."""
     from inferprof.instrumentation.runtime import _error_parts
 
+    tid = trace_id.to_bytes(16, "big")
+    state = _trace_state(3, trace_state)
+    return b"".join([_spec_span(tid, state, spec, _error_parts) for spec in specs])
+
+
+def wrap_trace_spans(traces: Sequence[tuple[Any, bytes]]) -> bytes:
+    """Serialized ``ExportTraceServiceRequest`` from (runtime, :func:`encode_trace_spans`
+    bytes) pairs: grouped under each runtime's resource and instrumentation scope."""
     groups: dict[tuple[int, int], tuple[Any, Any, list[bytes]]] = {}
-    for runtime, (trace_id, specs, trace_state) in traces:
+    for runtime, encoded in traces:
         resource, scope = runtime._resource, runtime._scope
         key = (id(resource), id(scope))
         group = groups.get(key)
         if group is None:
             group = groups[key] = (resource, scope, [])
-        tid = trace_id.to_bytes(16, "big")
-        state = _trace_state(3, trace_state)
-        encoded = group[2]
-        for spec in specs:
-            encoded.append(_spec_span(tid, state, spec, _error_parts))
+        group[2].append(encoded)
     out = []
     for resource, scope, encoded in groups.values():
         scope_body = _scope_fields(scope) + b"".join(encoded) + _str(3, scope.schema_url)
         out.append(_ld(1, _resource_fields(resource) + _ld(2, scope_body)
                        + _str(3, resource.schema_url)))
     return b"".join(out)
+
+
+def encode_traces(traces: Sequence[tuple[Any, tuple]]) -> bytes:
+    """Serialized ``ExportTraceServiceRequest`` for inferprof's traces.
+
+    ``traces``: (runtime, (trace id, span specs, trace state)) pairs, the specs being
+    those ``Runtime._spans`` turns into ``ReadableSpan`` objects. The message equals
+    ``encode_request`` of those spans (tests compare them); it is built without them.
+    """
+    return wrap_trace_spans([(rt, encode_trace_spans(*trace)) for rt, trace in traces])
 
 
 def grpc_span_exporter(**kwargs: Any) -> Any:
@@ -371,4 +381,10 @@ def grpc_span_exporter(**kwargs: Any) -> Any:
     return FastOTLPSpanExporter(**kwargs)
 
 
-__all__ = ["encode_request", "encode_traces", "grpc_span_exporter"]
+__all__ = [
+    "encode_request",
+    "encode_trace_spans",
+    "encode_traces",
+    "grpc_span_exporter",
+    "wrap_trace_spans",
+]

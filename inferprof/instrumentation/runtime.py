@@ -31,7 +31,13 @@ from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
 from inferprof import __version__, semconv
 from inferprof.batching.device import resolve_stages
-from inferprof.instrumentation.accounting import DeferredTrace, Stats, StatsSnapshot
+from inferprof.instrumentation.accounting import (
+    DeferredTrace,
+    EncodedTrace,
+    Stats,
+    StatsSnapshot,
+)
+from inferprof.instrumentation.otlp_encode import encode_trace_spans
 from inferprof.instrumentation.records import BatchRecord, RequestRecord, StageRecord
 from inferprof.instrumentation.sampling import TailSampler
 
@@ -158,8 +164,11 @@ class Runtime:
         self._batch_prefix = f"{_getrandbits(32):08x}"
         self._processor = None
         #: inferprof's own batch processor (configure() built the provider): kept traces go
-        #: to it as one DeferredTrace each, built into spans on its export thread.
+        #: to it as one queue entry each (accounting module docstring): encoded to OTLP
+        #: bytes here when its exporter takes them, else a DeferredTrace built into spans
+        #: on its export thread.
         self._deferred = deferred
+        self._encode = deferred is not None and getattr(deferred, "accepts_encoded", False)
         self._resource = None
         self._sampler = None
         self.tracer = None
@@ -304,7 +313,9 @@ class Runtime:
                 else (b, tuple(st for st in b.stages if st.end is not None))
                 for b in rec.batches
             ]
-            if self._deferred is not None:
+            if self._encode:
+                self._defer_encoded(*self._request_trace(rec, weight, batches))
+            elif self._deferred is not None:
                 _freeze_errors(rec, batches)
                 n = (1 if rec.emit_request_span and rec.live_span is None else 0) + len(rec.stages)
                 for b, stages in batches:
@@ -456,7 +467,9 @@ class Runtime:
                 return
             batch.emitted = True
         links = tuple(Link(ctx) for ctx in batch.kept_members)
-        if self._deferred is not None:
+        if self._encode:
+            self._defer_encoded(*self._linked_batch_trace(batch, tuple(batch.stages), links))
+        elif self._deferred is not None:
             stages = tuple(batch.stages)
             _freeze_stage_errors(stages, 0)
             self._defer(
@@ -487,9 +500,20 @@ class Runtime:
         return batch.trace_id or new_trace_id(), specs, None
 
     # --- the sink ----------------------------------------------------------------------
-    def _defer(self, item: DeferredTrace) -> None:
+    def _defer(self, item: DeferredTrace | EncodedTrace) -> None:
         self._deferred.on_end(item)
         self.stats.emitted += item.n
+
+    def _defer_encoded(self, trace_id: int, specs: list, trace_state: Any) -> None:
+        try:
+            payload = encode_trace_spans(trace_id, specs, trace_state)
+        except Exception:
+            _logger.exception("inferprof could not encode the spans of a trace")
+            with self.stats._lock:
+                self.stats.export_failed += len(specs)
+            self.stats.emitted += len(specs)
+            return
+        self._defer(EncodedTrace(self, payload, len(specs)))
 
     def _emit_spans(self, spans: list) -> None:
         if self._processor is None:

@@ -1,7 +1,8 @@
-"""Kept traces built on the export thread: same spans, same bytes, nothing held, all counted.
+"""Kept traces queued as one entry: same spans, same bytes, nothing held, all counted.
 
-When ``configure()`` builds the provider, a kept request is queued as one DeferredTrace
-and turned into spans (or straight into OTLP bytes) on the processor's thread.
+When ``configure()`` builds the provider, a kept request is queued as one entry: an
+EncodedTrace (OTLP bytes made when the request ended) for inferprof's own exporter, else a
+DeferredTrace turned into spans on the processor's thread.
 """
 
 import asyncio
@@ -20,9 +21,16 @@ from inferprof.instrumentation.accounting import (
     CountingSpanExporter,
     DeferredTrace,
     EncodedSpans,
+    EncodedTrace,
     Stats,
 )
-from inferprof.instrumentation.otlp_encode import encode_request, encode_traces
+from inferprof.instrumentation.otlp_encode import (
+    encode_request,
+    encode_trace_spans,
+    encode_traces,
+    wrap_trace_spans,
+)
+from inferprof.instrumentation.records import RequestRecord, StageRecord
 from tests.instrumentation.helpers import captured
 
 _PARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
@@ -270,3 +278,83 @@ def test_what_the_application_does_after_the_request_ended_is_not_in_its_trace()
     (request,) = [s for s in spans if semconv.ATTR_STAGE not in s.attributes]
     assert request.attributes[semconv.ATTR_MODEL_NAME] == "m"
     assert "late" not in request.attributes
+
+
+def _shape(span) -> tuple:
+    return (span.name, span.kind, span.status.code, len(span.links), len(span.events))
+
+
+def _sdk_shape(span) -> tuple:
+    # OTLP kinds and status codes as the exporter writes them (kind + 1; code value).
+    return (span.name, span.kind.value + 1, span.status.status_code.value, len(span.links),
+            len(span.events))
+
+
+async def test_for_inferprofs_exporter_a_kept_trace_is_queued_as_bytes_holding_no_records():
+    inferprof.configure(span_exporter=_Recorder(), set_global=False, metric_readers=[])
+    rt = _config._runtime
+    assert rt._encode
+    queue = rt._deferred = _Queue()
+
+    def records() -> int:
+        gc.collect()
+        return sum(type(o) in (RequestRecord, StageRecord) for o in gc.get_objects())
+
+    before = records()
+    await _traffic()
+    assert queue.items and all(type(item) is EncodedTrace for item in queue.items)
+    assert all(type(item.payload) is bytes for item in queue.items)
+    # The queue keeps the bytes alive, not the requests' records: nothing of theirs is
+    # left for the garbage collector to walk while a trace waits for export.
+    assert records() == before
+    message = ExportTraceServiceRequest.FromString(
+        wrap_trace_spans([(rt, item.payload) for item in queue.items])
+    )
+    encoded = [
+        span for rs in message.resource_spans for ss in rs.scope_spans for span in ss.spans
+    ]
+    assert len(encoded) == sum(item.n for item in queue.items)
+    with captured(mode="full") as cap:
+        await _traffic()
+        synchronous = sorted(_sdk_shape(s) for s in cap.spans())
+    assert sorted(_shape(s) for s in encoded) == synchronous
+    # every span of a trace lies under the request span, with the trace's id
+    for item in queue.items:
+        spans = ExportTraceServiceRequest.FromString(wrap_trace_spans([(rt, item.payload)]))
+        (scope,) = [ss for rs in spans.resource_spans for ss in rs.scope_spans]
+        assert len({span.trace_id for span in scope.spans}) == 1
+        assert scope.scope.name == semconv.INSTRUMENTATION_SCOPE
+
+
+def test_encoded_entries_reach_the_exporter_whole_and_counted():
+    recorder = _Recorder()
+    inferprof.configure(span_exporter=recorder, set_global=False, metric_readers=[])
+    for _ in range(40):
+        with inferprof.request(model="m"):
+            with inferprof.stage("tokenize"):
+                pass
+    _config._runtime.tracer_provider.force_flush()
+    snap = inferprof.instrumentation.stats()
+    inferprof.shutdown()
+    assert recorder.calls and all(type(c) is EncodedSpans for c in recorder.calls)
+    spans = [
+        span
+        for c in recorder.calls
+        for rs in ExportTraceServiceRequest.FromString(c.payload).resource_spans
+        for ss in rs.scope_spans
+        for span in ss.spans
+    ]
+    assert len(spans) == 80 == sum(len(c) for c in recorder.calls)
+    assert snap.spans_emitted == snap.spans_exported == 80
+
+
+def test_encoding_at_request_end_equals_encoding_on_the_export_thread():
+    _configure(mode="full")
+    rt = _config._runtime
+    queue = rt._deferred = _Queue()
+    with inferprof.request(model="m", carrier={"traceparent": _PARENT, "tracestate": "v=1"}):
+        with inferprof.stage("tokenize", chars=3):
+            pass
+    (item,) = queue.items
+    trace = item.build(*item.args)
+    assert wrap_trace_spans([(rt, encode_trace_spans(*trace))]) == encode_traces([(rt, trace)])
