@@ -320,14 +320,12 @@ def _http_signal_endpoint(endpoint: str | None, path: str) -> str | None:
 
 
 def _span_exporter(config: Config):
+    # The SDK's exporters with inferprof's wire encoder (same bytes, a quarter of the CPU
+    # per span; see inferprof/instrumentation/otlp_encode.py and docs/overhead.md).
+    from inferprof.instrumentation.otlp_encode import grpc_span_exporter, http_span_exporter
+
     if config.protocol == PROTOCOL_HTTP:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-        return OTLPSpanExporter(endpoint=_http_signal_endpoint(config.endpoint, "/v1/traces"))
-    # The SDK's gRPC exporter with inferprof's wire encoder (same bytes, a quarter of the
-    # CPU per span; see inferprof/instrumentation/otlp_encode.py and docs/overhead.md).
-    from inferprof.instrumentation.otlp_encode import grpc_span_exporter
-
+        return http_span_exporter(endpoint=_http_signal_endpoint(config.endpoint, "/v1/traces"))
     return grpc_span_exporter(endpoint=config.endpoint)
 
 

@@ -20,10 +20,12 @@ Field numbers are those of ``opentelemetry/proto/trace/v1/trace.proto`` and
 
 from __future__ import annotations
 
+import logging
 import struct
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+_logger = logging.getLogger(__name__)
 _pack_q = struct.Struct("<Q").pack
 _pack_d = struct.Struct("<d").pack
 _pack_i = struct.Struct("<I").pack
@@ -381,10 +383,56 @@ def grpc_span_exporter(**kwargs: Any) -> Any:
     return FastOTLPSpanExporter(**kwargs)
 
 
+def http_span_exporter(**kwargs: Any) -> Any:
+    """The SDK's OTLP/HTTP (protobuf) span exporter, sending :func:`encode_request` bytes.
+
+    The SDK's HTTP exporter encodes and sends in one ``export()``; the sending half is its
+    ``_client.export(bytes)`` (opentelemetry-exporter-otlp-proto-http 1.40 and later),
+    which keeps its headers, compression, TLS, timeout and retries. Where that is missing
+    (older releases) the exporter says it takes no encoded bytes and the SDK's own
+    ``export()`` runs, spans built as ``ReadableSpan``s: slower, never wrong.
+    """
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.trace.export import SpanExportResult
+
+    from inferprof.instrumentation.accounting import EncodedSpans
+
+    class FastHTTPSpanExporter(OTLPSpanExporter):
+        def __init__(self, **options: Any) -> None:
+            super().__init__(**options)
+            client = getattr(self, "_client", None)
+            #: CountingSpanExporter may hand it EncodedSpans (bytes built from records).
+            self.accepts_encoded = callable(getattr(client, "export", None)) and hasattr(
+                self, "_shutdown"
+            )
+
+        def export(self, spans: Any) -> Any:
+            if not self.accepts_encoded:
+                return super().export(spans)
+            if self._shutdown:
+                _logger.warning("inferprof's OTLP/HTTP exporter is shut down; spans dropped")
+                return SpanExportResult.FAILURE
+            payload = spans.payload if type(spans) is EncodedSpans else encode_request(spans)
+            limit = getattr(self, "_max_request_size", 0) or 0
+            if 0 < limit < len(payload):
+                _logger.warning(
+                    "dropping %d spans: their OTLP request is %d bytes, over the exporter's "
+                    "max_request_size of %d", len(spans), len(payload), limit
+                )
+                return SpanExportResult.FAILURE
+            result = self._client.export(payload)
+            if getattr(result, "success", False):
+                return SpanExportResult.SUCCESS
+            return SpanExportResult.FAILURE
+
+    return FastHTTPSpanExporter(**kwargs)
+
+
 __all__ = [
     "encode_request",
     "encode_trace_spans",
     "encode_traces",
     "grpc_span_exporter",
+    "http_span_exporter",
     "wrap_trace_spans",
 ]

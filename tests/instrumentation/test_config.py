@@ -121,9 +121,14 @@ def test_configure_exports_otlp_grpc_with_resource(otlp_sink, monkeypatch):
 
 class _OtlpHttpHandler(http.server.BaseHTTPRequestHandler):
     received: list = []
+    status = 200
 
     def do_POST(self):  # noqa: N802
         body = self.rfile.read(int(self.headers["Content-Length"]))
+        if self.status != 200:
+            self.send_response(self.status)
+            self.end_headers()
+            return
         if self.path == "/v1/traces":
             req = trace_service_pb2.ExportTraceServiceRequest()
             req.ParseFromString(body)
@@ -150,21 +155,60 @@ def test_configure_exports_otlp_http_protobuf(monkeypatch):
             metric_readers=[InMemoryMetricReader()],
         )
         assert config.protocol == "http/protobuf"
+        # inferprof's encoder feeds the SDK's HTTP client: kept traces become bytes when
+        # the request ends, as on gRPC.
+        assert _config._runtime._encode
         with inferprof.request():
             with inferprof.stage("tokenize"):
                 pass
+        with pytest.raises(KeyError):
+            with inferprof.request():
+                with inferprof.stage("compute"):
+                    raise KeyError("lost")
         inferprof.shutdown()
-        names = {
-            span.name
+        spans = [
+            span
             for req in _OtlpHttpHandler.received
             for rs in req.resource_spans
             for ss in rs.scope_spans
             for span in ss.spans
-        }
-        assert names == {semconv.REQUEST_SPAN_NAME, "inferprof.tokenize"}
+        ]
+        names = {span.name for span in spans}
+        assert names == {semconv.REQUEST_SPAN_NAME, "inferprof.tokenize", "inferprof.compute"}
+        (failed,) = [s for s in spans if s.name == "inferprof.compute"]
+        assert failed.status.code == failed.status.STATUS_CODE_ERROR
+        assert failed.events[0].name == "exception"
+        assert len({s.trace_id for s in spans}) == 2
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_otlp_http_rejections_are_counted_as_failed_exports(monkeypatch):
+    _OtlpHttpHandler.received = []
+    monkeypatch.setattr(_OtlpHttpHandler, "status", 400)  # a receiver refusing the payload
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _OtlpHttpHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        inferprof.configure(
+            endpoint=f"http://127.0.0.1:{server.server_port}",
+            protocol="http/protobuf",
+            set_global=False,
+            metric_readers=[InMemoryMetricReader()],
+        )
+        for _ in range(5):
+            with inferprof.request():
+                with inferprof.stage("tokenize"):
+                    pass
+        _config._runtime.tracer_provider.force_flush()
+        snap = inferprof.instrumentation.stats()
+        inferprof.shutdown()
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert snap.spans_emitted == 10
+    assert snap.spans_dropped_export_failed == 10 and snap.spans_exported == 0
 
 
 def test_existing_global_sdk_provider_is_used_and_nothing_installed():
