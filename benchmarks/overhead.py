@@ -41,10 +41,10 @@ How the figures are made precise on a small, shared machine:
   tokens per request of each configuration. The model's weights are page-aligned
   (``inferprof/demo/model.py``): without that, two processes of the same service ran
   the same model up to 4% apart, depending on where numpy happened to put them.
-  The services keep freed heap memory (``inferprof.demo.host.py``): with glibc's
-  defaults the model's per-batch activations page-fault back in every batch, and how
-  often moves with every other allocation in the process (the table's page-fault
-  column; ``--no-retain-memory`` measures that way).
+  The model computes in a reused, page-aligned workspace (``inferprof/demo/model.py``):
+  fresh activations every batch page-faulted back in (the table's page-fault column) as
+  often as every other allocation in the process let them, and ran at whatever
+  alignment the allocator gave them.
 * **Latency quantiles are pooled**: every request's latency of every round, per
   configuration (a 4 s round at saturation holds only ~15 requests above its p99).
 * **Uncertainty**: ``[lo, hi]`` is a 90% bootstrap interval over rounds (rounds resampled
@@ -311,8 +311,7 @@ def table(cfgs: list[Config], args: argparse.Namespace, sink_spans: int, pinned:
          f"interleaved rounds x {args.duration:g} s per configuration. {os.cpu_count()} "
          f"CPU(s), {'service pinned to CPU 0, client to CPU 1' if pinned else 'not pinned'}; "
          f"Python {sys.version.split()[0]}; services "
-         f"{'without' if args.no_gc_freeze else 'with'} gc.freeze() after start-up, "
-         f"{'returning' if args.no_retain_memory else 'keeping'} freed heap memory. "
+         f"{'without' if args.no_gc_freeze else 'with'} gc.freeze() after start-up. "
          f"`x (a)`: throughput and CPU, the median over rounds of the per-round ratio to "
          f"(a); p50 and p99, the ratio of the quantiles of all rounds' latencies pooled. `[lo, hi]`: 90% bootstrap interval over rounds. "
          f"(a2), a second uninstrumented process, shows the noise floor."),
@@ -434,9 +433,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-pin", action="store_true", help="do not pin CPUs")
     parser.add_argument("--no-gc-freeze", action="store_true",
                         help="services do not gc.freeze() after start-up (see docs/overhead.md)")
-    parser.add_argument("--no-retain-memory", action="store_true",
-                        help="services return freed heap memory to the kernel (glibc's "
-                             "default; see docs/overhead.md, 'Page faults in the model')")
     parser.add_argument("--same-processes", action="store_true",
                         help="start each service once and keep it for every round (faster; "
                              "process-to-process differences then stay in the ratios)")
@@ -463,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
                 instrumentation=c.instrumentation, model_size=args.model_size,
                 max_batch_size=args.max_batch_size, endpoint=endpoint,
                 service_name=f"overhead-{c.instrumentation}",
-                gc_freeze=not args.no_gc_freeze, retain_memory=not args.no_retain_memory,
+                gc_freeze=not args.no_gc_freeze,
             )
             # Nothing but the endpoint we chose: no OTLP env from the caller's shell.
             extra = {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint or down}

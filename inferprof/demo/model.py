@@ -16,6 +16,7 @@ sensible labels for prompts drawn from the shipped text.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -94,7 +95,31 @@ def page_aligned(a: np.ndarray, alignment: int = _WEIGHT_ALIGNMENT) -> np.ndarra
 
 def _masked_mean(x: np.ndarray, mask: np.ndarray) -> np.ndarray:
     # x: (B, T, D), mask: (B, T) -> (B, D); rows are never empty (collate forbids it).
-    return np.einsum("btd,bt->bd", x, mask) / mask.sum(axis=1, keepdims=True)
+    # A batched (1, T) @ (T, D) product: no (B, T, D) temporary, unlike einsum here.
+    return np.matmul(mask[:, None, :], x)[:, 0, :] / mask.sum(axis=1, keepdims=True)
+
+
+class _Workspace:
+    """Page-aligned activation buffers, reused from batch to batch (one per thread).
+
+    Model runtimes keep their activation memory (PyTorch's caching allocator, ONNX
+    Runtime's arena); the demo does too, for two measured reasons (docs/overhead.md, "The
+    model's memory"): fresh arrays every batch were handed back to the kernel and
+    page-faulted in again (63 minor faults per request, ~11% of the model's CPU, and the
+    count moved with every other allocation in the process), and where the allocator put
+    them changed how fast the vector loops ran, differently in every process.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, np.ndarray] = {}
+
+    def view(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        """A C-contiguous float32 array of ``shape`` over buffer ``name`` (grown on need)."""
+        n = int(np.prod(shape))
+        buf = self._buffers.get(name)
+        if buf is None or buf.size < n:
+            buf = self._buffers[name] = page_aligned(np.empty(n, dtype=np.float32))
+        return buf[:n].reshape(shape)
 
 
 @dataclass(frozen=True)
@@ -132,25 +157,47 @@ class TopicModel:
             for _ in range(dims.n_layers)
         ]
         self.head = np.zeros((d, len(self.topics)), dtype=np.float32)
+        self._local = threading.local()
 
     def features(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
         """Per-token features, shape (B, T, d_model); padded positions are zeroed."""
-        x = self.embed[ids]
+        return self._features(ids, mask).copy()
+
+    def _features(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        # Computed in this thread's workspace (see _Workspace): the result is a view into
+        # it, valid until this thread's next call.
+        b, t = ids.shape
+        ws = self._workspace()
+        # mode="clip": numpy buffers `out` for the default mode="raise" (a fresh array per
+        # batch again); the tokenizer only produces ids inside the vocabulary.
+        x = np.take(self.embed, ids, axis=0, out=ws.view("x", (b, t, self.size.d_model)),
+                    mode="clip")
+        hidden = ws.view("hidden", (b, t, self.size.d_hidden))
+        branch = ws.view("branch", (b, t, self.size.d_model))
         m = mask[:, :, None]
         for w1, b1, w2, u in self.blocks:
             pooled = _masked_mean(x, mask)
-            hidden = np.maximum(x @ w1 + b1, 0.0)
-            x = x + hidden @ w2 + (pooled @ u)[:, None, :]
+            np.matmul(x, w1, out=hidden)
+            hidden += b1
+            np.maximum(hidden, 0.0, out=hidden)
+            x += np.matmul(hidden, w2, out=branch)
+            x += (pooled @ u)[:, None, :]
             x *= m
         return x
 
+    def _workspace(self) -> _Workspace:
+        ws = getattr(self._local, "workspace", None)
+        if ws is None:
+            ws = self._local.workspace = _Workspace()
+        return ws
+
     def forward(self, ids: np.ndarray, mask: np.ndarray) -> Outputs:
-        x = self.features(ids, mask)
+        x = self._features(ids, mask)
         pooled = _masked_mean(x, mask)
         pooled /= np.linalg.norm(pooled, axis=1, keepdims=True) + 1e-6
         logits = pooled @ self.head
         best = logits.argmax(axis=1)
-        token_scores = np.einsum("btd,bd->bt", x, self.head.T[best])
+        token_scores = np.matmul(x, self.head.T[best][:, :, None])[:, :, 0]
         token_scores[mask == 0] = -np.inf
         return Outputs(logits=logits, token_scores=token_scores)
 

@@ -30,7 +30,6 @@ from inferprof.demo.settings import (
     ENV_MAX_DELAY_MS,
     ENV_MAX_TOKENS,
     ENV_MODEL_SIZE,
-    ENV_RETAIN_MEMORY,
     ENV_SERVICE_NAME,
     DemoSettings,
 )
@@ -53,7 +52,6 @@ def settings_env(settings: DemoSettings) -> dict[str, str]:
         ENV_SERVICE_NAME: settings.service_name,
         ENV_MAX_TOKENS: str(settings.max_tokens),
         ENV_GC_FREEZE: "1" if settings.gc_freeze else "0",
-        ENV_RETAIN_MEMORY: "1" if settings.retain_memory else "0",
     }
     if settings.endpoint:
         env[ENV_ENDPOINT] = settings.endpoint

@@ -50,8 +50,6 @@ def create_app(settings: DemoSettings | None = None, **overrides: Any) -> Any:
         raise ValueError("pass either settings or keyword overrides, not both")
     fastapi = require("fastapi", "demo")
     pydantic = require("pydantic", "demo")
-    if settings.retain_memory and not host.retain_freed_memory():
-        _log.info("this C library keeps no freed memory on request; the demo runs without it")
 
     telemetry = _Telemetry(settings)
     pipeline = DemoPipeline(settings, stage=telemetry.stage)

@@ -32,7 +32,6 @@ ENV_MAX_TOKENS = "INFERPROF_DEMO_MAX_TOKENS"
 ENV_SERVICE_NAME = "INFERPROF_DEMO_SERVICE_NAME"
 ENV_ENDPOINT = "INFERPROF_DEMO_OTLP_ENDPOINT"
 ENV_GC_FREEZE = "INFERPROF_DEMO_GC_FREEZE"
-ENV_RETAIN_MEMORY = "INFERPROF_DEMO_RETAIN_MEMORY"
 
 _DEFAULT_INSTRUMENTATION = semconv.MODE_FULL
 _DEFAULT_MAX_BATCH_SIZE = 16
@@ -60,10 +59,6 @@ class DemoSettings:
     #: again by full garbage collections, which otherwise stall every request in flight
     #: for tens of milliseconds (docs/overhead.md, "Garbage collection and the p99").
     gc_freeze: bool = True
-    #: Keep freed heap memory in the process (glibc ``mallopt``) so the model's per-batch
-    #: activations do not page-fault back in every batch, as model runtimes keep theirs
-    #: (``inferprof.demo.host``; docs/overhead.md, "Page faults in the model").
-    retain_memory: bool = True
 
     def __post_init__(self) -> None:
         for name, value in ((f.name, getattr(self, f.name)) for f in fields(self)):
@@ -137,7 +132,6 @@ _ENV: tuple[tuple[str, str, Callable[[str], Any]], ...] = (
     ("service_name", ENV_SERVICE_NAME, str.strip),
     ("endpoint", ENV_ENDPOINT, str.strip),
     ("gc_freeze", ENV_GC_FREEZE, lambda raw: _flag(raw)),
-    ("retain_memory", ENV_RETAIN_MEMORY, lambda raw: _flag(raw)),
 )
 
 __all__ = [
@@ -149,7 +143,6 @@ __all__ = [
     "ENV_MAX_DELAY_MS",
     "ENV_MAX_TOKENS",
     "ENV_MODEL_SIZE",
-    "ENV_RETAIN_MEMORY",
     "ENV_SERVICE_NAME",
     "INSTRUMENTATIONS",
     "INSTRUMENTATION_NONE",

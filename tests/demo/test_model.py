@@ -102,3 +102,53 @@ def test_weights_and_device_buffers_start_on_a_page_boundary(model):
     copy = page_aligned(odd)
     assert copy.ctypes.data % 4096 == 0
     np.testing.assert_array_equal(copy, odd)
+
+
+def _reference_forward(model, ids, mask):
+    """The model written plainly, a fresh array per operation: what the workspace must equal."""
+    x = model.embed[ids]
+    m = mask[:, :, None]
+    for w1, b1, w2, u in model.blocks:
+        pooled = np.matmul(mask[:, None, :], x)[:, 0, :] / mask.sum(axis=1, keepdims=True)
+        hidden = np.maximum(x @ w1 + b1, 0.0)
+        x = x + hidden @ w2 + (pooled @ u)[:, None, :]
+        x *= m
+    return x
+
+
+def test_the_workspace_computes_what_fresh_arrays_would(tokenizer):
+    model = build_model(tokenizer, size="small")
+    rng = np.random.default_rng(3)
+    for shape in ((16, 120), (2, 7), (9, 64)):  # the workspace shrinks and grows between
+        ids = rng.integers(PAD_ID + 1, tokenizer.get_vocab_size(), size=shape).astype(np.int32)
+        mask = np.ones(shape, dtype=np.float32)
+        mask[0, shape[1] // 2 :] = 0.0
+        ids[mask == 0] = PAD_ID
+        np.testing.assert_array_equal(model.features(ids, mask),
+                                      _reference_forward(model, ids, mask))
+
+
+def test_a_batch_allocates_no_activation_arrays(tokenizer):
+    import tracemalloc
+
+    model = build_model(tokenizer, size="small")
+    batch = collate([list(range(PAD_ID + 1, PAD_ID + 200))] * 16)
+    model.forward(batch.ids, batch.mask)  # the workspace is sized by the first batch
+    activations = 16 * 199 * model.size.d_hidden * 4  # one (B, T, hidden) float32 array
+    tracemalloc.start()
+    try:
+        model.forward(batch.ids, batch.mask)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # Small outputs (logits, token scores) only: a fresh activation array per batch is
+    # what page-faulted (docs/overhead.md, "The model's memory").
+    assert peak < activations / 8
+
+
+def test_features_are_a_copy_the_next_batch_does_not_overwrite(model):
+    batch = collate([[PAD_ID + 1, PAD_ID + 2, PAD_ID + 3]])
+    first = model.features(batch.ids, batch.mask)
+    kept = first.copy()
+    model.features(collate([[PAD_ID + 4] * 3]).ids, np.ones((1, 3), dtype=np.float32))
+    np.testing.assert_array_equal(first, kept)

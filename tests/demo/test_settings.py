@@ -46,18 +46,9 @@ def test_gc_freeze_is_on_by_default_and_env_turns_it_off(caplog):
     assert s.ENV_GC_FREEZE in caplog.text
 
 
-def test_retain_memory_is_on_by_default_and_env_turns_it_off(caplog):
-    assert DemoSettings().retain_memory is True
-    assert DemoSettings.from_env({s.ENV_RETAIN_MEMORY: "0"}).retain_memory is False
-    with caplog.at_level(logging.WARNING):
-        assert DemoSettings.from_env({s.ENV_RETAIN_MEMORY: "often"}).retain_memory is True
-    assert s.ENV_RETAIN_MEMORY in caplog.text
-
-
 def test_child_process_env_reproduces_the_settings():
     from inferprof.demo.processes import settings_env
 
     settings = DemoSettings(instrumentation="production", max_tokens=64, gc_freeze=False,
-                            retain_memory=False,
                             endpoint="http://127.0.0.1:4317", max_delay_ms=2.0)
     assert DemoSettings.from_env(settings_env(settings)) == settings
