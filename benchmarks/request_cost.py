@@ -6,8 +6,8 @@ One request = the ASGI middleware (``receive`` and ``serialize`` measured), ``to
 and ``postprocess`` stages, an ``enqueue()`` into a batcher's queue: the per-request part
 of what the demo service does, without the service. Configurations: no middleware at all
 (``none``), and inferprof configured ``off``, ``production`` and ``full``, exporting
-through ``configure()``'s own path (kept traces queued as records, built and encoded to
-OTLP bytes on the export thread) into an exporter that discards the bytes.
+through ``configure()``'s own path (kept traces encoded to OTLP bytes when the request
+ends and queued as bytes) into an exporter that discards them.
 
 CPU is ``time.process_time()`` over the requests plus a flush of the export queue, so the
 export thread's work is included; ``loop`` is the requesting thread's alone. Rounds are
