@@ -358,3 +358,18 @@ def test_encoding_at_request_end_equals_encoding_on_the_export_thread():
     (item,) = queue.items
     trace = item.build(*item.args)
     assert wrap_trace_spans([(rt, encode_trace_spans(*trace))]) == encode_traces([(rt, trace)])
+
+
+def test_an_encoded_trace_given_to_an_exporter_without_bytes_is_counted_not_sent():
+    _configure(mode="full")
+    rt = _config._runtime
+    queue = rt._deferred = _Queue()
+    with inferprof.request(model="m"):
+        pass
+    stray = EncodedTrace(rt, b"", 3)
+    stats = Stats()
+    inner = InMemorySpanExporter()
+    result = CountingSpanExporter(inner, stats).export([stray, *queue.items])
+    assert result is SpanExportResult.SUCCESS
+    assert stats.export_failed == 3 and stats.exported == 1
+    assert len(inner.get_finished_spans()) == 1
