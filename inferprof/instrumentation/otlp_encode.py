@@ -319,11 +319,16 @@ def _spec_span(
     return _ld(2, b"".join(out))
 
 
+#: ``runtime._error_parts`` (status, events, extra attributes of a span's error).
+_error_parts: Any = None
+
+
 def encode_trace_spans(trace_id: int, specs: Sequence[tuple], trace_state: Any = None) -> bytes:
     """One trace's spans as repeated ``ScopeSpans.spans`` fields (field 2), ready to be
     concatenated with other traces' under one scope by :func:`wrap_trace_spans`."""
-    from inferprof.instrumentation.runtime import _error_parts
-
+    global _error_parts
+    if _error_parts is None:  # runtime imports this module: bind it on first use
+        from inferprof.instrumentation.runtime import _error_parts
     tid = trace_id.to_bytes(16, "big")
     state = _trace_state(3, trace_state)
     return b"".join([_spec_span(tid, state, spec, _error_parts) for spec in specs])
