@@ -148,6 +148,8 @@ def begin_device_stage(
         gpu_id = gpu_uuid(index)
     if gpu_id is not None:
         rec.attrs.setdefault(semconv.ATTR_GPU_ID, gpu_id)
+    global _used
+    _used = True
     timing = DeviceTiming(rec, event_factory(), event_factory())
     rec.device = timing
     return timing
@@ -161,8 +163,15 @@ class EventDevice:
         self.gpu_id = gpu_id
 
 
+#: Whether any device stage was ever begun in this process: until one is, no record can
+#: hold a pending timing and resolve_stages() need not look (it runs for every request).
+_used = False
+
+
 def resolve_stages(stages: Iterable[Any]) -> None:
     """Rewrite the start/end of every pending device stage from its events. Never raises."""
+    if not _used:
+        return
     pending = [s.device for s in stages if s.device is not None]
     if not pending:
         return

@@ -29,7 +29,7 @@ from opentelemetry.semconv.attributes import http_attributes, url_attributes
 from opentelemetry.trace import SpanKind
 
 from inferprof import _config, semconv
-from inferprof.instrumentation.records import SCOPE, RequestRecord, StageRecord
+from inferprof.instrumentation.records import SCOPE, RequestRecord, RequestSpan, StageRecord
 from inferprof.instrumentation.runtime import Runtime, new_span_id
 from inferprof.instrumentation.stage import begin_request
 
@@ -42,6 +42,8 @@ _ATTR_BYTES = semconv.ATTR_BYTES
 _METHOD = http_attributes.HTTP_REQUEST_METHOD
 _PATH = url_attributes.URL_PATH
 _SCHEME = url_attributes.URL_SCHEME
+_ROUTE = http_attributes.HTTP_ROUTE
+_STATUS_CODE = http_attributes.HTTP_RESPONSE_STATUS_CODE
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -50,39 +52,39 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
-class _Exchange:
-    """Per-request state, and the wrapped ``receive``/``send`` the app is given (bound
-    methods: fewer objects per request than two closures and their cells)."""
+class _Content:
+    """Body prefixes of one request, kept only when content recording is opted in."""
+
+    __slots__ = ("limit", "request", "response")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.request = bytearray()
+        self.response = bytearray()
+
+    def add(self, buf: bytearray, body: bytes) -> None:
+        if len(buf) < self.limit:
+            buf += body[: self.limit - len(buf)]
+
+
+class _HttpRequest(RequestRecord):
+    """The record of one HTTP request, holding the middleware's state too, and the wrapped
+    ``receive``/``send`` the app is given (bound methods): one object per request where
+    a separate exchange object and two closures made four."""
 
     __slots__ = (
-        "rec",
         "receive_stage",
         "received",
         "serialize_stage",
         "sent",
         "status",
-        "request_body",
-        "response_body",
         "last_byte",
-        "limit",
+        "content",
         "_receive",
         "_send",
+        "_scope_token",
+        "_otel_token",
     )
-
-    def __init__(self, rec: RequestRecord, limit: int | None, receive: Receive,
-                 send: Send) -> None:
-        self.rec = rec
-        self.receive_stage: StageRecord | None = None
-        self.received = 0
-        self.serialize_stage: StageRecord | None = None
-        self.sent = 0
-        self.status: int | None = None
-        self.limit = limit  # None: record no content
-        self.request_body = bytearray() if limit else None
-        self.response_body = bytearray() if limit else None
-        self.last_byte: int | None = None
-        self._receive = receive
-        self._send = send
 
     async def receive(self) -> Message:
         st = self.receive_stage
@@ -90,29 +92,29 @@ class _Exchange:
             return await self._receive()
         t0 = _time_ns()
         message = await self._receive()
-        if message.get("type") == "http.request":
+        if message["type"] == "http.request":
             if st is None:
                 st = self.receive_stage = StageRecord(_STAGE_RECEIVE, new_span_id(), None, t0, {})
             body = message.get("body") or b""
             self.received += len(body)
-            if self.request_body is not None and len(self.request_body) < self.limit:
-                self.request_body += body[: self.limit - len(self.request_body)]
+            if self.content is not None:
+                self.content.add(self.content.request, body)
             if not message.get("more_body", False):
                 st.end = _time_ns()
                 st.attrs[_ATTR_BYTES] = self.received
                 # A body-less request (GET; or a streaming response listening for
                 # disconnects) has nothing to time: no `receive` stage for it.
                 if self.received:
-                    self.rec.stages.append(st)
+                    self.stages.append(st)
         return message
 
     async def send(self, message: Message) -> None:
-        kind = message.get("type")
+        kind = message["type"]
         if kind == "http.response.body":
             body = message.get("body") or b""
             self.sent += len(body)
-            if self.response_body is not None and len(self.response_body) < self.limit:
-                self.response_body += body[: self.limit - len(self.response_body)]
+            if self.content is not None:
+                self.content.add(self.content.response, body)
             await self._send(message)
             if not message.get("more_body", False):
                 now = _time_ns()
@@ -127,7 +129,7 @@ class _Exchange:
             st = self.serialize_stage = StageRecord(
                 _STAGE_SERIALIZE, new_span_id(), None, _time_ns(), {}
             )
-            self.rec.stages.append(st)
+            self.stages.append(st)
         await self._send(message)
 
 
@@ -189,15 +191,6 @@ class InferprofMiddleware:
             )
             self._runtime = Runtime(config, tracer_provider, meter_provider)
 
-    def _excluded(self, path: str, rt: Runtime) -> bool:
-        exact, prefixes = self._excluded_paths or rt.excluded_paths
-        if path in exact:
-            return True
-        for prefix in prefixes:
-            if path.startswith(prefix):
-                return True
-        return False
-
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
@@ -205,7 +198,12 @@ class InferprofMiddleware:
         rt = self._runtime
         if rt is None:
             rt = _config.active_runtime()
-        if rt is None or not rt.enabled or self._excluded(scope.get("path", ""), rt):
+        if rt is None or not rt.enabled:
+            await self.app(scope, receive, send)
+            return
+        exact, prefixes = self._excluded_paths or rt.excluded_paths
+        path = scope.get("path", "")
+        if path in exact or (prefixes and path.startswith(prefixes)):
             await self.app(scope, receive, send)
             return
         outer = SCOPE.get()
@@ -213,31 +211,31 @@ class InferprofMiddleware:
             await self.app(scope, receive, send)
             return
         try:
-            ex, token, otel_token = self._open(rt, scope, receive, send)
+            rec = self._open(rt, scope, receive, send)
         except Exception:
             _logger.exception("inferprof could not open a request; serving it untraced")
             await self.app(scope, receive, send)
             return
-        rec = ex.rec
         try:
-            await self.app(scope, ex.receive, ex.send)
+            await self.app(scope, rec.receive, rec.send)
         except BaseException as exc:
             rec.error = exc
             raise
         finally:
-            self._close(rt, scope, ex, token, otel_token)
+            self._close(rt, scope, rec)
 
     # --- open / close --------------------------------------------------------------------
-    def _open(
-        self, rt: Runtime, scope: Scope, receive: Receive, send: Send
-    ) -> tuple[_Exchange, Any, Any]:
+    def _open(self, rt: Runtime, scope: Scope, receive: Receive, send: Send) -> _HttpRequest:
         start = _time_ns()
         parent = None
-        carrier = {}
-        for key, value in scope.get("headers") or ():
-            if key in _PROPAGATION_HEADERS:
-                carrier[key.decode("latin-1")] = value.decode("latin-1")
-        if carrier:
+        headers = scope.get("headers") or ()
+        # Most requests carry no trace context: one C-level pass over the header names
+        # decides, instead of a Python loop over every header.
+        if not _PROPAGATION_HEADERS.isdisjoint(dict(headers)):
+            carrier = {}
+            for key, value in headers:
+                if key in _PROPAGATION_HEADERS:
+                    carrier[key.decode("latin-1")] = value.decode("latin-1")
             sc = trace_api.get_current_span(propagate.extract(carrier)).get_span_context()
             parent = sc if sc.is_valid else None
         method = scope.get("method", "GET")
@@ -248,69 +246,88 @@ class InferprofMiddleware:
         }
         if self.model_name is not None:
             attrs[semconv.ATTR_MODEL_NAME] = self.model_name
-        rec = begin_request(rt, method, SpanKind.SERVER, attrs, parent, start)
+        context = context_api.get_current()
+        rec = begin_request(rt, method, SpanKind.SERVER, attrs, parent, start, context,
+                            _HttpRequest)
+        rec.receive_stage = rec.serialize_stage = rec.status = rec.last_byte = None
+        rec.received = rec.sent = 0
+        rec._receive = receive
+        rec._send = send
         record_content = self._record_content
         if record_content is None:
             record_content = rt.config.record_content
-        limit = None
-        if record_content:
-            limit = self._content_max_bytes or rt.config.content_max_bytes
-        ex = _Exchange(rec, limit, receive, send)
-        token = SCOPE.set((rec, None))
-        otel_token = None
+        rec.content = (
+            _Content(self._content_max_bytes or rt.config.content_max_bytes)
+            if record_content
+            else None
+        )
+        rec._scope_token = SCOPE.set((rec, None))
+        rec._otel_token = None
         if rec.live_span is None:
             # One attach per request (not per stage): downstream clients inject our
             # traceparent and other instrumentations parent their spans on the request.
-            otel_token = context_api.attach(
-                trace_api.set_span_in_context(trace_api.NonRecordingSpan(rec.span_context))
+            rec._otel_token = context_api.attach(
+                trace_api.set_span_in_context(RequestSpan(rec), context)
             )
-        return ex, token, otel_token
+        return rec
 
-    def _close(self, rt: Runtime, scope: Scope, ex: _Exchange, token: Any, otel_token: Any) -> None:
-        rec = ex.rec
+    def _close(self, rt: Runtime, scope: Scope, rec: _HttpRequest) -> None:
         now = _time_ns()
         try:
-            SCOPE.reset(token)
+            SCOPE.reset(rec._scope_token)
         except ValueError:
             SCOPE.set(None)
-        if otel_token is not None:
+        if rec._otel_token is not None:
             try:
-                context_api.detach(otel_token)
+                context_api.detach(rec._otel_token)
             except Exception:
                 pass
         try:
-            st = ex.receive_stage
-            if st is not None and st.end is None and ex.received:  # the body was cut short
+            st = rec.receive_stage
+            if st is not None and st.end is None and rec.received:  # the body was cut short
                 st.end = now
-                st.attrs[semconv.ATTR_BYTES] = ex.received
+                st.attrs[semconv.ATTR_BYTES] = rec.received
                 rec.stages.append(st)
-            st = ex.serialize_stage
+            st = rec.serialize_stage
             if st is not None and st.end is None:  # the app failed mid-response
                 st.end = now
-                st.attrs[semconv.ATTR_BYTES] = ex.sent
+                st.attrs[semconv.ATTR_BYTES] = rec.sent
             route = scope.get("route")
             template = getattr(route, "path", None) if route is not None else None
+            live = rec.live_span
+            # Our own request span: its attributes go straight into the record (what
+            # set_attribute() does, minus the check for a live span).
+            attrs = rec.attrs if live is None else None
             if template:
-                rec.set_attribute(http_attributes.HTTP_ROUTE, template)
-            if rec.live_span is None:
+                if attrs is not None:
+                    attrs[_ROUTE] = template
+                else:
+                    rec.set_attribute(_ROUTE, template)
+            if live is None:
                 if self._span_name is not None:
                     rec.name = self._span_name(scope)
                 elif template:
                     rec.name = f"{rec.name} {template}"
-            if ex.status is not None:
-                rec.set_attribute(http_attributes.HTTP_RESPONSE_STATUS_CODE, ex.status)
-                if ex.status >= 500 and rec.error is None:
-                    rec.error = f"HTTP {ex.status}"
-            if ex.limit:
+            status = rec.status
+            if status is not None:
+                if attrs is not None:
+                    attrs[_STATUS_CODE] = status
+                else:
+                    rec.set_attribute(_STATUS_CODE, status)
+                if status >= 500 and rec.error is None:
+                    rec.error = f"HTTP {status}"
+            content = rec.content
+            if content is not None:
                 rec.set_attribute(
-                    semconv.ATTR_REQUEST_BODY, bytes(ex.request_body).decode("utf-8", "replace")
+                    semconv.ATTR_REQUEST_BODY, bytes(content.request).decode("utf-8", "replace")
                 )
                 rec.set_attribute(
-                    semconv.ATTR_RESPONSE_BODY, bytes(ex.response_body).decode("utf-8", "replace")
+                    semconv.ATTR_RESPONSE_BODY, bytes(content.response).decode("utf-8", "replace")
                 )
+                rec.content = None
         except Exception:
             _logger.exception("inferprof could not finish a request's attributes")
-        rec.end = ex.last_byte or now
+        rec.end = rec.last_byte or now
         rt.finish_request(rec)
 
 

@@ -17,6 +17,9 @@ from opentelemetry import trace as trace_api
 
 from inferprof import semconv
 
+_SAMPLED = trace_api.TraceFlags(trace_api.TraceFlags.SAMPLED)
+_NOT_SAMPLED = trace_api.TraceFlags(trace_api.TraceFlags.DEFAULT)
+
 
 class StageRecord:
     """One timed stage. ``parent_id`` is the enclosing stage's span id (None: the owner's root)."""
@@ -112,7 +115,7 @@ class RequestRecord:
     # --- public -----------------------------------------------------------------------
     @property
     def span_context(self) -> trace_api.SpanContext:
-        flags = trace_api.TraceFlags(trace_api.TraceFlags.SAMPLED if self.head else 0)
+        flags = _SAMPLED if self.head else _NOT_SAMPLED
         return trace_api.SpanContext(self.trace_id, self.span_id, False, flags, self.trace_state)
 
     @property
@@ -131,6 +134,28 @@ class RequestRecord:
 
     def __repr__(self) -> str:
         return f"<inferprof request {self.name!r} trace_id={self.trace_id:032x}>"
+
+
+class RequestSpan(trace_api.NonRecordingSpan):
+    """The request as OpenTelemetry's current span while it runs, so that downstream
+    clients inject its ``traceparent`` and other instrumentations parent their spans on it.
+
+    Its ``SpanContext`` is built on first use: most requests make no downstream call, and
+    building one costs about 1 µs (the API validates both ids).
+    """
+
+    def __init__(self, rec: RequestRecord) -> None:  # no super().__init__: the context is lazy
+        self._rec = rec
+        self._context = None
+
+    def get_span_context(self) -> trace_api.SpanContext:
+        ctx = self._context
+        if ctx is None:
+            ctx = self._context = self._rec.span_context
+        return ctx
+
+    def __repr__(self) -> str:
+        return f"RequestSpan({self.get_span_context()!r})"
 
 
 class BatchRecord:
@@ -206,4 +231,4 @@ def current_owner() -> Any:
     return scope[0] if scope is not None else None
 
 
-__all__ = ["StageRecord", "RequestRecord", "BatchRecord", "SCOPE", "current_owner"]
+__all__ = ["StageRecord", "RequestRecord", "RequestSpan", "BatchRecord", "SCOPE", "current_owner"]

@@ -232,6 +232,7 @@ class Runtime:
         attrs: dict,
         parent: trace_api.SpanContext | None,
         start: int,
+        cls: type[RequestRecord] = RequestRecord,
     ) -> RequestRecord:
         if parent is not None and parent.is_valid:
             trace_id = parent.trace_id
@@ -246,9 +247,7 @@ class Runtime:
             head, weight_hint = self._consult_sampler(trace_id, name, kind, attrs, parent)
         else:
             head = True
-        rec = RequestRecord(
-            self, name, kind, trace_id, span_id, parent, start, attrs, head, weight_hint
-        )
+        rec = cls(self, name, kind, trace_id, span_id, parent, start, attrs, head, weight_hint)
         if parent is not None and parent.trace_state:
             rec.trace_state = self._inherit_trace_state(parent.trace_state)
         return rec

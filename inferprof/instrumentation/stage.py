@@ -27,7 +27,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from inferprof import semconv
 from inferprof._config import active_runtime
-from inferprof.instrumentation.records import SCOPE, RequestRecord, StageRecord
+from inferprof.instrumentation.records import SCOPE, RequestRecord, RequestSpan, StageRecord
 from inferprof.instrumentation.runtime import new_span_id
 
 _logger = logging.getLogger(__name__)
@@ -263,14 +263,21 @@ def begin_request(
     attrs: dict,
     parent: trace_api.SpanContext | None = None,
     start: int | None = None,
+    context: Any = None,
+    cls: type[RequestRecord] = RequestRecord,
 ) -> RequestRecord:
-    """Open a request record (middleware and ``request()`` share this)."""
-    current = trace_api.get_current_span()
-    live = _live_server_span(current)
+    """Open a request record (middleware and ``request()`` share this). ``context``: the
+    current OpenTelemetry context, when the caller has it already; ``cls``: the record's
+    class (a subclass holding the caller's own per-request state)."""
+    if context is None:
+        context = context_api.get_current()
+    # An empty context (the usual case in a server) has no span: skip the lookups.
+    current = trace_api.get_current_span(context) if context else None
+    live = _live_server_span(current) if current is not None else None
     start = start if start is not None else _time_ns()
     if live is not None:
         sc = live.get_span_context()
-        rec = RequestRecord(
+        rec = cls(
             rt,
             name,
             kind,
@@ -290,10 +297,10 @@ def begin_request(
         if attrs:
             live.set_attributes(attrs)
         return rec
-    if parent is None:
+    if parent is None and current is not None:
         sc = current.get_span_context()
         parent = sc if sc.is_valid else None
-    return rt.start_request(name, kind, attrs, parent, start)
+    return rt.start_request(name, kind, attrs, parent, start, cls)
 
 
 class RequestScope:
@@ -326,10 +333,11 @@ class RequestScope:
                     propagate.extract(self.carrier)
                 ).get_span_context()
                 parent = parent if parent.is_valid else None
-            rec = begin_request(rt, self.name, self.kind, dict(self.attrs), parent)
+            context = context_api.get_current()
+            rec = begin_request(rt, self.name, self.kind, dict(self.attrs), parent, None, context)
             if rec.live_span is None:
                 self._otel_token = context_api.attach(
-                    trace_api.set_span_in_context(trace_api.NonRecordingSpan(rec.span_context))
+                    trace_api.set_span_in_context(RequestSpan(rec), context)
                 )
         except Exception:
             _logger.exception("inferprof could not open a request")
