@@ -25,6 +25,8 @@ import struct
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from opentelemetry.trace import SpanKind
+
 _logger = logging.getLogger(__name__)
 _pack_q = struct.Struct("<Q").pack
 _pack_d = struct.Struct("<d").pack
@@ -53,6 +55,15 @@ def _varint(n: int) -> bytes:
 def _ld(field: int, payload: bytes) -> bytes:
     """A length-delimited field: tag, length, payload."""
     return _varint(field << 3 | 2) + _varint(len(payload)) + payload
+
+
+def _span_field(payload: bytes) -> bytes:
+    """``_ld(2, payload)`` for one span (field 2 of ScopeSpans), the length inlined: a span
+    is almost always 128 bytes to 16 KiB, a two-byte varint."""
+    n = len(payload)
+    if 0x80 <= n < 0x4000:
+        return bytes((0x12, (n & 0x7F) | 0x80, n >> 7)) + payload
+    return b"\x12" + _varint(n) + payload
 
 
 def _str(field: int, value: str | None) -> bytes:
@@ -93,6 +104,10 @@ def _key_value(key: str, value: Any) -> bytes:
 _attr_cache: dict[tuple, bytes] = {}
 
 
+#: Value types whose (key, type, value) is hashable and worth caching as is.
+_CACHEABLE = frozenset((str, int, float, bool, bytes))
+
+
 def _attributes(field: int, attributes: Mapping[str, Any] | None) -> bytes:
     """Repeated ``KeyValue`` field ``field``, each entry cached by (key, type, value)."""
     if not attributes:
@@ -101,7 +116,15 @@ def _attributes(field: int, attributes: Mapping[str, Any] | None) -> bytes:
     cache = _attr_cache
     for key, value in attributes.items():
         # The type is part of the key: True == 1 == 1.0 must not share an encoding.
-        ck = (field, key, type(value), value) if not isinstance(value, (list, dict)) else None
+        vtype = type(value)
+        if vtype in _CACHEABLE:
+            enc = cache.get((field, key, vtype, value))
+            if enc is not None:
+                parts.append(enc)
+                continue
+            ck = (field, key, vtype, value)
+        else:
+            ck = (field, key, vtype, value) if not isinstance(value, (list, dict)) else None
         if ck is not None:
             try:
                 enc = cache.get(ck)
@@ -277,6 +300,8 @@ def encode_request(spans: Sequence[Any]) -> bytes:
 
 _name_cache: dict[str, bytes] = {}
 _kind_cache: dict[Any, bytes] = {}
+_INTERNAL = SpanKind.INTERNAL
+_KIND_INTERNAL = b"\x30" + _varint(SpanKind.INTERNAL.value + 1)
 _STATUS_UNSET = _ld(15, b"")
 _FLAGS_LOCAL = b"\x85\x01" + _pack_i(_FLAGS_HAS_IS_REMOTE)
 _FLAGS_REMOTE = b"\x85\x01" + _pack_i(_FLAGS_HAS_IS_REMOTE | _FLAGS_IS_REMOTE)
@@ -301,9 +326,12 @@ def _spec_span(
         if len(_name_cache) < _MAX_CACHED_ATTRIBUTES:
             _name_cache[name] = enc
     out.append(enc)
-    enc = _kind_cache.get(kind)
-    if enc is None:
-        enc = _kind_cache[kind] = b"\x30" + _varint(kind.value + 1)
+    if kind is _INTERNAL:  # stage spans (SpanKind hashes in Python: test identity first)
+        enc = _KIND_INTERNAL
+    else:
+        enc = _kind_cache.get(kind)
+        if enc is None:
+            enc = _kind_cache[kind] = b"\x30" + _varint(kind.value + 1)
     out += (enc, b"\x39", _pack_q(start or 0), b"\x41", _pack_q(end or 0))
     status = None
     if error is not None:
@@ -316,7 +344,7 @@ def _spec_span(
     out += map(_link, links)
     out.append(_status(status) if status is not None else _STATUS_UNSET)
     out.append(flags)
-    return _ld(2, b"".join(out))
+    return _span_field(b"".join(out))
 
 
 #: ``runtime._error_parts`` (status, events, extra attributes of a span's error).
