@@ -28,7 +28,7 @@ from typing import Any
 from inferprof import semconv
 from inferprof._config import active_runtime, batch_encoding_setting
 from inferprof.instrumentation.records import SCOPE, BatchRecord, RequestRecord, StageRecord
-from inferprof.instrumentation.runtime import new_span_id, new_trace_id
+from inferprof.instrumentation.runtime import new_trace_id
 from inferprof.instrumentation.stage import Stage, _check_stage
 
 _logger = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ def enqueue(*, depth: int | None = None, **attributes: Any) -> QueueHandle:
     rec, parent = scope
     if depth is not None:
         attributes[semconv.ATTR_QUEUE_DEPTH] = depth
-    st = StageRecord(semconv.STAGE_QUEUE, new_span_id(), parent, _time_ns(), attributes)
+    st = StageRecord(semconv.STAGE_QUEUE, parent, _time_ns(), attributes)
     rec.stages.append(st)
     return QueueHandle(rec, st)
 

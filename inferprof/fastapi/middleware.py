@@ -30,7 +30,7 @@ from opentelemetry.trace import SpanKind
 
 from inferprof import _config, semconv
 from inferprof.instrumentation.records import SCOPE, RequestRecord, RequestSpan, StageRecord
-from inferprof.instrumentation.runtime import Runtime, new_span_id
+from inferprof.instrumentation.runtime import Runtime
 from inferprof.instrumentation.stage import begin_request
 
 _logger = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ class _HttpRequest(RequestRecord):
         message = await self._receive()
         if message["type"] == "http.request":
             if st is None:
-                st = self.receive_stage = StageRecord(_STAGE_RECEIVE, new_span_id(), None, t0, {})
+                st = self.receive_stage = StageRecord(_STAGE_RECEIVE, None, t0, {})
             body = message.get("body") or b""
             self.received += len(body)
             if self.content is not None:
@@ -126,9 +126,7 @@ class _HttpRequest(RequestRecord):
             return
         if kind == "http.response.start":
             self.status = message.get("status")
-            st = self.serialize_stage = StageRecord(
-                _STAGE_SERIALIZE, new_span_id(), None, _time_ns(), {}
-            )
+            st = self.serialize_stage = StageRecord(_STAGE_SERIALIZE, None, _time_ns(), {})
             self.stages.append(st)
         await self._send(message)
 

@@ -9,6 +9,7 @@ propagated downstream while it runs.
 
 from __future__ import annotations
 
+import random
 import threading
 from contextvars import ContextVar
 from typing import Any
@@ -22,16 +23,18 @@ _NOT_SAMPLED = trace_api.TraceFlags(trace_api.TraceFlags.DEFAULT)
 
 
 class StageRecord:
-    """One timed stage. ``parent_id`` is the enclosing stage's span id (None: the owner's root)."""
+    """One timed stage. ``parent`` is the enclosing stage's record (None: the owner's root).
 
-    __slots__ = ("name", "span_id", "parent_id", "start", "end", "attrs", "error", "device")
+    ``span_id`` stays 0 until the stage's span is built (:func:`span_id_of`): the stages of
+    a request that is not kept never draw a random id.
+    """
 
-    def __init__(
-        self, name: str, span_id: int, parent_id: int | None, start: int, attrs: dict
-    ) -> None:
+    __slots__ = ("name", "span_id", "parent", "start", "end", "attrs", "error", "device")
+
+    def __init__(self, name: str, parent: StageRecord | None, start: int, attrs: dict) -> None:
         self.name = name
-        self.span_id = span_id
-        self.parent_id = parent_id
+        self.span_id = 0
+        self.parent = parent
         self.start = start
         self.end: int | None = None
         self.attrs = attrs
@@ -41,6 +44,23 @@ class StageRecord:
 
     def set_attribute(self, key: str, value: Any) -> None:
         self.attrs[key] = value
+
+
+_id_lock = threading.Lock()
+
+
+def span_id_of(st: StageRecord) -> int:
+    """The stage's span id, drawn on first use. A batch's stages are read by every member
+    request, on whichever thread ends it: the lock makes them all see the same id."""
+    sid = st.span_id
+    if sid:
+        return sid
+    with _id_lock:
+        sid = st.span_id
+        if not sid:
+            # getrandbits(64) is 0 with probability 2**-64; 0 is not a valid span id.
+            sid = st.span_id = random.getrandbits(64) or 1
+    return sid
 
 
 class RequestRecord:
@@ -221,9 +241,10 @@ class BatchRecord:
         _set_tokens(self, effective, padded)
 
 
-#: The innermost open scope of this context: (owner, parent span id). The owner is a
-#: RequestRecord (request stages) or a BatchRecord (inside ``inferprof.batch``/the batcher).
-SCOPE: ContextVar[tuple[Any, int | None] | None] = ContextVar("inferprof_scope", default=None)
+#: The innermost open scope of this context: (owner, enclosing stage record or None). The
+#: owner is a RequestRecord (request stages) or a BatchRecord (inside ``inferprof.batch``/the
+#: batcher).
+SCOPE: ContextVar[tuple[Any, StageRecord | None] | None] = ContextVar("inferprof_scope", default=None)
 
 
 def current_owner() -> Any:
@@ -231,4 +252,12 @@ def current_owner() -> Any:
     return scope[0] if scope is not None else None
 
 
-__all__ = ["StageRecord", "RequestRecord", "RequestSpan", "BatchRecord", "SCOPE", "current_owner"]
+__all__ = [
+    "StageRecord",
+    "RequestRecord",
+    "RequestSpan",
+    "BatchRecord",
+    "SCOPE",
+    "current_owner",
+    "span_id_of",
+]

@@ -38,7 +38,12 @@ from inferprof.instrumentation.accounting import (
     StatsSnapshot,
 )
 from inferprof.instrumentation.otlp_encode import encode_trace_spans
-from inferprof.instrumentation.records import BatchRecord, RequestRecord, StageRecord
+from inferprof.instrumentation.records import (
+    BatchRecord,
+    RequestRecord,
+    StageRecord,
+    span_id_of,
+)
 from inferprof.instrumentation.sampling import TailSampler
 
 _logger = logging.getLogger(__name__)
@@ -352,11 +357,11 @@ class Runtime:
             # of the request leads to them (the collector attributes through the batch
             # spans' own links; links on a request span carry no attribution).
             back_links = tuple(
-                Link(trace_api.SpanContext(b.trace_id, st.span_id, False, _SAMPLED))
+                Link(trace_api.SpanContext(b.trace_id, span_id_of(st), False, _SAMPLED))
                 for b, stages in batches
                 if b.encoding == semconv.BATCH_ENCODING_LINKS and b.trace_id
                 for st in stages
-                if st.parent_id is None
+                if st.parent is None
             )
             attrs = dict(rec.attrs) if request_attrs is None else request_attrs
             if rec.kind is not SpanKind.SERVER and rec.kind is not SpanKind.CONSUMER:
@@ -383,11 +388,12 @@ class Runtime:
         for st in rec.stages if own_stages is None else own_stages:
             attrs = {semconv.ATTR_STAGE: st.name}
             attrs.update(st.attrs)
+            parent_stage = st.parent
             specs.append(
                 (
                     semconv.span_name(st.name),
-                    st.span_id,
-                    st.parent_id or root,
+                    span_id_of(st),
+                    span_id_of(parent_stage) if parent_stage is not None else root,
                     SpanKind.INTERNAL,
                     st.start,
                     st.end or end,
@@ -399,15 +405,17 @@ class Runtime:
         for batch, batch_stages in batches:
             if batch.encoding != semconv.BATCH_ENCODING_CHILDREN:
                 continue
-            mapping: dict[int, int] = {}
+            # Each member gets copies with ids of its own; a copy's parent is the copy of
+            # the batch stage's parent.
+            mapping: dict[StageRecord, int] = {}
             for st in batch_stages:
                 copy_id = new_span_id()
-                mapping[st.span_id] = copy_id
+                mapping[st] = copy_id
                 specs.append(
                     (
                         semconv.span_name(st.name),
                         copy_id,
-                        mapping.get(st.parent_id, root) if st.parent_id else root,
+                        mapping.get(st.parent, root) if st.parent is not None else root,
                         SpanKind.INTERNAL,
                         st.start,
                         st.end,
@@ -483,11 +491,12 @@ class Runtime:
         end = max((st.end or 0 for st in stages), default=0)
         specs = []
         for st in stages:
+            parent_stage = st.parent
             specs.append(
                 (
                     semconv.span_name(st.name),
-                    st.span_id,
-                    st.parent_id,
+                    span_id_of(st),
+                    span_id_of(parent_stage) if parent_stage is not None else None,
                     SpanKind.INTERNAL,
                     st.start,
                     st.end or end,

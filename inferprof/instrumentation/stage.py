@@ -28,7 +28,6 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from inferprof import semconv
 from inferprof._config import active_runtime
 from inferprof.instrumentation.records import SCOPE, RequestRecord, RequestSpan, StageRecord
-from inferprof.instrumentation.runtime import new_span_id
 
 _logger = logging.getLogger(__name__)
 _time_ns = time.time_ns
@@ -89,11 +88,11 @@ class Stage:
             # request without bound: count the excess on the owner instead of recording it.
             owner.stages_dropped += 1
             return self
-        rec = StageRecord(self.name, new_span_id(), parent, 0, self.attrs)
+        rec = StageRecord(self.name, parent, 0, self.attrs)
         stages.append(rec)
         self._rec = rec
         self._prev = scope
-        self._token = SCOPE.set((owner, rec.span_id))
+        self._token = SCOPE.set((owner, rec))
         if self.device is not None:
             self._begin_device(rec)
         rec.start = _time_ns()

@@ -106,3 +106,55 @@ async def test_exception_escaping_the_batch_is_recorded_on_members(cap):
     requests = cap.requests()
     assert len(requests) == 2
     assert all(r.status.description.startswith("ValueError") for r in requests)
+
+
+@pytest.mark.parametrize("encoding", ["children", "links"])
+async def test_nested_batch_stages_keep_their_parents_in_both_encodings(cap, encoding):
+    queue = asyncio.Queue()
+    tasks = await _custom_batcher_requests(2, queue)
+    await asyncio.sleep(0.01)
+    entries = [queue.get_nowait() for _ in range(2)]
+    with inferprof.batch([h for _, h, _ in entries], batch_encoding=encoding):
+        with inferprof.stage("compute"):
+            with inferprof.stage("d2h"):
+                pass
+    for i, _, fut in entries:
+        fut.set_result(i)
+    await asyncio.gather(*tasks)
+
+    computes, copies = cap.stages("compute"), cap.stages("d2h")
+    by_id = {s.context.span_id: s for s in computes}
+    if encoding == "children":
+        # one copy per member, each nested under that member's own copy of `compute`
+        assert len(computes) == len(copies) == 2
+        for inner in copies:
+            outer = by_id[inner.parent.span_id]
+            assert outer.context.trace_id == inner.context.trace_id
+            assert outer.parent.span_id in {r.context.span_id for r in cap.requests()}
+    else:
+        # one span each in the batch's trace; every request links back to the outer one
+        assert len(computes) == len(copies) == 1
+        assert copies[0].parent.span_id == computes[0].context.span_id
+        assert computes[0].parent is None
+        for r in cap.requests():
+            assert [link.context.span_id for link in r.links] == [computes[0].context.span_id]
+
+
+def test_stages_of_a_discarded_request_draw_no_span_id():
+    from tests.instrumentation.helpers import captured
+
+    with captured(mode="production", sample_rate=0.01, tail_quantile=1.0) as cap:
+        handles = []
+        for _ in range(200):
+            with inferprof.request() as rec:
+                with inferprof.stage("tokenize"):
+                    pass
+                handles.append(rec)
+        kept = [r for r in handles if r.kept]
+        dropped = [r for r in handles if not r.kept]
+        assert dropped and len(cap.requests()) == len(kept)
+        # ids are drawn only when a kept trace is built (none are for the rest)
+        assert all(st.span_id == 0 for r in dropped for st in r.stages)
+        assert all(st.span_id != 0 for r in kept for st in r.stages)
+        span_ids = {s.context.span_id for s in cap.stages("tokenize")}
+        assert span_ids == {st.span_id for r in kept for st in r.stages}

@@ -1,0 +1,202 @@
+"""Instructions per request on the demo service's event loop, counted (not timed).
+
+    python3 benchmarks/request_instructions.py [--modes none,off,production,discard,full]
+
+Timing a few percent on a shared VM is noisy (docs/overhead.md); counting is not. Each
+configuration of the demo app (``none``: uninstrumented; ``off``, ``production``,
+``full``: inferprof) serves requests in-process, driven through ASGI by 32 concurrent
+clients, under valgrind's callgrind, which counts the instructions every thread executes.
+The event loop's count (thread 1: middleware, FastAPI, tokenizer, inferprof's request
+path) is taken for two request counts and differenced, so start-up and import cancel out:
+instructions per request = (Ir(N2) - Ir(N1)) / (N2 - N1). The batch worker is left out
+(the model runs the same in every configuration) and the model is the ``tiny`` one, to
+keep callgrind's ~50x slow-down bearable. ``production`` and ``full`` export over
+OTLP/gRPC to a sink in this process.
+
+``discard`` is ``production`` keeping no trace after the tail sampler's warm-up: the
+path of the ~85% of requests production mode does not keep; ``full`` keeps all.
+
+Instructions are not time: they leave out cache misses and how the CPU overlaps work.
+They are the part of the overhead that does not depend on the machine's mood, and they
+make a change of a few hundred instructions per request visible. Kept traces depend on
+latencies (the tail sampler), so ``production`` varies by a few thousand instructions from
+run to run.
+
+Needs ``valgrind`` (Debian: ``apt-get install valgrind``). About 4 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+MODES = ("none", "off", "production", "discard", "full")
+#: ``discard``: production mode keeping no trace after the tail sampler's warm-up (which
+#: both request counts include, so it cancels): the path every unkept request takes.
+_DISCARD_ENV = {"INFERPROF_SAMPLE_RATE": "0.000001", "INFERPROF_TAIL_QUANTILE": "1.0"}
+CLIENTS = 32
+LABELS = {
+    "none": "none (uninstrumented)",
+    "off": "inferprof off",
+    "production": "inferprof production",
+    "discard": "inferprof production, no trace kept",
+    "full": "inferprof full",
+}
+
+
+def child(mode: str, n: int, endpoint: str | None) -> None:
+    """Serve ``n`` requests in-process (runs under callgrind)."""
+    import asyncio
+
+    random.seed(0)
+    from inferprof.demo.loadgen import build_prompts
+    from inferprof.demo.service import create_app
+    from inferprof.demo.settings import DemoSettings
+
+    exporting = mode in ("production", "discard", "full")
+    app = create_app(
+        DemoSettings(
+            instrumentation="production" if mode == "discard" else mode,
+            endpoint=endpoint if exporting else None,
+            service_name="request-instructions",
+            model_size="tiny",
+        )
+    )
+    bodies = [json.dumps({"text": p}).encode() for p in build_prompts(None, seed=0)]
+
+    async def one(body: bytes) -> None:
+        scope = {
+            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+            "method": "POST", "scheme": "http", "path": "/v1/classify",
+            "raw_path": b"/v1/classify", "query_string": b"", "root_path": "",
+            "headers": [(b"host", b"127.0.0.1"), (b"content-type", b"application/json"),
+                        (b"content-length", str(len(body)).encode())],
+            "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+        }
+        received = False
+        status = []
+
+        async def receive() -> dict:
+            nonlocal received
+            if not received:
+                received = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await asyncio.Event().wait()  # a client that stays connected
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+
+        await app(scope, receive, send)
+        if status != [200]:
+            raise RuntimeError(f"the demo answered {status}")
+
+    async def main() -> None:
+        done = 0
+
+        async def client() -> None:
+            nonlocal done
+            while done < n:
+                done += 1
+                await one(bodies[(done * 7919) % len(bodies)])
+
+        async with app.router.lifespan_context(app):
+            await asyncio.gather(*(client() for _ in range(CLIENTS)))
+            from inferprof._config import active_runtime
+
+            rt = active_runtime()
+            if rt is not None:
+                print(f"KEPT {rt.snapshot().traces_kept}", flush=True)
+
+    asyncio.run(main())
+
+
+def count(mode: str, n: int, endpoint: str | None, workdir: Path) -> tuple[int, int]:
+    """Instructions thread 1 executed serving ``n`` requests in ``mode``, and the number of
+    traces kept."""
+    out = workdir / f"cg.{mode}.{n}"
+    cmd = [
+        "valgrind", "--tool=callgrind", "--separate-threads=yes",
+        f"--callgrind-out-file={out}.%p", sys.executable, __file__,
+        "--child", mode, str(n), endpoint or "-",
+    ]
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONHASHSEED="0")
+    if mode == "discard":
+        env.update(_DISCARD_ENV)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{mode} x {n} failed:\n{proc.stderr[-3000:]}")
+    main_thread = [p for p in workdir.glob(f"cg.{mode}.{n}.*-01")]
+    if len(main_thread) != 1:
+        raise RuntimeError(f"no callgrind output for thread 1 of {mode} x {n}")
+    kept = [int(line.split()[1]) for line in proc.stdout.splitlines() if line.startswith("KEPT ")]
+    for line in main_thread[0].read_text().splitlines():
+        if line.startswith(("summary:", "totals:")):
+            return int(line.split()[1]), (kept[0] if kept else 0)
+    raise RuntimeError(f"no instruction total in {main_thread[0]}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--requests", default="100,400",
+                        help="the two request counts differenced (default 100,400)")
+    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        mode, n, endpoint = args.child
+        child(mode, int(n), None if endpoint == "-" else endpoint)
+        return 0
+    if shutil.which("valgrind") is None:
+        print("request_instructions.py needs valgrind (Debian: apt-get install valgrind)",
+              file=sys.stderr)
+        return 2
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        parser.error(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
+    n1, n2 = (int(x) for x in args.requests.split(","))
+    if not 0 < n1 < n2:
+        parser.error("--requests takes two counts, the first smaller")
+
+    from overhead import NullSink
+
+    with NullSink() as sink, tempfile.TemporaryDirectory() as tmp:
+        jobs = [(m, n) for m in modes for n in (n1, n2)]
+        with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+            futures = {job: pool.submit(count, *job, sink.endpoint, Path(tmp)) for job in jobs}
+            ir = {job: f.result() for job, f in futures.items()}
+    per_request = {m: (ir[(m, n2)][0] - ir[(m, n1)][0]) / (n2 - n1) for m in modes}
+    kept = {m: (ir[(m, n2)][1] - ir[(m, n1)][1]) / (n2 - n1) for m in modes}
+
+    base = per_request.get("none")
+    off = per_request.get("off")
+    print(f"Event-loop instructions per request (callgrind, thread 1; requests {n2} - {n1}, "
+          f"{CLIENTS} concurrent clients, demo model `tiny`; Python "
+          f"{sys.version.split()[0]}).\n")
+    print("| config | instructions / request | x none | extra over off | traces kept |")
+    print("|---|---:|---:|---:|---:|")
+    for m in modes:
+        v = per_request[m]
+        ratio = f"{v / base:.3f}" if base else "-"
+        extra = f"{v - off:+,.0f}" if off is not None and m not in ("none", "off") else "-"
+        share = f"{kept[m]:.1%}" if m in ("production", "discard", "full") else "-"
+        print(f"| {LABELS[m]} | {v:,.0f} | {ratio} | {extra} | {share} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
