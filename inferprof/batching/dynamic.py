@@ -36,7 +36,7 @@ from typing import Any
 
 from inferprof import semconv
 from inferprof._config import batch_encoding_setting
-from inferprof.batching.hooks import Batch, QueueHandle, batch, enqueue
+from inferprof.batching.hooks import Batch, QueueHandle, _enqueue, batch
 
 _logger = logging.getLogger(__name__)
 
@@ -207,7 +207,7 @@ class DynamicBatcher:
             self.start()
         if self.max_queue_size is not None and len(self._queue) >= self.max_queue_size:
             raise asyncio.QueueFull(f"DynamicBatcher queue is full ({self.max_queue_size} waiting)")
-        handle = enqueue(depth=len(self._queue))
+        handle = _enqueue(len(self._queue))
         entry = _Entry(item, tokens, handle, self._loop.create_future())
         self._queue.append(entry)
         self._wakeup.set()

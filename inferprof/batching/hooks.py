@@ -52,6 +52,13 @@ class QueueHandle:
             st.attrs[semconv.ATTR_CANCELLED] = True
 
 
+#: The handle of a request that records nothing (outside a request, inferprof off): it
+#: holds no state, so one is shared.
+_NOTHING = QueueHandle(None, None)
+_STAGE_QUEUE = semconv.STAGE_QUEUE
+_ATTR_QUEUE_DEPTH = semconv.ATTR_QUEUE_DEPTH
+
+
 def enqueue(*, depth: int | None = None, **attributes: Any) -> QueueHandle:
     """Mark "this request was enqueued for batching": starts its ``queue`` stage.
 
@@ -62,11 +69,23 @@ def enqueue(*, depth: int | None = None, **attributes: Any) -> QueueHandle:
         raise ValueError(f"depth must be a non-negative int, got {depth!r}")
     scope = SCOPE.get()
     if scope is None or not isinstance(scope[0], RequestRecord):
-        return QueueHandle(None, None)
+        return _NOTHING
     rec, parent = scope
     if depth is not None:
         attributes[semconv.ATTR_QUEUE_DEPTH] = depth
     st = StageRecord(semconv.STAGE_QUEUE, parent, _time_ns(), attributes)
+    rec.stages.append(st)
+    return QueueHandle(rec, st)
+
+
+def _enqueue(depth: int) -> QueueHandle:
+    """``enqueue(depth=depth)`` for DynamicBatcher, which passes a valid depth and nothing
+    else: the same record, without the argument checks and keyword dict (once a request)."""
+    scope = SCOPE.get()
+    if scope is None or not isinstance(scope[0], RequestRecord):
+        return _NOTHING
+    rec, parent = scope
+    st = StageRecord(_STAGE_QUEUE, parent, _time_ns(), {_ATTR_QUEUE_DEPTH: depth})
     rec.stages.append(st)
     return QueueHandle(rec, st)
 

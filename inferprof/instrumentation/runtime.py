@@ -30,6 +30,7 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
 from inferprof import __version__, semconv
+from inferprof.batching import device as _device
 from inferprof.batching.device import resolve_stages
 from inferprof.instrumentation.accounting import (
     DeferredTrace,
@@ -52,6 +53,7 @@ _SAMPLED = trace_api.TraceFlags(trace_api.TraceFlags.SAMPLED)
 _NOT_SAMPLED = trace_api.TraceFlags(trace_api.TraceFlags.DEFAULT)
 _UNSET = Status(StatusCode.UNSET)
 _getrandbits = random.getrandbits
+_MODEL_NAME = semconv.ATTR_MODEL_NAME
 _TOKEN_STAGES = frozenset({semconv.STAGE_BATCH_ASSEMBLY}) | semconv.COMPUTE_STAGES
 
 
@@ -297,12 +299,15 @@ class Runtime:
             _logger.exception("inferprof failed to emit the spans of a request")
 
     def _finish(self, rec: RequestRecord) -> None:
-        resolve_stages(rec.stages)
+        if _device._used:  # (read here: saves a call per request until a device stage exists)
+            resolve_stages(rec.stages)
         end = rec.end
         if rec.live_span is not None:
             kept, weight = rec.head, rec.weight_hint
         elif self.tail_sampler is not None:
-            weight = self.tail_sampler.decide(end - rec.start, rec.head, (rec.name, rec.model))
+            weight = self.tail_sampler.decide(
+                end - rec.start, rec.head, (rec.name, rec.attrs.get(_MODEL_NAME))
+            )
             kept = weight is not None
         else:
             kept, weight = rec.head, rec.weight_hint

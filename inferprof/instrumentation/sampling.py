@@ -92,6 +92,15 @@ class TailSampler:
         w = self._windows.get(key)
         return w.threshold if w is not None else None
 
+    def _new_window(self, key: object) -> _Window:
+        w = None
+        if len(self._windows) >= _MAX_KEYS:
+            key = _OVERFLOW_KEY  # unbounded names must not grow memory
+            w = self._windows.get(key)
+        if w is None:
+            w = self._windows[key] = _Window(self._window)
+        return w
+
     def decide(self, latency_ns: int, head: bool, key: object = None) -> float | None:
         """Weight to record if the trace is kept, or None to discard it.
 
@@ -102,19 +111,21 @@ class TailSampler:
         with self._lock:
             w = self._windows.get(key)
             if w is None:
-                if len(self._windows) >= _MAX_KEYS:
-                    key = _OVERFLOW_KEY  # unbounded names must not grow memory
-                    w = self._windows.get(key)
-                if w is None:
-                    w = self._windows[key] = _Window(self._window)
+                w = self._new_window(key)
             threshold = w.threshold
             tail_p = w.tail_p
-            slow = threshold is None or latency_ns >= threshold
-            if slow and threshold is not None:
-                w.slow += 1
-            w.buf[w.n % self._window] = latency_ns
-            w.n += 1
-            if w.n >= self._warmup and (w.n % self._refresh == 0 or threshold is None):
+            n = w.n
+            w.buf[n % self._window] = latency_ns
+            w.n = n = n + 1
+            if threshold is None:
+                slow = True
+                refresh = n >= self._warmup
+            else:
+                slow = latency_ns >= threshold
+                if slow:
+                    w.slow += 1
+                refresh = n % self._refresh == 0
+            if refresh:
                 filled = w.buf[: min(w.n, self._window)]
                 k = min(int(self.tail_quantile * len(filled)), len(filled) - 1)
                 w.threshold = int(np.partition(filled, k)[k])

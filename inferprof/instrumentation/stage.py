@@ -46,34 +46,34 @@ def _check_stage(name: str) -> None:
         _VALID.add(name)
 
 
-class Stage:
-    """One use of ``inferprof.stage()``. ``set_attribute()`` adds to the stage's span."""
+class Stage(StageRecord):
+    """One use of ``inferprof.stage()``. ``set_attribute()`` adds to the stage's span.
 
-    __slots__ = (
-        "name",
-        "attrs",
-        "device",
-        "_rec",
-        "_token",
-        "_prev",
-        "_span",
-        "_otel_token",
-        "_timing",
-    )
+    Inside a request or a batch, the Stage object is itself the stage's record the first
+    time it is entered (one object per stage where a separate record made two); entering
+    the same Stage again records into a new record.
+    """
+
+    __slots__ = ("_where", "_rec", "_token", "_prev", "_span", "_otel_token", "_timing")
 
     def __init__(self, name: str, device: Any, attrs: dict) -> None:
         self.name = name
         self.attrs = attrs
-        self.device = device
+        self.span_id = 0
+        self.start = 0
+        self._where = device  # where the work runs (``stage(device=...)``); None: the host
         self._rec: StageRecord | None = None
         self._span: Any = None
         self._timing: Any = None
 
     def set_attribute(self, key: str, value: Any) -> None:
-        if self._rec is not None:
-            self._rec.attrs[key] = value
+        rec = self._rec
+        if rec is not None:
+            rec.attrs[key] = value
         elif self._span is not None:
             self._span.set_attribute(key, value)
+        else:  # before or after the block: this stage's own attributes
+            self.attrs[key] = value
 
     # --- context manager -------------------------------------------------------------
     def __enter__(self) -> Stage:
@@ -88,12 +88,17 @@ class Stage:
             # request without bound: count the excess on the owner instead of recording it.
             owner.stages_dropped += 1
             return self
-        rec = StageRecord(self.name, parent, 0, self.attrs)
+        if self.start:  # entered before: this use gets a record of its own
+            rec = StageRecord(self.name, parent, 0, dict(self.attrs))
+        else:
+            rec = self
+            self.parent = parent
+            self.end = self.error = self.device = None
         stages.append(rec)
         self._rec = rec
         self._prev = scope
         self._token = SCOPE.set((owner, rec))
-        if self.device is not None:
+        if self._where is not None:
             self._begin_device(rec)
         rec.start = _time_ns()
         return self
@@ -110,6 +115,8 @@ class Stage:
                 SCOPE.reset(self._token)
             except ValueError:  # exited in another context (e.g. an async generator)
                 SCOPE.set(self._prev)
+            # The record stays in its owner's list: drop what would make cycles with it.
+            self._rec = self._prev = self._token = self._timing = None
         elif self._span is not None:
             self._exit_standalone(exc)
         return False
@@ -122,7 +129,7 @@ class Stage:
 
     # --- decorator ---------------------------------------------------------------------
     def __call__(self, fn: Callable) -> Callable:
-        name, device, attrs = self.name, self.device, self.attrs
+        name, device, attrs = self.name, self._where, self.attrs
         if inspect.iscoroutinefunction(fn):
 
             @functools.wraps(fn)
@@ -173,7 +180,7 @@ class Stage:
         from inferprof.batching.device import begin_device_stage
 
         try:
-            self._timing = begin_device_stage(rec, self.device)
+            self._timing = begin_device_stage(rec, self._where)
         except Exception:
             _logger.exception("inferprof could not start device timing; using host time")
 

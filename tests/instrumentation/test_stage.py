@@ -283,3 +283,40 @@ def test_tracestate_is_propagated_and_ot_threshold_dropped_in_production(cap):
         propagate.inject(headers)
     assert headers["tracestate"] == "vendor=abc"
     assert req.span_context.trace_state.get("ot") is None
+
+
+def test_a_stage_entered_twice_records_two_stages(cap):
+    with inferprof.request():
+        s = inferprof.stage("tokenize", part="a")
+        with s:
+            s.set_attribute("n", 1)
+        with s:
+            s.set_attribute("n", 2)
+    spans = sorted(cap.stages("tokenize"), key=lambda sp: sp.start_time)
+    assert [sp.attributes["n"] for sp in spans] == [1, 2]
+    assert all(sp.attributes["part"] == "a" for sp in spans)
+    assert spans[0].context.span_id != spans[1].context.span_id
+    assert spans[0].end_time <= spans[1].start_time
+
+
+def test_a_finished_request_leaves_no_reference_cycle(cap):
+    import gc
+
+    from inferprof.instrumentation.records import RequestRecord, StageRecord
+
+    def alive():
+        return [o for o in gc.get_objects() if isinstance(o, (RequestRecord, StageRecord))]
+
+    gc.collect()
+    gc.disable()
+    try:
+        with inferprof.request() as rec:
+            with inferprof.stage("tokenize"):
+                with inferprof.stage("postprocess"):
+                    pass
+        assert len(rec.stages) == 2
+        del rec
+        # freed by reference counting alone, not left for the cycle collector
+        assert alive() == []
+    finally:
+        gc.enable()
