@@ -44,6 +44,7 @@ _PATH = url_attributes.URL_PATH
 _SCHEME = url_attributes.URL_SCHEME
 _ROUTE = http_attributes.HTTP_ROUTE
 _STATUS_CODE = http_attributes.HTTP_RESPONSE_STATUS_CODE
+_SERVER = SpanKind.SERVER
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -180,6 +181,8 @@ class InferprofMiddleware:
             raise ValueError(f"content_max_bytes must be a positive int, got {content_max_bytes!r}")
         self._span_name = span_name
         self._runtime: Runtime | None = None
+        #: (runtime, _content_limit_for(runtime)), worked out once per runtime
+        self._content_limit: tuple[Runtime, int] | None = None
         if tracer_provider is not None:
             config = _config._resolve(
                 record_content=record_content,
@@ -223,6 +226,15 @@ class InferprofMiddleware:
             self._close(rt, scope, rec)
 
     # --- open / close --------------------------------------------------------------------
+    def _content_limit_for(self, rt: Runtime) -> int:
+        """Bytes of each body to record for ``rt``'s requests; 0: record no content."""
+        record_content = self._record_content
+        if record_content is None:
+            record_content = rt.config.record_content
+        if not record_content:
+            return 0
+        return self._content_max_bytes or rt.config.content_max_bytes
+
     def _open(self, rt: Runtime, scope: Scope, receive: Receive, send: Send) -> _HttpRequest:
         start = _time_ns()
         parent = None
@@ -245,20 +257,18 @@ class InferprofMiddleware:
         if self.model_name is not None:
             attrs[semconv.ATTR_MODEL_NAME] = self.model_name
         context = context_api.get_current()
-        rec = begin_request(rt, method, SpanKind.SERVER, attrs, parent, start, context,
-                            _HttpRequest)
+        if context:  # maybe another instrumentation's server span to enrich
+            rec = begin_request(rt, method, _SERVER, attrs, parent, start, context, _HttpRequest)
+        else:  # nothing current (the usual case): straight to a new record
+            rec = rt.start_request(method, _SERVER, attrs, parent, start, _HttpRequest)
         rec.receive_stage = rec.serialize_stage = rec.status = rec.last_byte = None
         rec.received = rec.sent = 0
         rec._receive = receive
         rec._send = send
-        record_content = self._record_content
-        if record_content is None:
-            record_content = rt.config.record_content
-        rec.content = (
-            _Content(self._content_max_bytes or rt.config.content_max_bytes)
-            if record_content
-            else None
-        )
+        limit = self._content_limit
+        if limit is None or limit[0] is not rt:
+            limit = self._content_limit = (rt, self._content_limit_for(rt))
+        rec.content = _Content(limit[1]) if limit[1] else None
         rec._scope_token = SCOPE.set((rec, None))
         rec._otel_token = None
         if rec.live_span is None:

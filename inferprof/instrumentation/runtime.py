@@ -53,6 +53,7 @@ _SAMPLED = trace_api.TraceFlags(trace_api.TraceFlags.SAMPLED)
 _NOT_SAMPLED = trace_api.TraceFlags(trace_api.TraceFlags.DEFAULT)
 _UNSET = Status(StatusCode.UNSET)
 _getrandbits = random.getrandbits
+_random = random.random
 _MODEL_NAME = semconv.ATTR_MODEL_NAME
 _TOKEN_STAGES = frozenset({semconv.STAGE_BATCH_ASSEMBLY}) | semconv.COMPUTE_STAGES
 
@@ -160,6 +161,7 @@ class Runtime:
         self.tail_sampler = (
             TailSampler(config.sample_rate, config.tail_quantile) if self.production else None
         )
+        self._sample_rate = config.sample_rate
         self._scope = InstrumentationScope(semconv.INSTRUMENTATION_SCOPE, __version__)
         paths = tuple(config.excluded_paths)
         #: (exact, prefixes) for the HTTP middleware; a trailing ``*`` marks a prefix.
@@ -245,11 +247,11 @@ class Runtime:
             trace_id = parent.trace_id
         else:
             parent = None
-            trace_id = new_trace_id()
-        span_id = new_span_id()
+            trace_id = _getrandbits(128) or 1  # new_trace_id(), without the call
+        span_id = _getrandbits(64) or 1
         weight_hint = 1.0
         if self.production:
-            head = random.random() < self.config.sample_rate
+            head = _random() < self._sample_rate
         elif self._sampler is not None:
             head, weight_hint = self._consult_sampler(trace_id, name, kind, attrs, parent)
         else:
