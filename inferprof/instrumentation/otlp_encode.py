@@ -27,6 +27,9 @@ from typing import Any
 
 from opentelemetry.trace import SpanKind
 
+from inferprof.instrumentation.records import span_id_of
+from inferprof.semconv import ATTR_STAGE, SPAN_NAME_PREFIX
+
 _logger = logging.getLogger(__name__)
 _pack_q = struct.Struct("<Q").pack
 _pack_d = struct.Struct("<d").pack
@@ -362,6 +365,63 @@ def encode_trace_spans(trace_id: int, specs: Sequence[tuple], trace_state: Any =
     return b"".join([_spec_span(tid, state, spec, _error_parts) for spec in specs])
 
 
+_stage_heads: dict[str, tuple[bytes, bytes]] = {}
+
+
+def _stage_head(name: str) -> tuple[bytes, bytes]:
+    """(name and kind fields, the ``inferprof.stage`` attribute) of a stage's span."""
+    head = _stage_heads.get(name)
+    if head is None:
+        head = (_str(5, SPAN_NAME_PREFIX + name) + _KIND_INTERNAL,
+                _attributes(9, {ATTR_STAGE: name}))
+        if len(_stage_heads) < _MAX_CACHED_ATTRIBUTES:
+            _stage_heads[name] = head
+    return head
+
+
+def encode_request_trace(
+    trace_id: int,
+    head: Sequence[tuple],
+    stages: Sequence[Any],
+    root: int,
+    end: int,
+    tail: Sequence[tuple],
+    trace_state: Any = None,
+) -> bytes:
+    """A kept request's trace, as :func:`encode_trace_spans` gives it for the specs
+    ``Runtime._request_trace`` builds, with the request's own stages encoded straight
+    from their records (no spec tuple, no merged attribute dict per stage): ``head``, the
+    request span's spec (or none); ``stages``, its stage records, children of ``root``
+    unless nested, ending at ``end`` if still open; ``tail``, the batch stages' specs."""
+    global _error_parts
+    if _error_parts is None:
+        from inferprof.instrumentation.runtime import _error_parts
+    tid = trace_id.to_bytes(16, "big")
+    state = _trace_state(3, trace_state)
+    out = [_spec_span(tid, state, spec, _error_parts) for spec in head]
+    root_b = root.to_bytes(8, "big")
+    for st in stages:
+        attrs = st.attrs
+        if st.error is not None or ATTR_STAGE in attrs:  # rare: the general path
+            parent = st.parent
+            out.append(_spec_span(tid, state, (
+                SPAN_NAME_PREFIX + st.name, span_id_of(st),
+                span_id_of(parent) if parent is not None else root, _INTERNAL, st.start,
+                st.end or end, {ATTR_STAGE: st.name, **attrs}, st.error, (),
+            ), _error_parts))
+            continue
+        names, stage_attr = _stage_head(st.name)
+        parent = st.parent
+        out.append(_span_field(b"".join((
+            b"\x0a\x10", tid, b"\x12\x08", span_id_of(st).to_bytes(8, "big"), state,
+            b"\x22\x08", span_id_of(parent).to_bytes(8, "big") if parent is not None else root_b,
+            names, b"\x39", _pack_q(st.start or 0), b"\x41", _pack_q(st.end or end or 0),
+            stage_attr, _attributes(9, attrs) if attrs else b"", _STATUS_UNSET, _FLAGS_LOCAL,
+        ))))
+    out += [_spec_span(tid, state, spec, _error_parts) for spec in tail]
+    return b"".join(out)
+
+
 def wrap_trace_spans(traces: Sequence[tuple[Any, bytes]]) -> bytes:
     """Serialized ``ExportTraceServiceRequest`` from (runtime, :func:`encode_trace_spans`
     bytes) pairs: grouped under each runtime's resource and instrumentation scope."""
@@ -463,6 +523,7 @@ def http_span_exporter(**kwargs: Any) -> Any:
 
 __all__ = [
     "encode_request",
+    "encode_request_trace",
     "encode_trace_spans",
     "encode_traces",
     "grpc_span_exporter",

@@ -38,7 +38,7 @@ from inferprof.instrumentation.accounting import (
     Stats,
     StatsSnapshot,
 )
-from inferprof.instrumentation.otlp_encode import encode_trace_spans
+from inferprof.instrumentation.otlp_encode import encode_request_trace, encode_trace_spans
 from inferprof.instrumentation.records import (
     BatchRecord,
     RequestRecord,
@@ -325,7 +325,7 @@ class Runtime:
                 for b in rec.batches
             ]
             if self._encode:
-                self._defer_encoded(*self._request_trace(rec, weight, batches))
+                self._defer_encoded_request(rec, weight, batches)
             elif self._deferred is not None:
                 _freeze_errors(rec, batches)
                 n = (1 if rec.emit_request_span and rec.live_span is None else 0) + len(rec.stages)
@@ -529,6 +529,24 @@ class Runtime:
             self.stats.emitted += len(specs)
             return
         self._defer(EncodedTrace(self, payload, len(specs)))
+
+    def _defer_encoded_request(self, rec: RequestRecord, weight: float | None,
+                               batches: list) -> None:
+        """A kept request's trace, encoded (its own stages straight from the records)."""
+        stages = rec.stages
+        try:
+            trace_id, specs, trace_state = self._request_trace(rec, weight, batches, ())
+            n = 1 if rec.emit_request_span and rec.live_span is None else 0
+            payload = encode_request_trace(
+                trace_id, specs[:n], stages, rec.span_id, rec.end, specs[n:], trace_state
+            )
+        except Exception:
+            _logger.exception("inferprof could not encode the spans of a trace")
+            with self.stats._lock:
+                self.stats.export_failed += 1 + len(stages)
+            self.stats.emitted += 1 + len(stages)
+            return
+        self._defer(EncodedTrace(self, payload, len(specs) + len(stages)))
 
     def _emit_spans(self, spans: list) -> None:
         if self._processor is None:

@@ -30,7 +30,7 @@ from inferprof.instrumentation.otlp_encode import (
     encode_traces,
     wrap_trace_spans,
 )
-from inferprof.instrumentation.records import RequestRecord, StageRecord
+from inferprof.instrumentation.records import RequestRecord, StageRecord, span_id_of
 from tests.instrumentation.helpers import captured
 
 _PARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
@@ -373,3 +373,44 @@ def test_an_encoded_trace_given_to_an_exporter_without_bytes_is_counted_not_sent
     assert result is SpanExportResult.SUCCESS
     assert stats.export_failed == 3 and stats.exported == 1
     assert len(inner.get_finished_spans()) == 1
+
+
+async def test_stages_encoded_from_their_records_equal_the_spec_path():
+    """encode_request_trace writes a request's own stages without spec tuples; the bytes
+    must be those encode_trace_spans gives for Runtime._request_trace's specs, built at
+    the same moment (for every shape: nesting, attributes, errors, an open stage, a remote
+    parent with tracestate, batch stages copied under the request)."""
+    import random
+
+    inferprof.configure(span_exporter=_Recorder(), set_global=False, metric_readers=[])
+    rt = _config._runtime
+    assert rt._encode
+    queue = rt._deferred = _Queue()
+    encode_from_records = rt._defer_encoded_request
+    pairs = []
+
+    def both(rec, weight, batches):
+        for st in rec.stages:  # drawn lazily; before the seed, so both paths see them drawn
+            span_id_of(st)
+        random.seed(7)  # the batch stages' copies draw their ids: the same ones each time
+        expected = encode_trace_spans(*rt._request_trace(rec, weight, batches))
+        random.seed(7)
+        encode_from_records(rec, weight, batches)
+        pairs.append((expected, queue.items[-1].payload))
+
+    rt._defer_encoded_request = both
+    with inferprof.request(model="m", carrier={"traceparent": _PARENT, "tracestate": "v=1"}):
+        with inferprof.stage("tokenize", chars=12, ratio=0.5, tags=["a", "b"]):
+            with inferprof.stage("my_substage", **{semconv.ATTR_STAGE: "override"}):
+                pass
+        inferprof.stage("postprocess").__enter__()  # open when the request ends
+    try:
+        with inferprof.request(model="m"):
+            with inferprof.stage("compute"):
+                raise Boom("device lost")
+    except Boom:
+        pass
+    await _traffic()
+    assert len(pairs) >= 8  # (the queue also holds the linked batches' own traces)
+    for expected, payload in pairs:
+        assert payload == expected
