@@ -124,12 +124,16 @@ def child(mode: str, n: int, endpoint: str | None) -> None:
     asyncio.run(main())
 
 
-def count(mode: str, n: int, endpoint: str | None, workdir: Path) -> tuple[int, int]:
-    """Instructions thread 1 executed serving ``n`` requests in ``mode``, and the number of
-    traces kept."""
+def count(
+    mode: str, n: int, endpoint: str | None, workdir: Path, cache_sim: bool = False
+) -> tuple[dict[str, int], int]:
+    """Events of thread 1 serving ``n`` requests in ``mode`` (instructions ``Ir``; with
+    ``cache_sim`` also simulated L1 misses: ``I1mr``, ``D1mr``, ``D1mw``), and the number
+    of traces kept."""
     out = workdir / f"cg.{mode}.{n}"
     cmd = [
         "valgrind", "--tool=callgrind", "--separate-threads=yes",
+        f"--cache-sim={'yes' if cache_sim else 'no'}",
         f"--callgrind-out-file={out}.%p", sys.executable, __file__,
         "--child", mode, str(n), endpoint or "-",
     ]
@@ -143,10 +147,13 @@ def count(mode: str, n: int, endpoint: str | None, workdir: Path) -> tuple[int, 
     if len(main_thread) != 1:
         raise RuntimeError(f"no callgrind output for thread 1 of {mode} x {n}")
     kept = [int(line.split()[1]) for line in proc.stdout.splitlines() if line.startswith("KEPT ")]
+    names: list[str] = []
     for line in main_thread[0].read_text().splitlines():
-        if line.startswith(("summary:", "totals:")):
-            return int(line.split()[1]), (kept[0] if kept else 0)
-    raise RuntimeError(f"no instruction total in {main_thread[0]}")
+        if line.startswith("events:"):
+            names = line.split()[1:]
+        elif line.startswith(("summary:", "totals:")) and names:
+            return dict(zip(names, map(int, line.split()[1:]))), (kept[0] if kept else 0)
+    raise RuntimeError(f"no event totals in {main_thread[0]}")
 
 
 def main() -> int:
@@ -154,6 +161,9 @@ def main() -> int:
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--requests", default="100,400",
                         help="the two request counts differenced (default 100,400)")
+    parser.add_argument("--cache-sim", action="store_true",
+                        help="also simulate the L1 caches and print misses per request "
+                             "(about twice as slow)")
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -177,9 +187,16 @@ def main() -> int:
     with NullSink() as sink, tempfile.TemporaryDirectory() as tmp:
         jobs = [(m, n) for m in modes for n in (n1, n2)]
         with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-            futures = {job: pool.submit(count, *job, sink.endpoint, Path(tmp)) for job in jobs}
+            futures = {
+                job: pool.submit(count, *job, sink.endpoint, Path(tmp), args.cache_sim)
+                for job in jobs
+            }
             ir = {job: f.result() for job, f in futures.items()}
-    per_request = {m: (ir[(m, n2)][0] - ir[(m, n1)][0]) / (n2 - n1) for m in modes}
+
+    def per_req(m: str, event: str) -> float:
+        return (ir[(m, n2)][0].get(event, 0) - ir[(m, n1)][0].get(event, 0)) / (n2 - n1)
+
+    per_request = {m: per_req(m, "Ir") for m in modes}
     kept = {m: (ir[(m, n2)][1] - ir[(m, n1)][1]) / (n2 - n1) for m in modes}
 
     base = per_request.get("none")
@@ -187,14 +204,21 @@ def main() -> int:
     print(f"Event-loop instructions per request (callgrind, thread 1; requests {n2} - {n1}, "
           f"{CLIENTS} concurrent clients, demo model `tiny`; Python "
           f"{sys.version.split()[0]}).\n")
-    print("| config | instructions / request | x none | extra over off | traces kept |")
-    print("|---|---:|---:|---:|---:|")
+    cache_cols = " I1 misses / request | D1 misses / request |" if args.cache_sim else ""
+    print(f"| config | instructions / request | x none | extra over off | traces kept |{cache_cols}")
+    print("|---|---:|---:|---:|---:|" + ("---:|---:|" if args.cache_sim else ""))
     for m in modes:
         v = per_request[m]
         ratio = f"{v / base:.3f}" if base else "-"
         extra = f"{v - off:+,.0f}" if off is not None and m not in ("none", "off") else "-"
         share = f"{kept[m]:.1%}" if m in ("production", "discard", "full") else "-"
-        print(f"| {LABELS[m]} | {v:,.0f} | {ratio} | {extra} | {share} |")
+        row = f"| {LABELS[m]} | {v:,.0f} | {ratio} | {extra} | {share} |"
+        if args.cache_sim:
+            row += f" {per_req(m, 'I1mr'):,.0f} | {per_req(m, 'D1mr') + per_req(m, 'D1mw'):,.0f} |"
+        print(row)
+    if args.cache_sim:
+        print("\nL1 misses: callgrind's simulated first-level caches (instruction; data read + "
+              "write), sized like this machine's.")
     return 0
 
 
