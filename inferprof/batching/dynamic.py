@@ -169,8 +169,12 @@ class DynamicBatcher:
             task.cancel()
             try:
                 await task
-            except asyncio.CancelledError:
-                pass
+            except asyncio.CancelledError as exc:
+                # The task keeps this error (Python 3.12 re-raises the same object), and its
+                # traceback holds this frame and our callers' frames with their locals
+                # (requests' records and queue handles) for as long as the task lives.
+                exc.__traceback__ = None
+            task = None
         if self._inflight:
             await asyncio.gather(*self._inflight, return_exceptions=True)
         while self._queue:
