@@ -71,8 +71,41 @@ def parse_cuda_device(device: Any) -> int | None:
     )
 
 
-def _torch_event_factory(index: int) -> tuple[Callable[[], Any], int] | None:
+class _TorchDevice:
+    """What a CUDA device stage needs from torch, looked up once per device index.
+
+    ``torch.cuda.Event.record()`` with no stream looks the current stream up through
+    ``torch.cuda.current_stream()``, whose device-index resolution alone checks
+    ``torch.cuda.is_available()``; that cost about half of a device stage's CPU
+    (benchmarks/device_stage_cost.py). Asking for the current stream of a known index
+    skips it, and still follows ``with torch.cuda.stream(s):``.
+    """
+
+    __slots__ = ("index", "event_cls", "current_stream", "gpu_id")
+
+    def __init__(self, torch: Any, index: int) -> None:
+        self.index = index
+        self.event_cls = torch.cuda.Event
+        self.current_stream = torch.cuda.current_stream
+        self.gpu_id = gpu_uuid(index)
+
+    def event(self) -> Any:
+        return self.event_cls(enable_timing=True)
+
+    def stream(self) -> Any:
+        return self.current_stream(self.index)
+
+
+_torch_devices: dict[int, _TorchDevice | None] = {}
+
+
+def _torch_device(index: int) -> _TorchDevice | None:
+    """The cached torch handles of CUDA device ``index`` (-1: the current device), or None
+    when torch or CUDA is unavailable (warned once; host timers are used)."""
     global _warned_no_cuda
+    found = _torch_devices.get(index, False)  # -1 is only ever cached as None
+    if found is not False:
+        return found
     try:
         import torch
     except ImportError:
@@ -83,10 +116,15 @@ def _torch_event_factory(index: int) -> tuple[Callable[[], Any], int] | None:
             _logger.warning(
                 "a CUDA device stage was requested but torch/CUDA is unavailable; using host timers"
             )
+        _torch_devices[index] = None
         return None
     if index < 0:
         index = torch.cuda.current_device()
-    return (lambda: torch.cuda.Event(enable_timing=True)), index
+        found = _torch_devices.get(index)
+        if found is not None:
+            return found
+    dev = _torch_devices[index] = _TorchDevice(torch, index)
+    return dev
 
 
 def gpu_uuid(index: int) -> str | None:
@@ -108,21 +146,36 @@ def gpu_uuid(index: int) -> str | None:
 
 
 class DeviceTiming:
-    """The two events of one device stage, plus the host times they were recorded at."""
+    """The two events of one device stage, plus the host times they were recorded at.
 
-    __slots__ = ("rec", "start_event", "end_event", "start_host", "end_host", "done_at_end")
+    ``stream``: the stream both events are recorded on (torch: the device's current stream
+    when the stage began; a ``with torch.cuda.stream(s):`` inside the stage has ended by
+    the time the stage does, so the current stream then is the same one); None records on
+    the event's own default.
+    """
 
-    def __init__(self, rec: Any, start_event: Any, end_event: Any) -> None:
+    __slots__ = (
+        "rec", "start_event", "end_event", "start_host", "end_host", "done_at_end", "stream"
+    )
+
+    def __init__(self, rec: Any, start_event: Any, end_event: Any, stream: Any = None) -> None:
         self.rec = rec
         self.start_event = start_event
         self.end_event = end_event
-        start_event.record()
+        self.stream = stream
+        if stream is None:
+            start_event.record()
+        else:
+            start_event.record(stream)
         self.start_host = time.time_ns()
         self.end_host = 0
         self.done_at_end = False
 
     def end(self) -> None:
-        self.end_event.record()
+        if self.stream is None:
+            self.end_event.record()
+        else:
+            self.end_event.record(self.stream)
         self.end_host = time.time_ns()
         self.done_at_end = bool(self.end_event.query())
 
@@ -135,22 +188,22 @@ def begin_device_stage(
     gpu_id: str | None = None,
 ) -> DeviceTiming | None:
     """Start event timing for ``rec`` on ``device``; None means host timers suffice."""
+    global _used
     if isinstance(device, EventDevice):
         event_factory, gpu_id = device.event_factory, device.gpu_id
+    stream = None
     if event_factory is None:
         index = parse_cuda_device(device)
         if index is None:
             return None
-        made = _torch_event_factory(index)
-        if made is None:
+        dev = _torch_device(index)
+        if dev is None:
             return None
-        event_factory, index = made
-        gpu_id = gpu_uuid(index)
+        event_factory, gpu_id, stream = dev.event, dev.gpu_id, dev.stream()
     if gpu_id is not None:
         rec.attrs.setdefault(semconv.ATTR_GPU_ID, gpu_id)
-    global _used
     _used = True
-    timing = DeviceTiming(rec, event_factory(), event_factory())
+    timing = DeviceTiming(rec, event_factory(), event_factory(), stream)
     rec.device = timing
     return timing
 

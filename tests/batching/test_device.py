@@ -1,9 +1,12 @@
 """Device-stage timing. torch is not installed here: the CUDA event path is exercised with a
-SYNTHETIC event class that mimics ``torch.cuda.Event`` on a simulated asynchronous stream."""
+SYNTHETIC event class that mimics ``torch.cuda.Event`` on a simulated asynchronous stream,
+and a SYNTHETIC ``torch`` module for the calls into ``torch.cuda``. The same path on a real
+GPU is ``test_device_cuda.py`` (skipped where torch has no CUDA device)."""
 
 import logging
 import sys
 import time
+import types
 
 import pytest
 
@@ -104,14 +107,106 @@ def test_cpu_device_uses_host_timers(cap):
 def test_cuda_without_torch_degrades_to_host_timers(cap, monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "torch", None)  # import torch -> ImportError
     monkeypatch.setattr("inferprof.batching.device._warned_no_cuda", False)
+    monkeypatch.setattr("inferprof.batching.device._torch_devices", {})
     with caplog.at_level(logging.WARNING):
-        with inferprof.request():
+        for _ in range(3):
+            with inferprof.request():
+                with inferprof.stage("compute", device="cuda:0"):
+                    time.sleep(0.005)
+    computes = cap.stages("compute")
+    assert len(computes) == 3
+    for compute in computes:
+        assert compute.end_time - compute.start_time >= 4 * MS
+        assert semconv.ATTR_GPU_ID not in compute.attributes
+    assert caplog.text.count("torch/CUDA is unavailable") == 1  # warned once, not per stage
+
+
+class FakeTorch(types.ModuleType):
+    """SYNTHETIC ``torch`` module: the few ``torch.cuda`` calls the device path makes, over
+    synthetic events and streams. Counts ``is_available()`` calls and records which stream
+    each event was recorded on."""
+
+    def __init__(self):
+        super().__init__("torch")
+        self.available_calls = 0
+        self.current = {0: "stream-0-default", 1: "stream-1-default"}
+        outer = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                assert enable_timing
+                self.stream = None
+                self.t = None
+
+            def record(self, stream=None):
+                self.stream = stream if stream is not None else outer.current[0]
+                self.t = time.time_ns()
+
+            def query(self):
+                return True
+
+            def synchronize(self):
+                pass
+
+            def elapsed_time(self, end):
+                return (end.t - self.t) / MS
+
+        def is_available():
+            outer.available_calls += 1
+            return True
+
+        self.cuda = types.SimpleNamespace(
+            Event=Event,
+            is_available=is_available,
+            current_device=lambda: 1,
+            current_stream=lambda index: outer.current[index],
+            get_device_properties=lambda index: types.SimpleNamespace(uuid=f"fake-uuid-{index}"),
+        )
+
+
+@pytest.fixture
+def fake_torch(monkeypatch):
+    torch = FakeTorch()
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.setattr("inferprof.batching.device._torch_devices", {})
+    monkeypatch.setattr("inferprof.batching.device._gpu_uuids", {})
+    return torch
+
+
+def test_torch_events_record_on_the_current_stream_of_the_stage_device(cap, fake_torch):
+    """Each stage records both its events on its device's stream current when it began."""
+    recorded = []
+    orig = fake_torch.cuda.Event
+
+    class Spy(orig):
+        def record(self, stream=None):
+            super().record(stream)
+            recorded.append(self.stream)
+
+    fake_torch.cuda.Event = Spy
+    with inferprof.request():
+        with _batch_of_one():
+            with inferprof.stage("h2d", device="cuda:0"):
+                pass
+            fake_torch.current[0] = "stream-0-side"  # ``with torch.cuda.stream(side):``
             with inferprof.stage("compute", device="cuda:0"):
-                time.sleep(0.005)
-    (compute,) = cap.stages("compute")
-    assert compute.end_time - compute.start_time >= 4 * MS
-    assert semconv.ATTR_GPU_ID not in compute.attributes
-    assert "torch/CUDA is unavailable" in caplog.text
+                pass
+            with inferprof.stage("d2h", device="cuda"):  # the current device: 1
+                pass
+    assert recorded == ["stream-0-default"] * 2 + ["stream-0-side"] * 2 + ["stream-1-default"] * 2
+    h2d, compute, d2h = (cap.stages(n)[0] for n in ("h2d", "compute", "d2h"))
+    assert h2d.attributes[semconv.ATTR_GPU_ID] == "GPU-fake-uuid-0"
+    assert d2h.attributes[semconv.ATTR_GPU_ID] == "GPU-fake-uuid-1"
+
+
+def test_torch_availability_is_checked_once_per_device(cap, fake_torch):
+    for _ in range(20):
+        with inferprof.request():
+            with _batch_of_one():
+                with inferprof.stage("compute", device="cuda:0"):
+                    pass
+    assert len(cap.stages("compute")) == 20
+    assert fake_torch.available_calls == 1
 
 
 @pytest.mark.parametrize(
