@@ -141,20 +141,23 @@ def main() -> int:
             for _ in range(args.batches):
                 fn()
             results[name].append((time.process_time() - t0) / args.batches)
-    base = statistics.median(results["bare (no stages)"])
-    framed = statistics.median(results["request + batch, no stages"])
+    medians = {name: statistics.median(vals) for name, vals in results.items()}
+    base = medians["bare (no stages)"]
+    # rows with stages -> the row their extra per stage is measured against
+    reference = {
+        "host-timer stages": "request + batch, no stages",
+        "device stages (CUDA events)": "request + batch, no stages",
+        "bare CUDA events, no inferprof": "bare (no stages)",
+    }
     print(f"Host CPU per batch on {torch.cuda.get_device_name(0)} "
           f"(torch {torch.__version__}); median of {args.rounds} rounds x {args.batches} "
           f"batches; spans exported (mode full) to a discarding exporter.\n")
     print("| row | CPU per batch (µs) | x bare | extra per stage (µs) |")
     print("|---|---:|---:|---:|")
-    for name, vals in results.items():
-        med = statistics.median(vals)
-        ref = base if name.startswith("bare CUDA") else framed
-        extra = (med - ref) / 3 * 1e6
-        staged = "stages" in name and "no stages" not in name or name.startswith("bare CUDA")
-        print(f"| {name} | {med * 1e6:.1f} | {med / base:.2f} | "
-              f"{f'{extra:+.1f}' if staged else '-'} |")
+    for name, med in medians.items():
+        ref = reference.get(name)
+        extra = f"{(med - medians[ref]) / 3 * 1e6:+.1f}" if ref else "-"
+        print(f"| {name} | {med * 1e6:.1f} | {med / base:.2f} | {extra} |")
     print("\nextra per stage: over `request + batch, no stages` (over `bare` for the bare "
           "events), divided by 3 stages.")
 
