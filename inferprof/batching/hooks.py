@@ -98,6 +98,10 @@ class _BoundStage(Stage):
     def __init__(self, owner: BatchRecord, name: str, device: Any, attrs: dict) -> None:
         super().__init__(name, device, attrs)
         self._owner = owner
+        # Never its own record (Stage.__enter__ records into a new one when ``start`` is
+        # set): the record goes into the batch's stage list and this object holds the
+        # batch, a cycle the garbage collector would otherwise break once per batch.
+        self.start = -1
 
     def __enter__(self) -> Stage:
         self._outer = SCOPE.set((self._owner, None))
@@ -111,6 +115,9 @@ class _BoundStage(Stage):
                 SCOPE.reset(self._outer)
             except ValueError:
                 pass
+            # The token holds the scope it replaced (the batch record, whose stage list
+            # holds this stage): a cycle, left to the garbage collector once per batch.
+            self._outer = None
 
 
 class Batch:

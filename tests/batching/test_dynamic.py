@@ -354,3 +354,39 @@ async def test_max_delay_counts_from_the_oldest_arrival(cap):
     # "b" had waited 250 ms > max_delay when batch 1 finished: it leaves at once
     # (counting from when the loop got to it, it would leave 200 ms later)
     assert t2 - t1 < 0.3 + 0.15  # the wrong rule gives >= 0.3 + 0.2
+
+
+@pytest.mark.parametrize("encoding", ["children", "links"])
+async def test_a_served_batch_leaves_no_reference_cycle(encoding):
+    """Batch records, their stages (``b.stage`` and nested ``inferprof.stage``) and the
+    members' records are freed by reference counting alone once the requests end: a
+    cycle per batch would be left for the garbage collector, whose collections then come
+    sooner and scan every request in flight (docs/overhead.md)."""
+    import gc
+
+    from inferprof.instrumentation.records import BatchRecord, RequestRecord, StageRecord
+
+    def alive():
+        return [
+            o for o in gc.get_objects() if isinstance(o, (BatchRecord, RequestRecord, StageRecord))
+        ]
+
+    def fn(xs):
+        with inferprof.stage("compute"):
+            with inferprof.stage("h2d"):
+                pass
+        return [x + 1 for x in xs]
+
+    with captured(batch_encoding=encoding) as cap:
+        batcher = inferprof.DynamicBatcher(fn, max_batch_size=4, max_delay_ms=1)
+        await _serve(batcher, 4)  # warm: the executor thread and the loop task exist
+        gc.collect()
+        gc.disable()
+        try:
+            assert await _serve(batcher, 8) == [i + 1 for i in range(8)]
+            await asyncio.sleep(0.01)  # the batch tasks' done-callbacks
+            assert alive() == []
+        finally:
+            gc.enable()
+            await batcher.stop()
+        assert len(cap.stages("h2d")) > 0
