@@ -21,6 +21,7 @@ Field numbers are those of ``opentelemetry/proto/trace/v1/trace.proto`` and
 from __future__ import annotations
 
 import logging
+import random
 import struct
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -34,6 +35,7 @@ _logger = logging.getLogger(__name__)
 _pack_q = struct.Struct("<Q").pack
 _pack_d = struct.Struct("<d").pack
 _pack_i = struct.Struct("<I").pack
+_getrandbits = random.getrandbits
 
 #: Most cached attribute encodings. Attributes with unbounded values (batch ids, byte
 #: counts) fill it up; then it is emptied, and the hot entries come back on next use.
@@ -379,20 +381,40 @@ def _stage_head(name: str) -> tuple[bytes, bytes]:
     return head
 
 
+def batch_stage_body(st: Any, attrs: Mapping[str, Any]) -> bytes:
+    """A batch stage's span after its ids (name, kind, times, ``attrs``, error, status,
+    flags): the same bytes in every member's copy, so a batch encodes it once."""
+    global _error_parts
+    if _error_parts is None:
+        from inferprof.instrumentation.runtime import _error_parts
+    end = st.end
+    out = [_stage_head(st.name)[0], b"\x39", _pack_q(st.start or 0), b"\x41", _pack_q(end or 0)]
+    if st.error is None:
+        out += (_attributes(9, attrs), _STATUS_UNSET, _FLAGS_LOCAL)
+        return b"".join(out)
+    status, events, extra = _error_parts(st.error, end)
+    out.append(_attributes(9, {**attrs, **extra} if extra else attrs))
+    out += map(_event, events)
+    out += (_status(status), _FLAGS_LOCAL)
+    return b"".join(out)
+
+
 def encode_request_trace(
     trace_id: int,
     head: Sequence[tuple],
     stages: Sequence[Any],
     root: int,
     end: int,
-    tail: Sequence[tuple],
+    copies: Sequence[tuple[Sequence[Any], Any]] = (),
     trace_state: Any = None,
 ) -> bytes:
     """A kept request's trace, as :func:`encode_trace_spans` gives it for the specs
-    ``Runtime._request_trace`` builds, with the request's own stages encoded straight
-    from their records (no spec tuple, no merged attribute dict per stage): ``head``, the
-    request span's spec (or none); ``stages``, its stage records, children of ``root``
-    unless nested, ending at ``end`` if still open; ``tail``, the batch stages' specs."""
+    ``Runtime._request_trace`` builds, with no spec tuple or merged attribute dict per
+    stage: ``head``, the request span's spec (or none); ``stages``, its stage records,
+    children of ``root`` unless nested, ending at ``end`` if still open; ``copies``, per
+    batch copied under the request (``children`` encoding), its stage records and
+    ``body(stage)``, the stage's :func:`batch_stage_body`. Each copy draws a span id (in
+    the spec path's order) and has for parent the copy of its stage's parent, else ``root``."""
     global _error_parts
     if _error_parts is None:
         from inferprof.instrumentation.runtime import _error_parts
@@ -418,7 +440,17 @@ def encode_request_trace(
             names, b"\x39", _pack_q(st.start or 0), b"\x41", _pack_q(st.end or end or 0),
             stage_attr, _attributes(9, attrs) if attrs else b"", _STATUS_UNSET, _FLAGS_LOCAL,
         ))))
-    out += [_spec_span(tid, state, spec, _error_parts) for spec in tail]
+    for batch_stages, body in copies:
+        head_ids = b"\x0a\x10" + tid + b"\x12\x08"
+        copy_ids: dict[Any, bytes] = {}
+        for st in batch_stages:
+            copy_id = (_getrandbits(64) or 1).to_bytes(8, "big")  # Runtime's new_span_id()
+            copy_ids[st] = copy_id
+            parent = st.parent
+            out.append(_span_field(b"".join((
+                head_ids, copy_id, state, b"\x22\x08",
+                copy_ids.get(parent, root_b) if parent is not None else root_b, body(st),
+            ))))
     return b"".join(out)
 
 
@@ -522,6 +554,7 @@ def http_span_exporter(**kwargs: Any) -> Any:
 
 
 __all__ = [
+    "batch_stage_body",
     "encode_request",
     "encode_request_trace",
     "encode_trace_spans",

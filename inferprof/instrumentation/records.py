@@ -202,6 +202,7 @@ class BatchRecord:
         "tokens",
         "trace_id",
         "stages_dropped",
+        "bodies",
     )
 
     def __init__(
@@ -230,6 +231,9 @@ class BatchRecord:
         #: spans can link back to the batch spans.
         self.trace_id = trace_id
         self.stages_dropped = 0
+        #: encoded batch-stage spans minus their ids, by stage record, once the batch has
+        #: closed (runtime's ``_batch_body``): shared by the copies of every kept member.
+        self.bodies: dict[StageRecord, bytes] | None = None
 
     def set_attribute(self, key: str, value: Any) -> None:
         self.attrs[key] = value

@@ -15,6 +15,7 @@ its own failures.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import random
@@ -38,7 +39,11 @@ from inferprof.instrumentation.accounting import (
     Stats,
     StatsSnapshot,
 )
-from inferprof.instrumentation.otlp_encode import encode_request_trace, encode_trace_spans
+from inferprof.instrumentation.otlp_encode import (
+    batch_stage_body,
+    encode_request_trace,
+    encode_trace_spans,
+)
 from inferprof.instrumentation.records import (
     BatchRecord,
     RequestRecord,
@@ -352,10 +357,12 @@ class Runtime:
         batches: list,
         own_stages: tuple | None = None,
         request_attrs: dict | None = None,
+        copy_batches: bool = True,
     ) -> tuple:
         """(trace id, span specs, trace state) of a kept request; ``batches``: (batch, its
         stages to include) pairs; ``own_stages``/``request_attrs``: the record's,
-        snapshotted when it ended (default: read now). Specs are what :meth:`_spans` takes."""
+        snapshotted when it ended (default: read now); ``copy_batches``: include the
+        ``children``-encoded batch stages' copies. Specs are what :meth:`_spans` takes."""
         trace_id = rec.trace_id
         end = rec.end
         specs: list[tuple] = []
@@ -409,7 +416,7 @@ class Runtime:
                     (),
                 )
             )
-        for batch, batch_stages in batches:
+        for batch, batch_stages in batches if copy_batches else ():
             if batch.encoding != semconv.BATCH_ENCODING_CHILDREN:
                 continue
             # Each member gets copies with ids of its own; a copy's parent is the copy of
@@ -532,13 +539,18 @@ class Runtime:
 
     def _defer_encoded_request(self, rec: RequestRecord, weight: float | None,
                                batches: list) -> None:
-        """A kept request's trace, encoded (its own stages straight from the records)."""
+        """A kept request's trace, encoded straight from the records: its own stages, and
+        the batch stages' copies from bytes each batch encodes once (:meth:`_batch_body`)."""
         stages = rec.stages
         try:
-            trace_id, specs, trace_state = self._request_trace(rec, weight, batches, ())
-            n = 1 if rec.emit_request_span and rec.live_span is None else 0
+            trace_id, head, trace_state = self._request_trace(rec, weight, batches, (), None, False)
+            copies = [
+                (batch_stages, functools.partial(self._batch_body, batch))
+                for batch, batch_stages in batches
+                if batch.encoding == semconv.BATCH_ENCODING_CHILDREN
+            ]
             payload = encode_request_trace(
-                trace_id, specs[:n], stages, rec.span_id, rec.end, specs[n:], trace_state
+                trace_id, head, stages, rec.span_id, rec.end, copies, trace_state
             )
         except Exception:
             _logger.exception("inferprof could not encode the spans of a trace")
@@ -546,7 +558,24 @@ class Runtime:
                 self.stats.export_failed += 1 + len(stages)
             self.stats.emitted += 1 + len(stages)
             return
-        self._defer(EncodedTrace(self, payload, len(specs) + len(stages)))
+        n = len(head) + len(stages) + sum(len(batch_stages) for batch_stages, _ in copies)
+        self._defer(EncodedTrace(self, payload, n))
+
+    def _batch_body(self, batch: BatchRecord, st: StageRecord) -> bytes:
+        """``st``'s span minus its ids, as every member's copy has it; kept on the batch
+        once it has closed (its stages and attributes are final then), so a batch with
+        several kept members encodes each stage once."""
+        bodies = batch.bodies
+        if bodies is not None:
+            body = bodies.get(st)
+            if body is not None:
+                return body
+        body = batch_stage_body(st, self._batch_attrs(batch, st))
+        if batch.closed:
+            if bodies is None:
+                bodies = batch.bodies = {}
+            bodies[st] = body
+        return body
 
     def _emit_spans(self, spans: list) -> None:
         if self._processor is None:

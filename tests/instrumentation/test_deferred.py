@@ -411,6 +411,73 @@ async def test_stages_encoded_from_their_records_equal_the_spec_path():
     except Boom:
         pass
     await _traffic()
-    assert len(pairs) >= 8  # (the queue also holds the linked batches' own traces)
+    await _members_ending_after_their_batch()
+    assert len(pairs) >= 11  # (the queue also holds the linked batches' own traces)
     for expected, payload in pairs:
         assert payload == expected
+
+
+async def _members_ending_after_their_batch(n: int = 3) -> list:
+    """``n`` requests batched together that end after the batch has closed, whose batch
+    has a nested stage and a failing one; returns the batch's record."""
+    handles, done, records = [], asyncio.Event(), []
+
+    async def member():
+        with inferprof.request(model="m"):
+            handles.append(inferprof.enqueue(depth=len(handles)))
+            await done.wait()
+
+    tasks = [asyncio.create_task(member()) for _ in range(n)]
+    while len(handles) < n:
+        await asyncio.sleep(0)
+    with inferprof.batch(handles, max_size=8, model="m") as b:
+        with b.stage("batch_assembly", rows=n):
+            b.set_tokens(effective=10, padded=12)
+            with inferprof.stage("h2d"):  # nested: inside the batch's current stage
+                pass
+        try:
+            with b.stage("compute"):
+                raise Boom("kernel failed")
+        except Boom:
+            pass
+    records.append(b.record)
+    done.set()
+    await asyncio.gather(*tasks)
+    return records[0]
+
+
+async def test_a_closed_batch_encodes_its_stages_once_for_all_kept_members():
+    """Members ending after their batch closed share its stages' encoded bodies: each
+    member's copies differ only in their ids, and the spans parse to the batch's stages
+    (nesting, the error, the batch's attributes) under each member's own request span."""
+    inferprof.configure(span_exporter=_Recorder(), set_global=False, metric_readers=[])
+    rt = _config._runtime
+    assert rt._encode
+    queue = rt._deferred = _Queue()
+    record = await _members_ending_after_their_batch(3)
+    assert record.bodies is not None and len(record.bodies) == 3
+    assert len(queue.items) == 3
+    ids = set()
+    for item in queue.items:
+        spans = [
+            span
+            for rs in ExportTraceServiceRequest.FromString(wrap_trace_spans([(rt, item.payload)]))
+            .resource_spans
+            for ss in rs.scope_spans
+            for span in ss.spans
+        ]
+        assert item.n == len(spans) == 5  # request, queue, three batch stages
+        by_name = {span.name: span for span in spans}
+        request = next(s for s in spans if not s.parent_span_id)
+        assembly = by_name["inferprof.batch_assembly"]
+        assert by_name["inferprof.h2d"].parent_span_id == assembly.span_id
+        assert assembly.parent_span_id == request.span_id
+        compute = by_name["inferprof.compute"]
+        assert compute.status.code == compute.status.STATUS_CODE_ERROR
+        assert "kernel failed" in compute.status.message
+        attrs = {kv.key: kv.value for kv in assembly.attributes}
+        assert attrs[semconv.ATTR_BATCH_ID].string_value == record.batch_id
+        assert attrs[semconv.ATTR_TOKENS_PADDED].int_value == 12
+        assert attrs["rows"].int_value == 3
+        ids.update(s.span_id for s in spans if s.name != "inferprof.queue")
+    assert len(ids) == 3 * 4  # every copy has an id of its own
