@@ -245,6 +245,9 @@ def measure(service: ServiceProcess, duration: float, concurrency: int, seed: in
         "padded_per_req": (h1["padded_tokens"] - h0["padded_tokens"]) / batched
         if batched else float("nan"),
         "faults_per_req": (h1.get("minor_faults", 0) - h0.get("minor_faults", 0)) / n,
+        # the garbage collector's runs per 1 000 requests, by generation
+        "gc_per_kreq": [(b - a) / n * 1000 for a, b in
+                        zip(h0.get("gc_collections", ()), h1.get("gc_collections", ()))],
         "thread_us_per_req": {
             name: (cpu_s - h0.get("thread_cpu_s", {}).get(name, 0.0)) / n * 1e6
             for name, cpu_s in h1.get("thread_cpu_s", {}).items()
@@ -393,15 +396,19 @@ def thread_table(cfgs: list[Config]) -> list[str]:
         return []
     lines = [
         "Service CPU per request by thread (µs, median over rounds; `native`: threads Python "
-        "did not start, such as gRPC's):",
+        "did not start, such as gRPC's), and the garbage collector's runs per 1 000 requests "
+        "by generation (median over rounds):",
         "",
-        "| config | " + " | ".join(shown) + " |",
-        "|---|" + "---:|" * len(shown),
+        "| config | " + " | ".join(shown) + " | GC runs / 1 000 req (gen 0 / 1 / 2) |",
+        "|---|" + "---:|" * len(shown) + "---:|",
     ]
     for c in cfgs:
         cells = [med([r.get("thread_us_per_req", {}).get(n, 0.0) for r in c.runs])
                  for n in shown]
-        lines.append(f"| ({c.key}) {c.label} | " + " | ".join(f"{v:.1f}" for v in cells) + " |")
+        gc_runs = [med([r["gc_per_kreq"][g] for r in c.runs if len(r.get("gc_per_kreq", ())) > g])
+                   for g in range(3)]
+        lines.append(f"| ({c.key}) {c.label} | " + " | ".join(f"{v:.1f}" for v in cells)
+                     + " | " + " / ".join(f"{v:.2f}" for v in gc_runs) + " |")
     return lines
 
 
