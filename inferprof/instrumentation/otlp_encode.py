@@ -440,8 +440,8 @@ def encode_request_trace(
             names, b"\x39", _pack_q(st.start or 0), b"\x41", _pack_q(st.end or end or 0),
             stage_attr, _attributes(9, attrs) if attrs else b"", _STATUS_UNSET, _FLAGS_LOCAL,
         ))))
+    head_ids = b"\x0a\x10" + tid + b"\x12\x08"
     for batch_stages, body in copies:
-        head_ids = b"\x0a\x10" + tid + b"\x12\x08"
         copy_ids: dict[Any, bytes] = {}
         for st in batch_stages:
             copy_id = (_getrandbits(64) or 1).to_bytes(8, "big")  # Runtime's new_span_id()

@@ -543,7 +543,9 @@ class Runtime:
         the batch stages' copies from bytes each batch encodes once (:meth:`_batch_body`)."""
         stages = rec.stages
         try:
-            trace_id, head, trace_state = self._request_trace(rec, weight, batches, (), None, False)
+            trace_id, head, trace_state = self._request_trace(
+                rec, weight, batches, own_stages=(), copy_batches=False
+            )
             copies = [
                 (batch_stages, functools.partial(self._batch_body, batch))
                 for batch, batch_stages in batches
