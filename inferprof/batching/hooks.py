@@ -35,28 +35,49 @@ _logger = logging.getLogger(__name__)
 _time_ns = time.time_ns
 
 
-class QueueHandle:
-    """A request waiting for a batch (what ``enqueue()`` returns). Pass it to ``batch()``."""
+class QueueHandle(StageRecord):
+    """A request waiting for a batch (what ``enqueue()`` returns). Pass it to ``batch()``.
 
-    __slots__ = ("request", "stage")
+    It is also the request's ``queue`` stage record (one object per request where a handle
+    and a record made two): ``request`` is the waiting request, None for a handle that
+    records nothing. ``batch()`` lets go of the request once the batch has formed, so the
+    request's stage list, which holds this record, makes no reference cycle with it.
+    """
 
-    def __init__(self, request: RequestRecord | None, stage: StageRecord | None) -> None:
+    __slots__ = ("request",)
+
+    def __init__(
+        self, request: RequestRecord | None, parent: StageRecord | None, start: int, attrs: dict
+    ) -> None:
+        # StageRecord's fields, set here: one call per request instead of two
+        self.name = _STAGE_QUEUE
+        self.span_id = 0
+        self.parent = parent
+        self.start = start
+        self.end = None
+        self.attrs = attrs
+        self.error = None
+        self.device = None
         self.request = request
-        self.stage = stage
+
+    @property
+    def stage(self) -> StageRecord | None:
+        """The ``queue`` stage's record (the handle itself), or None if it records nothing."""
+        return self if self.request is not None or self.start else None
 
     def cancel(self) -> None:
         """The request left the queue without being batched (cancelled, timed out)."""
-        st = self.stage
-        if st is not None and st.end is None:
-            st.end = _time_ns()
-            st.attrs[semconv.ATTR_CANCELLED] = True
+        if self.request is not None and self.end is None:
+            self.end = _time_ns()
+            self.attrs[semconv.ATTR_CANCELLED] = True
+        self.request = None
 
 
-#: The handle of a request that records nothing (outside a request, inferprof off): it
-#: holds no state, so one is shared.
-_NOTHING = QueueHandle(None, None)
 _STAGE_QUEUE = semconv.STAGE_QUEUE
 _ATTR_QUEUE_DEPTH = semconv.ATTR_QUEUE_DEPTH
+#: The handle of a request that records nothing (outside a request, inferprof off): it
+#: holds no state, so one is shared.
+_NOTHING = QueueHandle(None, None, 0, {})
 
 
 def enqueue(*, depth: int | None = None, **attributes: Any) -> QueueHandle:
@@ -73,9 +94,9 @@ def enqueue(*, depth: int | None = None, **attributes: Any) -> QueueHandle:
     rec, parent = scope
     if depth is not None:
         attributes[semconv.ATTR_QUEUE_DEPTH] = depth
-    st = StageRecord(semconv.STAGE_QUEUE, parent, _time_ns(), attributes)
-    rec.stages.append(st)
-    return QueueHandle(rec, st)
+    handle = QueueHandle(rec, parent, _time_ns(), attributes)
+    rec.stages.append(handle)
+    return handle
 
 
 def _enqueue(depth: int) -> QueueHandle:
@@ -85,9 +106,9 @@ def _enqueue(depth: int) -> QueueHandle:
     if scope is None or not isinstance(scope[0], RequestRecord):
         return _NOTHING
     rec, parent = scope
-    st = StageRecord(_STAGE_QUEUE, parent, _time_ns(), {_ATTR_QUEUE_DEPTH: depth})
-    rec.stages.append(st)
-    return QueueHandle(rec, st)
+    handle = QueueHandle(rec, parent, _time_ns(), {_ATTR_QUEUE_DEPTH: depth})
+    rec.stages.append(handle)
+    return handle
 
 
 class _BoundStage(Stage):
@@ -167,11 +188,14 @@ class Batch:
 
     def __enter__(self) -> Batch:
         now = _time_ns()
+        members = []
         for h in self.handles:
-            st = h.stage
-            if st is not None and st.end is None:
-                st.end = now
-        members = [h.request for h in self.handles if h.request is not None]
+            request = h.request
+            if request is not None:
+                if h.end is None:
+                    h.end = now
+                members.append(request)
+                h.request = None  # (class docstring: no cycle through the stage list)
         rt = members[0].runtime if members else active_runtime()
         if rt is None:
             return self

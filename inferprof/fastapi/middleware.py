@@ -22,14 +22,21 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from opentelemetry import context as context_api
 from opentelemetry import propagate
 from opentelemetry import trace as trace_api
 from opentelemetry.semconv.attributes import http_attributes, url_attributes
 from opentelemetry.trace import SpanKind
 
 from inferprof import _config, semconv
-from inferprof.instrumentation.records import SCOPE, RequestRecord, RequestSpan, StageRecord
+from inferprof.instrumentation.records import (
+    SCOPE,
+    RequestRecord,
+    RequestSpan,
+    StageRecord,
+    attach_span,
+    current_otel_context,
+    detach_context,
+)
 from inferprof.instrumentation.runtime import Runtime
 from inferprof.instrumentation.stage import begin_request
 
@@ -71,15 +78,23 @@ class _Content:
 class _HttpRequest(RequestRecord):
     """The record of one HTTP request, holding the middleware's state too, and the wrapped
     ``receive``/``send`` the app is given (bound methods): one object per request where
-    a separate exchange object and two closures made four."""
+    a separate exchange object and two closures made four.
+
+    ``receive`` and ``serialize`` are kept as timestamps on the record, and the HTTP
+    attributes (route, status) as the values they come from: their stage records and
+    attributes are made in :meth:`_complete`, only for a request whose trace is kept (in
+    ``production`` mode most are not).
+    """
 
     __slots__ = (
-        "receive_stage",
+        "recv_start",
+        "recv_end",
         "received",
-        "serialize_stage",
+        "ser_start",
+        "ser_end",
         "sent",
         "status",
-        "last_byte",
+        "route",
         "content",
         "_receive",
         "_send",
@@ -88,48 +103,76 @@ class _HttpRequest(RequestRecord):
     )
 
     async def receive(self) -> Message:
-        st = self.receive_stage
-        if st is not None and st.end is not None:
+        if self.recv_end:  # the body is in: later reads (disconnect listeners) pass through
             return await self._receive()
         t0 = _time_ns()
         message = await self._receive()
         if message["type"] == "http.request":
-            if st is None:
-                st = self.receive_stage = StageRecord(_STAGE_RECEIVE, None, t0, {})
-            body = message.get("body") or b""
-            self.received += len(body)
-            if self.content is not None:
-                self.content.add(self.content.request, body)
+            if not self.recv_start:
+                self.recv_start = t0
+            body = message.get("body")
+            if body:
+                self.received += len(body)
+                if self.content is not None:
+                    self.content.add(self.content.request, body)
             if not message.get("more_body", False):
-                st.end = _time_ns()
-                st.attrs[_ATTR_BYTES] = self.received
-                # A body-less request (GET; or a streaming response listening for
-                # disconnects) has nothing to time: no `receive` stage for it.
-                if self.received:
-                    self.stages.append(st)
+                self.recv_end = _time_ns()
         return message
 
     async def send(self, message: Message) -> None:
-        kind = message["type"]
-        if kind == "http.response.body":
-            body = message.get("body") or b""
-            self.sent += len(body)
-            if self.content is not None:
-                self.content.add(self.content.response, body)
+        if message["type"] == "http.response.body":
+            body = message.get("body")
+            if body:
+                self.sent += len(body)
+                if self.content is not None:
+                    self.content.add(self.content.response, body)
             await self._send(message)
-            if not message.get("more_body", False):
-                now = _time_ns()
-                st = self.serialize_stage
-                if st is not None and st.end is None:
-                    st.end = now
-                    st.attrs[_ATTR_BYTES] = self.sent
-                self.last_byte = now
+            if not message.get("more_body", False) and not self.ser_end:
+                self.ser_end = _time_ns()  # also the request's end: the last byte handed over
             return
-        if kind == "http.response.start":
+        if message["type"] == "http.response.start":
             self.status = message.get("status")
-            st = self.serialize_stage = StageRecord(_STAGE_SERIALIZE, None, _time_ns(), {})
-            self.stages.append(st)
+            self.ser_start = _time_ns()
         await self._send(message)
+
+    def _complete(self) -> None:
+        # A body-less request (GET; or a streaming response listening for disconnects)
+        # has nothing to time: no `receive` stage for it.
+        if self.recv_start and self.received:
+            self.stages.insert(
+                0,
+                _ended_stage(_STAGE_RECEIVE, self.recv_start, self.recv_end, self.received),
+            )
+        if self.ser_start:
+            self.stages.append(
+                _ended_stage(_STAGE_SERIALIZE, self.ser_start, self.ser_end, self.sent)
+            )
+        live = self.live_span
+        # Our own request span: its attributes go straight into the record (what
+        # set_attribute() does, minus the check for a live span).
+        set_attribute = self.attrs.__setitem__ if live is None else self.set_attribute
+        if self.route:
+            set_attribute(_ROUTE, self.route)
+        status = self.status
+        if status is not None:
+            set_attribute(_STATUS_CODE, status)
+            if status >= 500 and self.error is None:
+                self.error = f"HTTP {status}"
+        content = self.content
+        if content is not None:
+            set_attribute(
+                semconv.ATTR_REQUEST_BODY, bytes(content.request).decode("utf-8", "replace")
+            )
+            set_attribute(
+                semconv.ATTR_RESPONSE_BODY, bytes(content.response).decode("utf-8", "replace")
+            )
+            self.content = None
+
+
+def _ended_stage(name: str, start: int, end: int, nbytes: int) -> StageRecord:
+    st = StageRecord(name, None, start, {_ATTR_BYTES: nbytes})
+    st.end = end
+    return st
 
 
 class InferprofMiddleware:
@@ -256,13 +299,14 @@ class InferprofMiddleware:
         }
         if self.model_name is not None:
             attrs[semconv.ATTR_MODEL_NAME] = self.model_name
-        context = context_api.get_current()
+        context = current_otel_context()
         if context:  # maybe another instrumentation's server span to enrich
             rec = begin_request(rt, method, _SERVER, attrs, parent, start, context, _HttpRequest)
         else:  # nothing current (the usual case): straight to a new record
             rec = rt.start_request(method, _SERVER, attrs, parent, start, _HttpRequest)
-        rec.receive_stage = rec.serialize_stage = rec.status = rec.last_byte = None
-        rec.received = rec.sent = 0
+        rec.recv_start = rec.recv_end = rec.received = 0
+        rec.ser_start = rec.ser_end = rec.sent = 0
+        rec.status = rec.route = None
         rec._receive = receive
         rec._send = send
         limit = self._content_limit
@@ -270,13 +314,9 @@ class InferprofMiddleware:
             limit = self._content_limit = (rt, self._content_limit_for(rt))
         rec.content = _Content(limit[1]) if limit[1] else None
         rec._scope_token = SCOPE.set((rec, None))
-        rec._otel_token = None
-        if rec.live_span is None:
-            # One attach per request (not per stage): downstream clients inject our
-            # traceparent and other instrumentations parent their spans on the request.
-            rec._otel_token = context_api.attach(
-                trace_api.set_span_in_context(RequestSpan(rec), context)
-            )
+        # One attach per request (not per stage): downstream clients inject our
+        # traceparent and other instrumentations parent their spans on the request.
+        rec._otel_token = attach_span(RequestSpan(rec), context) if rec.live_span is None else None
         return rec
 
     def _close(self, rt: Runtime, scope: Scope, rec: _HttpRequest) -> None:
@@ -286,56 +326,25 @@ class InferprofMiddleware:
         except ValueError:
             SCOPE.set(None)
         if rec._otel_token is not None:
-            try:
-                context_api.detach(rec._otel_token)
-            except Exception:
-                pass
+            detach_context(rec._otel_token)
+        if rec.recv_start and not rec.recv_end:  # the body was cut short
+            rec.recv_end = now
+        if rec.ser_start and not rec.ser_end:  # the app failed mid-response
+            rec.ser_end = now
         try:
-            st = rec.receive_stage
-            if st is not None and st.end is None and rec.received:  # the body was cut short
-                st.end = now
-                st.attrs[semconv.ATTR_BYTES] = rec.received
-                rec.stages.append(st)
-            st = rec.serialize_stage
-            if st is not None and st.end is None:  # the app failed mid-response
-                st.end = now
-                st.attrs[semconv.ATTR_BYTES] = rec.sent
+            # The name (and the tail sampler's key) needs the route now; the rest of the
+            # HTTP attributes waits for _complete().
             route = scope.get("route")
             template = getattr(route, "path", None) if route is not None else None
-            live = rec.live_span
-            # Our own request span: its attributes go straight into the record (what
-            # set_attribute() does, minus the check for a live span).
-            attrs = rec.attrs if live is None else None
-            if template:
-                if attrs is not None:
-                    attrs[_ROUTE] = template
-                else:
-                    rec.set_attribute(_ROUTE, template)
-            if live is None:
+            rec.route = template
+            if rec.live_span is None:
                 if self._span_name is not None:
                     rec.name = self._span_name(scope)
                 elif template:
                     rec.name = f"{rec.name} {template}"
-            status = rec.status
-            if status is not None:
-                if attrs is not None:
-                    attrs[_STATUS_CODE] = status
-                else:
-                    rec.set_attribute(_STATUS_CODE, status)
-                if status >= 500 and rec.error is None:
-                    rec.error = f"HTTP {status}"
-            content = rec.content
-            if content is not None:
-                rec.set_attribute(
-                    semconv.ATTR_REQUEST_BODY, bytes(content.request).decode("utf-8", "replace")
-                )
-                rec.set_attribute(
-                    semconv.ATTR_RESPONSE_BODY, bytes(content.response).decode("utf-8", "replace")
-                )
-                rec.content = None
         except Exception:
-            _logger.exception("inferprof could not finish a request's attributes")
-        rec.end = rec.last_byte or now
+            _logger.exception("inferprof could not name a request")
+        rec.end = rec.ser_end or now
         rt.finish_request(rec)
 
 

@@ -14,7 +14,10 @@ import threading
 from contextvars import ContextVar
 from typing import Any
 
+from opentelemetry import context as context_api
 from opentelemetry import trace as trace_api
+from opentelemetry.context.contextvars_context import ContextVarsRuntimeContext
+from opentelemetry.trace.propagation import _SPAN_KEY
 
 from inferprof import semconv
 
@@ -155,6 +158,10 @@ class RequestRecord:
     def __repr__(self) -> str:
         return f"<inferprof request {self.name!r} trace_id={self.trace_id:032x}>"
 
+    def _complete(self) -> None:
+        """The request is kept: add what only its trace needs (a subclass's deferred
+        stages and attributes). Called once, by the runtime, before the spans are built."""
+
 
 class RequestSpan(trace_api.NonRecordingSpan):
     """The request as OpenTelemetry's current span while it runs, so that downstream
@@ -245,6 +252,48 @@ class BatchRecord:
         _set_tokens(self, effective, padded)
 
 
+# --- the OpenTelemetry context, without the API's layers ---------------------------------
+# Once per request the request becomes OpenTelemetry's current span. The API does that in
+# four Python calls (get_current, set_span_in_context, set_value, attach) and two more to
+# detach; with the default runtime context (a ContextVar, fixed when
+# ``opentelemetry.context`` is imported) the same takes one ``get``, one ``set`` and one
+# ``reset`` of that variable. Any other runtime context goes through the API.
+_runtime_context = getattr(context_api, "_RUNTIME_CONTEXT", None)
+_OTEL_CONTEXT: ContextVar | None = (
+    _runtime_context._current_context
+    if type(_runtime_context) is ContextVarsRuntimeContext
+    and isinstance(getattr(_runtime_context, "_current_context", None), ContextVar)
+    else None
+)
+del _runtime_context
+
+
+def current_otel_context() -> Any:
+    """``opentelemetry.context.get_current()``."""
+    return _OTEL_CONTEXT.get() if _OTEL_CONTEXT is not None else context_api.get_current()
+
+
+def attach_span(span: trace_api.Span, context: Any) -> Any:
+    """Make ``span`` current in a copy of ``context`` (the current one); returns the token
+    for :func:`detach_context`."""
+    if _OTEL_CONTEXT is None:
+        return context_api.attach(trace_api.set_span_in_context(span, context))
+    if context:
+        return _OTEL_CONTEXT.set(context_api.Context({**context, _SPAN_KEY: span}))
+    return _OTEL_CONTEXT.set(context_api.Context({_SPAN_KEY: span}))
+
+
+def detach_context(token: Any) -> None:
+    """Undo :func:`attach_span`; never raises (a context left in another task)."""
+    try:
+        if _OTEL_CONTEXT is None:
+            context_api.detach(token)
+        else:
+            _OTEL_CONTEXT.reset(token)
+    except Exception:
+        pass
+
+
 #: The innermost open scope of this context: (owner, enclosing stage record or None). The
 #: owner is a RequestRecord (request stages) or a BatchRecord (inside ``inferprof.batch``/the
 #: batcher).
@@ -264,4 +313,7 @@ __all__ = [
     "SCOPE",
     "current_owner",
     "span_id_of",
+    "current_otel_context",
+    "attach_span",
+    "detach_context",
 ]

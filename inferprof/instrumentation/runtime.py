@@ -301,26 +301,36 @@ class Runtime:
             return
         rec.finished = True
         try:
-            self._finish(rec)
+            if _device._used:  # (read here: saves a call per request until a device stage exists)
+                resolve_stages(rec.stages)
+            if rec.live_span is None and self.tail_sampler is not None:
+                model = rec.attrs.get(_MODEL_NAME)
+                weight = self.tail_sampler.decide(
+                    rec.end - rec.start, rec.head, rec.name if model is None else (rec.name, model)
+                )
+                if weight is None:  # production mode's usual case: a fast request, not kept
+                    self.stats.discarded += 1
+                    if rec.batches:
+                        self._leave_batches(rec)
+                    return
+                kept = True
+            else:
+                kept, weight = rec.head, rec.weight_hint
+            self._finish(rec, kept, weight)
         except Exception:
             _logger.exception("inferprof failed to emit the spans of a request")
 
-    def _finish(self, rec: RequestRecord) -> None:
-        if _device._used:  # (read here: saves a call per request until a device stage exists)
-            resolve_stages(rec.stages)
-        end = rec.end
-        if rec.live_span is not None:
-            kept, weight = rec.head, rec.weight_hint
-        elif self.tail_sampler is not None:
-            weight = self.tail_sampler.decide(
-                end - rec.start, rec.head, (rec.name, rec.attrs.get(_MODEL_NAME))
-            )
-            kept = weight is not None
-        else:
-            kept, weight = rec.head, rec.weight_hint
+    def _leave_batches(self, rec: RequestRecord) -> None:
+        for batch in rec.batches:
+            if batch.encoding == semconv.BATCH_ENCODING_LINKS:
+                self.member_done(batch, rec)
+        rec.batches.clear()
+
+    def _finish(self, rec: RequestRecord, kept: bool, weight: float | None) -> None:
         rec.kept = kept
         if kept:
             self.stats.kept += 1
+            rec._complete()
             # What the trace will hold, fixed now: a batch that outlives the request adds
             # no stage that ended after it.
             batches = [
@@ -345,10 +355,8 @@ class Runtime:
                 self._emit_spans(self._spans(*self._request_trace(rec, weight, batches)))
         else:
             self.stats.discarded += 1
-        for batch in rec.batches:
-            if batch.encoding == semconv.BATCH_ENCODING_LINKS:
-                self.member_done(batch, rec)
-        rec.batches = []
+        if rec.batches:
+            self._leave_batches(rec)
 
     def _request_trace(
         self,

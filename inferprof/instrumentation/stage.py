@@ -17,6 +17,7 @@ import functools
 import inspect
 import logging
 import time
+from contextvars import Token
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -54,7 +55,7 @@ class Stage(StageRecord):
     the same Stage again records into a new record.
     """
 
-    __slots__ = ("_where", "_rec", "_token", "_prev", "_span", "_otel_token", "_timing")
+    __slots__ = ("_where", "_rec", "_token", "_span", "_otel_token", "_timing")
 
     def __init__(self, name: str, device: Any, attrs: dict) -> None:
         self.name = name
@@ -96,7 +97,6 @@ class Stage(StageRecord):
             self.end = self.error = self.device = None
         stages.append(rec)
         self._rec = rec
-        self._prev = scope
         self._token = SCOPE.set((owner, rec))
         if self._where is not None:
             self._begin_device(rec)
@@ -111,12 +111,14 @@ class Stage(StageRecord):
                 self._end_device()
             if exc is not None:
                 rec.error = exc
+            token = self._token
             try:
-                SCOPE.reset(self._token)
+                SCOPE.reset(token)
             except ValueError:  # exited in another context (e.g. an async generator)
-                SCOPE.set(self._prev)
+                old = token.old_value
+                SCOPE.set(None if old is Token.MISSING else old)
             # The record stays in its owner's list: drop what would make cycles with it.
-            self._rec = self._prev = self._token = self._timing = None
+            self._rec = self._token = self._timing = None
         elif self._span is not None:
             self._exit_standalone(exc)
         return False

@@ -364,11 +364,14 @@ async def test_a_served_batch_leaves_no_reference_cycle(encoding):
     sooner and scan every request in flight (docs/overhead.md)."""
     import gc
 
+    from inferprof.batching.hooks import _NOTHING
     from inferprof.instrumentation.records import BatchRecord, RequestRecord, StageRecord
 
-    def alive():
+    def alive():  # (the shared handle of requests that record nothing lives forever)
         return [
-            o for o in gc.get_objects() if isinstance(o, (BatchRecord, RequestRecord, StageRecord))
+            o
+            for o in gc.get_objects()
+            if isinstance(o, (BatchRecord, RequestRecord, StageRecord)) and o is not _NOTHING
         ]
 
     def fn(xs):

@@ -292,3 +292,61 @@ async def test_batched_service_end_to_end(cap):
     for r in cap.requests():
         kids = {k.attributes[semconv.ATTR_STAGE] for k in children_of(spans, r)}
         assert kids == {"receive", "queue", "batch_assembly", "compute", "serialize"}
+
+
+async def test_production_mode_builds_http_stages_and_attributes_only_for_kept_requests():
+    """In production mode the middleware keeps `receive`/`serialize` and the HTTP
+    attributes as plain values and makes them only for a kept trace: a kept (slow) request
+    still carries all of them, a 5xx its error status; a request not kept emits nothing."""
+    app = FastAPI()
+    delay = {"s": 0.0}
+
+    @app.post("/v1/run/{model}")
+    async def run(model: str, body: dict):
+        await asyncio.sleep(delay["s"])
+        with inferprof.stage("tokenize"):
+            n = len(body["prompt"].split())
+        if body.get("fail"):
+            raise HTTPException(status_code=503, detail="overloaded")
+        return {"n": n}
+
+    inferprof.fastapi.instrument(app, model_name="llm")
+    with captured(mode="production", sample_rate=0.001, tail_quantile=0.9) as cap:
+        rt = inferprof._config.active_runtime()
+        async with client(app) as c:
+            # past the tail sampler's warm-up (which keeps every trace)
+            for _ in range(rt.tail_sampler._warmup):
+                await c.post("/v1/run/m", json={"prompt": "a"})
+            cap.clear()
+            kept_before, discarded_before = rt.stats.kept, rt.stats.discarded
+            for _ in range(20):
+                await c.post("/v1/run/m", json={"prompt": "a"})
+            fast = cap.requests()
+            fast_kept = rt.stats.kept - kept_before
+            fast_discarded = rt.stats.discarded - discarded_before
+            kept_before = rt.stats.kept
+            delay["s"] = 0.05  # far above the running p90: kept
+            body = b'{"prompt": "a b c", "fail": true}'
+            r = await c.post("/v1/run/m", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 503
+    # the fast requests not kept (all but those at the running p90) left no span at all
+    assert fast_discarded >= 10 and fast_kept + fast_discarded == 20
+    assert len(fast) == fast_kept and len(cap.stages("receive")) == fast_kept + 1
+    assert rt.stats.kept == kept_before + 1
+    slow = [s for s in cap.requests() if s.end_time - s.start_time >= 50_000_000]
+    assert len(slow) == 1
+    (request,) = slow
+    assert request.name == "POST /v1/run/{model}"
+    assert request.attributes["http.route"] == "/v1/run/{model}"
+    assert request.attributes["http.response.status_code"] == 503
+    assert request.attributes[semconv.ATTR_MODEL_NAME] == "llm"
+    assert request.status.status_code is StatusCode.ERROR
+    assert semconv.ATTR_SAMPLE_WEIGHT not in request.attributes  # tail-kept: weight 1
+    kids = {k.attributes[semconv.ATTR_STAGE]: k for k in children_of(cap.spans(), request)}
+    assert set(kids) == {"receive", "tokenize", "serialize"}
+    assert kids["receive"].attributes[semconv.ATTR_BYTES] == len(body)
+    assert kids["serialize"].attributes[semconv.ATTR_BYTES] == len(r.content)
+    assert request.start_time <= kids["receive"].start_time <= kids["receive"].end_time
+    assert kids["receive"].end_time <= kids["tokenize"].start_time
+    assert kids["tokenize"].end_time <= kids["serialize"].start_time
+    assert kids["serialize"].end_time <= request.end_time
