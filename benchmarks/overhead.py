@@ -248,6 +248,8 @@ def measure(service: ServiceProcess, duration: float, concurrency: int, seed: in
         # the garbage collector's runs per 1 000 requests, by generation
         "gc_per_kreq": [(b - a) / n * 1000 for a, b in
                         zip(h0.get("gc_collections", ()), h1.get("gc_collections", ()))],
+        # ... and the time it ran, µs per request, all generations
+        "gc_us_per_req": (sum(h1.get("gc_seconds", ())) - sum(h0.get("gc_seconds", ()))) / n * 1e6,
         "thread_us_per_req": {
             name: (cpu_s - h0.get("thread_cpu_s", {}).get(name, 0.0)) / n * 1e6
             for name, cpu_s in h1.get("thread_cpu_s", {}).items()
@@ -397,18 +399,20 @@ def thread_table(cfgs: list[Config]) -> list[str]:
     lines = [
         "Service CPU per request by thread (µs, median over rounds; `native`: threads Python "
         "did not start, such as gRPC's), and the garbage collector's runs per 1 000 requests "
-        "by generation (median over rounds):",
+        "by generation and the time it ran per request, all threads (median over rounds):",
         "",
-        "| config | " + " | ".join(shown) + " | GC runs / 1 000 req (gen 0 / 1 / 2) |",
-        "|---|" + "---:|" * len(shown) + "---:|",
+        "| config | " + " | ".join(shown)
+        + " | GC runs / 1 000 req (gen 0 / 1 / 2) | GC µs / req |",
+        "|---|" + "---:|" * len(shown) + "---:|---:|",
     ]
     for c in cfgs:
         cells = [med([r.get("thread_us_per_req", {}).get(n, 0.0) for r in c.runs])
                  for n in shown]
         gc_runs = [med([r["gc_per_kreq"][g] for r in c.runs if len(r.get("gc_per_kreq", ())) > g])
                    for g in range(3)]
+        gc_us = med([r.get("gc_us_per_req", float("nan")) for r in c.runs])
         lines.append(f"| ({c.key}) {c.label} | " + " | ".join(f"{v:.1f}" for v in cells)
-                     + " | " + " / ".join(f"{v:.2f}" for v in gc_runs) + " |")
+                     + " | " + " / ".join(f"{v:.2f}" for v in gc_runs) + f" | {gc_us:.1f} |")
     return lines
 
 

@@ -1,11 +1,39 @@
 """What the demo's ``/healthz`` reports of its own process for the overhead benchmark:
-minor page faults and CPU per thread (which thread pays for what)."""
+minor page faults, CPU per thread (which thread pays for what) and the time the garbage
+collector ran."""
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import threading
+import time
+
+
+class GcClock:
+    """Seconds the garbage collector has run, by generation, timed from ``gc.callbacks``
+    (two ``perf_counter()`` calls per collection; the collector holds the GIL throughout,
+    so this is the collector's own time unless the OS preempts the process mid-run)."""
+
+    def __init__(self) -> None:
+        self.seconds = [0.0, 0.0, 0.0]
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds[info["generation"]] += time.perf_counter() - self._start
+
+    def install(self) -> GcClock:
+        if self not in gc.callbacks:
+            gc.callbacks.append(self)
+        return self
+
+    def uninstall(self) -> None:
+        if self in gc.callbacks:
+            gc.callbacks.remove(self)
 
 
 def thread_cpu_seconds() -> dict[str, float]:

@@ -59,14 +59,18 @@ def create_app(settings: DemoSettings | None = None, **overrides: Any) -> Any:
     class ClassifyRequest(pydantic.BaseModel):
         text: str = pydantic.Field(min_length=1, max_length=MAX_TEXT_CHARS)
 
+    gc_clock = host.GcClock()
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Any) -> AsyncIterator[None]:
         if settings.gc_freeze:
             gc.collect()
             gc.freeze()  # see DemoSettings.gc_freeze
+        gc_clock.install()
         try:
             yield
         finally:
+            gc_clock.uninstall()
             await batcher.stop()
             telemetry.shutdown()
 
@@ -81,6 +85,7 @@ def create_app(settings: DemoSettings | None = None, **overrides: Any) -> Any:
                 "batches": counts.batches, "batched_requests": counts.requests,
                 "padded_tokens": counts.padded_tokens,
                 "gc_collections": [g["collections"] for g in gc.get_stats()],
+                "gc_seconds": list(gc_clock.seconds),
                 "minor_faults": host.minor_faults(),
                 "thread_cpu_s": host.thread_cpu_seconds(),
                 "telemetry": telemetry.stats()}

@@ -32,3 +32,30 @@ def test_thread_cpu_is_reported_by_thread_name():
     worker.join()
     assert stats.get("spinner", 0.0) >= 0.05  # digits dropped from the name
     assert "MainThread" in stats
+
+
+def test_gc_clock_times_each_collection_by_generation():
+    import gc
+
+    from inferprof.demo.host import GcClock
+
+    clock = GcClock().install()
+    try:
+        junk = []
+        for _ in range(20_000):  # something for a full collection to traverse
+            a, b = [], []
+            a.append(b)
+            b.append(a)
+            junk.append(a)
+        before = list(clock.seconds)
+        gc.collect(2)
+        gc.collect(0)
+    finally:
+        clock.uninstall()
+    assert clock not in gc.callbacks
+    assert clock.seconds[2] > before[2]
+    assert clock.seconds[0] > before[0]
+    after = list(clock.seconds)
+    gc.collect(2)  # no longer counted
+    assert clock.seconds == after
+    del junk

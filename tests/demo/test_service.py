@@ -95,5 +95,6 @@ async def test_start_up_objects_are_frozen_out_of_garbage_collection(freeze):
         gc.unfreeze()  # the test process's collector back as it was
     assert (frozen > 10_000) is freeze  # the tokenizer, model and modules, when frozen
     assert len(health["gc_collections"]) == 3
+    assert len(health["gc_seconds"]) == 3 and min(health["gc_seconds"]) >= 0.0
     assert health["minor_faults"] > 0
     assert health["thread_cpu_s"]["MainThread"] > 0
