@@ -350,3 +350,75 @@ async def test_production_mode_builds_http_stages_and_attributes_only_for_kept_r
     assert kids["receive"].end_time <= kids["tokenize"].start_time
     assert kids["tokenize"].end_time <= kids["serialize"].start_time
     assert kids["serialize"].end_time <= request.end_time
+
+
+def _raw_scope(method, path):
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "headers": [],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
+
+
+async def test_a_chunked_body_is_one_receive_stage_from_first_read_to_last_chunk(cap):
+    async def app(scope, receive, send):
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": body[:3]})
+
+    chunks = [b"abcd", b"efgh", b"ij"]
+
+    async def receive():
+        await asyncio.sleep(0.02)  # the client sends the body in three pieces
+        body = chunks.pop(0)
+        return {"type": "http.request", "body": body, "more_body": bool(chunks)}
+
+    async def send(message):
+        pass
+
+    await inferprof.fastapi.InferprofMiddleware(app)(_raw_scope("POST", "/up"), receive, send)
+    (receive_stage,) = cap.stages("receive")
+    assert receive_stage.attributes[semconv.ATTR_BYTES] == 10
+    assert receive_stage.end_time - receive_stage.start_time >= 40_000_000  # 3 reads, 20 ms
+    (serialize,) = cap.stages("serialize")
+    assert serialize.attributes[semconv.ATTR_BYTES] == 3
+    assert receive_stage.end_time <= serialize.start_time
+
+
+async def test_a_body_cut_short_and_a_response_failing_midway_still_end_their_stages(cap):
+    async def app(scope, receive, send):
+        await receive()  # the first chunk; the client then goes away
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"part", "more_body": True})
+        raise RuntimeError("stream broke")
+
+    async def receive():
+        return {"type": "http.request", "body": b"12345", "more_body": True}
+
+    async def send(message):
+        pass
+
+    with pytest.raises(RuntimeError):
+        await inferprof.fastapi.InferprofMiddleware(app)(_raw_scope("POST", "/up"), receive, send)
+    (request,) = cap.requests()
+    (receive_stage,) = cap.stages("receive")
+    (serialize,) = cap.stages("serialize")
+    assert receive_stage.attributes[semconv.ATTR_BYTES] == 5
+    assert serialize.attributes[semconv.ATTR_BYTES] == 4
+    assert receive_stage.end_time <= request.end_time and serialize.end_time <= request.end_time
+    assert receive_stage.end_time >= receive_stage.start_time > 0
+    assert serialize.end_time >= serialize.start_time > 0
+    assert request.status.status_code is StatusCode.ERROR
