@@ -127,3 +127,49 @@ async def test_healthz_reports_batches_and_batched_requests(instrumentation, unc
     assert 2 <= after["batches"] <= 6  # batches of at most 4
     if instrumentation == "none":
         assert after["telemetry"] is None
+
+
+async def _resumed_before_next_batch(make) -> list[int]:
+    """For each batch, how many requests of earlier batches had resumed (their ``await
+    submit`` returned and their first step ran) when its function started. Each resumed
+    request then blocks the loop for 10 ms, as a response's post-processing would."""
+    import time
+
+    resumed = 0
+    seen: list[int] = []
+
+    def fn(batch):
+        seen.append(resumed)
+        return list(batch)
+
+    async def one(i):
+        nonlocal resumed
+        out = await b.submit(i)
+        resumed += 1
+        time.sleep(0.01)
+        return out
+
+    b = make(fn)
+    try:
+        assert await asyncio.gather(*(one(i) for i in range(6))) == list(range(6))
+    finally:
+        await b.stop()
+    return seen
+
+
+async def test_plain_batcher_hands_results_back_before_the_next_batch_like_dynamic_batcher(
+    unconfigured,
+):
+    """The order of work on a core shared with the model must match too: DynamicBatcher
+    delivers a batch's results, lets its requests run their next step, and only then
+    forms the next batch. A baseline that started the next batch first would overlap the
+    model with the responses' post-processing, a different load on one core (measured on
+    a slow VM: 77-93 µs more event-loop CPU per request, docs/overhead.md)."""
+    dynamic = await _resumed_before_next_batch(
+        lambda fn: inferprof.DynamicBatcher(fn, max_batch_size=2, max_delay_ms=50)
+    )
+    plain = await _resumed_before_next_batch(
+        lambda fn: PlainBatcher(fn, max_batch_size=2, max_delay_ms=50)
+    )
+    assert dynamic == [0, 2, 4]
+    assert plain == dynamic
