@@ -17,8 +17,8 @@ import functools
 import inspect
 import logging
 import time
-from contextvars import Token
 from collections.abc import Callable, Mapping
+from contextvars import Token
 from typing import Any
 
 from opentelemetry import context as context_api
