@@ -67,7 +67,6 @@ class PlainBatcher:
         if self._worker is None:
             self._loop = asyncio.get_running_loop()
             self._wakeup = asyncio.Event()
-            self._slot = asyncio.Semaphore(1)
             self._worker = self._loop.create_task(self._run())
         assert self._loop is not None and self._wakeup is not None
         entry = _Entry(item, self._loop.create_future())

@@ -28,7 +28,15 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from inferprof import semconv
 from inferprof._config import active_runtime
-from inferprof.instrumentation.records import SCOPE, RequestRecord, RequestSpan, StageRecord
+from inferprof.instrumentation.records import (
+    SCOPE,
+    RequestRecord,
+    RequestSpan,
+    StageRecord,
+    attach_span,
+    current_otel_context,
+    detach_context,
+)
 
 _logger = logging.getLogger(__name__)
 _time_ns = time.time_ns
@@ -278,7 +286,7 @@ def begin_request(
     current OpenTelemetry context, when the caller has it already; ``cls``: the record's
     class (a subclass holding the caller's own per-request state)."""
     if context is None:
-        context = context_api.get_current()
+        context = current_otel_context()
     # An empty context (the usual case in a server) has no span: skip the lookups.
     current = trace_api.get_current_span(context) if context else None
     live = _live_server_span(current) if current is not None else None
@@ -341,12 +349,10 @@ class RequestScope:
                     propagate.extract(self.carrier)
                 ).get_span_context()
                 parent = parent if parent.is_valid else None
-            context = context_api.get_current()
+            context = current_otel_context()
             rec = begin_request(rt, self.name, self.kind, dict(self.attrs), parent, None, context)
             if rec.live_span is None:
-                self._otel_token = context_api.attach(
-                    trace_api.set_span_in_context(RequestSpan(rec), context)
-                )
+                self._otel_token = attach_span(RequestSpan(rec), context)
         except Exception:
             _logger.exception("inferprof could not open a request")
             return None
@@ -367,10 +373,7 @@ class RequestScope:
         except ValueError:
             SCOPE.set(None)
         if self._otel_token is not None:
-            try:
-                context_api.detach(self._otel_token)
-            except Exception:
-                pass
+            detach_context(self._otel_token)
         self._rt.finish_request(rec)
         return False
 
