@@ -316,7 +316,8 @@ def table(cfgs: list[Config], args: argparse.Namespace, sink_spans: int, pinned:
          f"interleaved rounds x {args.duration:g} s per configuration. {os.cpu_count()} "
          f"CPU(s), {'service pinned to CPU 0, client to CPU 1' if pinned else 'not pinned'}; "
          f"Python {sys.version.split()[0]}; services "
-         f"{'without' if args.no_gc_freeze else 'with'} gc.freeze() after start-up. "
+         f"{'without' if args.no_gc_freeze else 'with'} gc.freeze() after start-up, "
+         f"young-GC threshold {args.gc_threshold or 'left at 700'}. "
          f"`x (a)`: throughput and CPU, the median over rounds of the per-round ratio to "
          f"(a); p50 and p99, the ratio of the quantiles of all rounds' latencies pooled. `[lo, hi]`: 90% bootstrap interval over rounds. "
          f"(a2), a second uninstrumented process, shows the noise floor."),
@@ -444,6 +445,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-pin", action="store_true", help="do not pin CPUs")
     parser.add_argument("--no-gc-freeze", action="store_true",
                         help="services do not gc.freeze() after start-up (see docs/overhead.md)")
+    parser.add_argument("--gc-threshold", type=int, default=DemoSettings().gc_threshold,
+                        help="young-generation GC threshold every service sets after "
+                             "start-up (default %(default)s; 0 leaves CPython's 700; see "
+                             "docs/overhead.md)")
     parser.add_argument("--same-processes", action="store_true",
                         help="start each service once and keep it for every round (faster; "
                              "process-to-process differences then stay in the ratios)")
@@ -470,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
                 instrumentation=c.instrumentation, model_size=args.model_size,
                 max_batch_size=args.max_batch_size, endpoint=endpoint,
                 service_name=f"overhead-{c.instrumentation}",
-                gc_freeze=not args.no_gc_freeze,
+                gc_freeze=not args.no_gc_freeze, gc_threshold=args.gc_threshold,
             )
             # Nothing but the endpoint we chose: no OTLP env from the caller's shell.
             extra = {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint or down}
@@ -481,6 +486,10 @@ def main(argv: list[str] | None = None) -> int:
                 c.service = stack.enter_context(ServiceProcess(settings, extra_env=extra))
             finally:
                 _pin(client_cpu)
+            young = health(c.service.base_url)["gc_threshold"][0]
+            if args.gc_threshold and young != args.gc_threshold:
+                raise SystemExit(f"({c.key}) runs with young-GC threshold {young}, "
+                                 f"not {args.gc_threshold}")
 
         def warm(c: Config) -> None:
             assert c.service is not None

@@ -25,6 +25,7 @@ from inferprof.demo.service import CLASSIFY_PATH, HEALTH_PATH
 from inferprof.demo.settings import (
     ENV_ENDPOINT,
     ENV_GC_FREEZE,
+    ENV_GC_THRESHOLD,
     ENV_INSTRUMENTATION,
     ENV_MAX_BATCH_SIZE,
     ENV_MAX_DELAY_MS,
@@ -52,6 +53,7 @@ def settings_env(settings: DemoSettings) -> dict[str, str]:
         ENV_SERVICE_NAME: settings.service_name,
         ENV_MAX_TOKENS: str(settings.max_tokens),
         ENV_GC_FREEZE: "1" if settings.gc_freeze else "0",
+        ENV_GC_THRESHOLD: str(settings.gc_threshold),
     }
     if settings.endpoint:
         env[ENV_ENDPOINT] = settings.endpoint

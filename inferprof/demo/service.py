@@ -66,11 +66,15 @@ def create_app(settings: DemoSettings | None = None, **overrides: Any) -> Any:
         if settings.gc_freeze:
             gc.collect()
             gc.freeze()  # see DemoSettings.gc_freeze
+        thresholds = gc.get_threshold()
+        if settings.gc_threshold:
+            gc.set_threshold(settings.gc_threshold, *thresholds[1:])  # see DemoSettings
         gc_clock.install()
         try:
             yield
         finally:
             gc_clock.uninstall()
+            gc.set_threshold(*thresholds)
             await batcher.stop()
             telemetry.shutdown()
 
@@ -85,6 +89,7 @@ def create_app(settings: DemoSettings | None = None, **overrides: Any) -> Any:
                 "batches": counts.batches, "batched_requests": counts.requests,
                 "padded_tokens": counts.padded_tokens,
                 "gc_collections": [g["collections"] for g in gc.get_stats()],
+                "gc_threshold": list(gc.get_threshold()),
                 "gc_seconds": list(gc_clock.seconds),
                 "minor_faults": host.minor_faults(),
                 "thread_cpu_s": host.thread_cpu_seconds(),

@@ -32,12 +32,15 @@ ENV_MAX_TOKENS = "INFERPROF_DEMO_MAX_TOKENS"
 ENV_SERVICE_NAME = "INFERPROF_DEMO_SERVICE_NAME"
 ENV_ENDPOINT = "INFERPROF_DEMO_OTLP_ENDPOINT"
 ENV_GC_FREEZE = "INFERPROF_DEMO_GC_FREEZE"
+ENV_GC_THRESHOLD = "INFERPROF_DEMO_GC_THRESHOLD"
 
 _DEFAULT_INSTRUMENTATION = semconv.MODE_FULL
 _DEFAULT_MAX_BATCH_SIZE = 16
 _DEFAULT_MAX_DELAY_MS = 5.0
 _DEFAULT_MAX_TOKENS = 256
 _DEFAULT_SERVICE_NAME = "inferprof-demo"
+#: CPython's own is 700 (net container allocations between young collections).
+_DEFAULT_GC_THRESHOLD = 7000
 DEFAULT_MODEL_NAME = "demo-topic"
 
 
@@ -59,6 +62,12 @@ class DemoSettings:
     #: again by full garbage collections, which otherwise stall every request in flight
     #: for tens of milliseconds (docs/overhead.md, "Garbage collection and the p99").
     gc_freeze: bool = True
+    #: Young-generation threshold set once started (``gc.set_threshold(n, ...)``, the
+    #: older generations' thresholds unchanged); 0 leaves CPython's (700). At 700 a
+    #: burst of a few dozen requests crosses it once or twice depending on how many
+    #: objects each request allocates, so any per-request allocation doubles the young
+    #: collections (docs/overhead.md, "Young collections and gc.set_threshold").
+    gc_threshold: int = _DEFAULT_GC_THRESHOLD
 
     def __post_init__(self) -> None:
         for name, value in ((f.name, getattr(self, f.name)) for f in fields(self)):
@@ -109,6 +118,11 @@ def _non_negative(v: Any) -> str | None:
     return None if isinstance(v, (int, float)) and v >= 0 else f"must be >= 0, got {v!r}"
 
 
+def _non_negative_int(v: Any) -> str | None:
+    ok = isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    return None if ok else f"must be an integer >= 0, got {v!r}"
+
+
 def _non_empty(v: Any) -> str | None:
     return None if isinstance(v, str) and v else f"must be a non-empty string, got {v!r}"
 
@@ -121,6 +135,7 @@ _CHECKS: dict[str, Callable[[Any], str | None]] = {
     "max_tokens": _positive,
     "service_name": _non_empty,
     "model_name": _non_empty,
+    "gc_threshold": _non_negative_int,
 }
 
 _ENV: tuple[tuple[str, str, Callable[[str], Any]], ...] = (
@@ -132,12 +147,14 @@ _ENV: tuple[tuple[str, str, Callable[[str], Any]], ...] = (
     ("service_name", ENV_SERVICE_NAME, str.strip),
     ("endpoint", ENV_ENDPOINT, str.strip),
     ("gc_freeze", ENV_GC_FREEZE, lambda raw: _flag(raw)),
+    ("gc_threshold", ENV_GC_THRESHOLD, int),
 )
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
     "ENV_ENDPOINT",
     "ENV_GC_FREEZE",
+    "ENV_GC_THRESHOLD",
     "ENV_INSTRUMENTATION",
     "ENV_MAX_BATCH_SIZE",
     "ENV_MAX_DELAY_MS",

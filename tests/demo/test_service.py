@@ -98,3 +98,20 @@ async def test_start_up_objects_are_frozen_out_of_garbage_collection(freeze):
     assert len(health["gc_seconds"]) == 3 and min(health["gc_seconds"]) >= 0.0
     assert health["minor_faults"] > 0
     assert health["thread_cpu_s"]["MainThread"] > 0
+
+
+@pytest.mark.parametrize("threshold", [0, 9000])
+async def test_young_gc_threshold_is_set_while_serving_and_restored_after(threshold):
+    import gc
+
+    before = gc.get_threshold()
+    app = create_app(DemoSettings(instrumentation="none", model_size="tiny", gc_freeze=False,
+                                  gc_threshold=threshold))
+    async with app.router.lifespan_context(app):
+        during = gc.get_threshold()
+        health = (await httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://demo"
+        ).get(HEALTH_PATH)).json()
+    assert during == ((threshold or before[0]), *before[1:])  # 0: CPython's left alone
+    assert health["gc_threshold"] == list(during)
+    assert gc.get_threshold() == before

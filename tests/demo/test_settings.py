@@ -46,9 +46,23 @@ def test_gc_freeze_is_on_by_default_and_env_turns_it_off(caplog):
     assert s.ENV_GC_FREEZE in caplog.text
 
 
+def test_gc_threshold_defaults_to_7000_env_sets_it_and_bad_values_are_refused(caplog):
+    assert DemoSettings().gc_threshold == 7000
+    assert DemoSettings.from_env({s.ENV_GC_THRESHOLD: "0"}).gc_threshold == 0
+    assert DemoSettings.from_env({s.ENV_GC_THRESHOLD: "20000"}).gc_threshold == 20_000
+    with caplog.at_level(logging.WARNING):
+        assert DemoSettings.from_env({s.ENV_GC_THRESHOLD: "-5"}).gc_threshold == 7000
+        assert DemoSettings.from_env({s.ENV_GC_THRESHOLD: "lots"}).gc_threshold == 7000
+    assert caplog.text.count(s.ENV_GC_THRESHOLD) == 2
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="gc_threshold"):
+            DemoSettings(gc_threshold=bad)
+
+
 def test_child_process_env_reproduces_the_settings():
     from inferprof.demo.processes import settings_env
 
     settings = DemoSettings(instrumentation="production", max_tokens=64, gc_freeze=False,
+                            gc_threshold=1234,
                             endpoint="http://127.0.0.1:4317", max_delay_ms=2.0)
     assert DemoSettings.from_env(settings_env(settings)) == settings
