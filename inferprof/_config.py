@@ -58,7 +58,7 @@ _DEFAULT_METRIC_EXPORT_INTERVAL_MS = 15000
 #: Span export every second (the SDK's default is 5 s) unless OTEL_BSP_SCHEDULE_DELAY says
 #: otherwise: the export thread shares the service's CPU, and five seconds of kept traces
 #: built and sent in one go held requests up long enough to show in the p99
-#: (docs/overhead.md, "Export in small steps").
+#: (docs/instrumenting.md, "Export cadence").
 _DEFAULT_SPAN_SCHEDULE_DELAY_MS = 1000
 PROTOCOL_GRPC = "grpc"
 PROTOCOL_HTTP = "http/protobuf"

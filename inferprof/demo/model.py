@@ -80,7 +80,7 @@ def collate(sequences: Sequence[Sequence[int]]) -> Batch:
 #: aligned, else arbitrary) changes how fast the vector loops over it, and it differs
 #: from one process to the next: measured, two processes of the same uninstrumented
 #: service differed by up to 4% CPU per request on this account alone, which swamps the
-#: few percent the overhead benchmark compares (docs/overhead.md, "Same model speed").
+#: few percent the overhead benchmark compares (docs/overhead.md, "Same batching, same model work").
 _WEIGHT_ALIGNMENT = 4096
 
 
