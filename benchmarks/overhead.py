@@ -19,8 +19,10 @@ docs/demo.md) runs under uvicorn on 127.0.0.1, one long-lived process per config
   (e) off         inferprof installed and called everywhere, configured off
   (c') full, exporter down        and        (d') production, exporter down
 
-(b)-(d) export to an OTLP/gRPC sink in this process that counts and drops what it
-receives; (c')/(d') point at a closed port, so every export fails.
+(b)-(d) export to an OTLP sink in this process that counts and drops what it receives:
+(b) over gRPC, as its users run it; inferprof's configurations over OTLP/HTTP, its
+recommended production protocol (``--protocol grpc`` for gRPC). (c')/(d') point at a
+closed port, so every export fails.
 
 How the figures are made precise on a small, shared machine:
 
@@ -63,12 +65,14 @@ The service runs with one BLAS thread (see ``inferprof/demo/processes.py``).
 from __future__ import annotations
 
 import argparse
+import http.server
 import json
 import os
 import socket
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from concurrent import futures
@@ -130,6 +134,9 @@ class NullSink:
                                    handlers=[handler, metrics_handler])
         port = self._server.add_insecure_port("127.0.0.1:0")
         self.endpoint = f"http://127.0.0.1:{port}"
+        self._http = _http_sink(self._payloads)
+        #: OTLP/HTTP (protobuf) base endpoint: ``/v1/traces`` kept, ``/v1/metrics`` answered
+        self.http_endpoint = f"http://127.0.0.1:{self._http.server_address[1]}"
 
     @property
     def spans(self) -> int:
@@ -145,10 +152,36 @@ class NullSink:
 
     def __enter__(self) -> NullSink:  # noqa: PYI034
         self._server.start()
+        threading.Thread(target=self._http.serve_forever, name="sink-http", daemon=True).start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._server.stop(grace=None).wait()
+        self._http.shutdown()
+        self._http.server_close()
+
+
+def _http_sink(payloads: list[bytes]) -> http.server.ThreadingHTTPServer:
+    """OTLP/HTTP receiver on 127.0.0.1:<ephemeral> that keeps ``/v1/traces`` bodies unparsed."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive, as the SDK's requests session expects
+
+        def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+            body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            if self.path == "/v1/traces":
+                payloads.append(body)
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:  # no line per export
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    return server
 
 
 def closed_port_endpoint() -> str:
@@ -317,7 +350,8 @@ def table(cfgs: list[Config], args: argparse.Namespace, sink_spans: int, pinned:
          f"CPU(s), {'service pinned to CPU 0, client to CPU 1' if pinned else 'not pinned'}; "
          f"Python {sys.version.split()[0]}; services "
          f"{'without' if args.no_gc_freeze else 'with'} gc.freeze() after start-up, "
-         f"young-GC threshold {args.gc_threshold or 'left at 700'}. "
+         f"young-GC threshold {args.gc_threshold or 'left at 700'}; inferprof exports "
+         f"OTLP/{'HTTP' if args.protocol == 'http/protobuf' else 'gRPC'}. "
          f"`x (a)`: throughput and CPU, the median over rounds of the per-round ratio to "
          f"(a); p50 and p99, the ratio of the quantiles of all rounds' latencies pooled. `[lo, hi]`: 90% bootstrap interval over rounds. "
          f"(a2), a second uninstrumented process, shows the noise floor."),
@@ -449,6 +483,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="young-generation GC threshold every service sets after "
                              "start-up (default %(default)s; 0 leaves CPython's 700; see "
                              "docs/overhead.md)")
+    parser.add_argument("--protocol", choices=("http/protobuf", "grpc"), default="http/protobuf",
+                        help="OTLP protocol of inferprof's configurations (default "
+                             "http/protobuf, the recommended production setting; see "
+                             "docs/overhead.md. (b) always exports OTLP/gRPC)")
     parser.add_argument("--same-processes", action="store_true",
                         help="start each service once and keep it for every round (faster; "
                              "process-to-process differences then stay in the ratios)")
@@ -470,7 +508,10 @@ def main(argv: list[str] | None = None) -> int:
         down = closed_port_endpoint()
 
         def start(c: Config, stack: ExitStack) -> None:
-            endpoint = {"sink": sink.endpoint, "down": down}.get(c.exporter)
+            http = args.protocol == "http/protobuf" and c.instrumentation not in (
+                INSTRUMENTATION_NONE, INSTRUMENTATION_OTEL)
+            live = sink.http_endpoint if http else sink.endpoint
+            endpoint = {"sink": live, "down": down}.get(c.exporter)
             settings = DemoSettings(
                 instrumentation=c.instrumentation, model_size=args.model_size,
                 max_batch_size=args.max_batch_size, endpoint=endpoint,
@@ -478,7 +519,8 @@ def main(argv: list[str] | None = None) -> int:
                 gc_freeze=not args.no_gc_freeze, gc_threshold=args.gc_threshold,
             )
             # Nothing but the endpoint we chose: no OTLP env from the caller's shell.
-            extra = {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint or down}
+            extra = {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint or down,
+                     "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf" if http else "grpc"}
             # The child (and every thread it ever starts) inherits the affinity it is
             # started with, so the service is pinned from its first instruction.
             _pin(server_cpu)

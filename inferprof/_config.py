@@ -319,6 +319,29 @@ def _http_signal_endpoint(endpoint: str | None, path: str) -> str | None:
     return endpoint
 
 
+#: The well-known OTLP ports (the OpenTelemetry Collector's and `inferprof collect`'s).
+_OTLP_PORTS = {4317: PROTOCOL_GRPC, 4318: PROTOCOL_HTTP}
+
+
+def protocol_port_mismatch(endpoint: str | None, protocol: str) -> str | None:
+    """Why ``endpoint`` looks wrong for ``protocol`` (OTLP/HTTP to 4317, gRPC to 4318), or None."""
+    if not endpoint:
+        return None
+    from urllib.parse import urlsplit
+
+    try:
+        port = urlsplit(endpoint).port
+    except ValueError:
+        return None
+    expected = _OTLP_PORTS.get(port)  # type: ignore[arg-type]
+    if expected is None or expected == protocol:
+        return None
+    return (f"OTLP endpoint {endpoint} is on port {port}, the {expected} port, but the "
+            f"protocol is {protocol}: exports will fail unless that receiver speaks "
+            f"{protocol}. Set protocol= (or OTEL_EXPORTER_OTLP_PROTOCOL) to {expected}, or "
+            f"use port {4318 if protocol == PROTOCOL_HTTP else 4317}")
+
+
 def _span_exporter(config: Config):
     # The SDK's exporters with inferprof's wire encoder (same bytes, a quarter of the CPU
     # per span; see inferprof/instrumentation/otlp_encode.py and docs/overhead.md).
@@ -423,6 +446,9 @@ def configure(
 
         stats = Stats()
         tp = TracerProvider(resource=resource)
+        mismatch = span_exporter is None and protocol_port_mismatch(config.endpoint, config.protocol)
+        if mismatch:
+            _logger.warning("%s", mismatch)
         exporter = span_exporter if span_exporter is not None else _span_exporter(config)
         counted = CountingSpanExporter(exporter, stats)
         delay = None if _env("OTEL_BSP_SCHEDULE_DELAY") else _DEFAULT_SPAN_SCHEDULE_DELAY_MS

@@ -282,3 +282,25 @@ def test_configure_installs_global_providers_once_and_reconfigures_cleanly():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "OK" in out.stdout
+
+
+@pytest.mark.parametrize(("endpoint", "protocol", "expected"), [
+    ("http://collector:4317", "http/protobuf", "grpc"),
+    ("http://collector:4318", "grpc", "http/protobuf"),
+])
+def test_an_endpoint_on_the_other_protocols_port_is_warned_about(endpoint, protocol, expected,
+                                                                 caplog):
+    with caplog.at_level(logging.WARNING, logger="inferprof"):
+        inferprof.configure(service_name="svc", endpoint=endpoint, protocol=protocol,
+                            set_global=False, metric_readers=[InMemoryMetricReader()])
+    inferprof.shutdown()
+    warned = [r.getMessage() for r in caplog.records if "port" in r.getMessage()]
+    assert len(warned) == 1 and endpoint in warned[0] and f"to {expected}" in warned[0]
+
+
+@pytest.mark.parametrize(("endpoint", "protocol"), [
+    ("http://collector:4317", "grpc"), ("http://collector:4318/v1/traces", "http/protobuf"),
+    ("http://collector:9000", "http/protobuf"), (None, "grpc"),
+])
+def test_matching_or_unknown_ports_are_not_warned_about(endpoint, protocol):
+    assert _config.protocol_port_mismatch(endpoint, protocol) is None
