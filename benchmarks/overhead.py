@@ -167,7 +167,7 @@ def _http_sink(payloads: list[bytes]) -> http.server.ThreadingHTTPServer:
     class Handler(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive, as the SDK's requests session expects
 
-        def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+        def do_POST(self) -> None:
             body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
             if self.path == "/v1/traces":
                 payloads.append(body)

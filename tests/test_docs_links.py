@@ -10,7 +10,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 _LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
-_FENCE = re.compile(r"^```.*?^```", re.S | re.M)
+_FENCE = re.compile(r"^```.*?^```", re.DOTALL | re.MULTILINE)
 
 
 def slug(heading: str) -> str:
@@ -22,7 +22,7 @@ def slug(heading: str) -> str:
 
 def anchors(page: Path) -> set[str]:
     text = _FENCE.sub("", page.read_text(encoding="utf-8"))
-    return {slug(m.group(1)) for m in re.finditer(r"^#{1,6}\s+(.+?)\s*$", text, re.M)}
+    return {slug(m.group(1)) for m in re.finditer(r"^#{1,6}\s+(.+?)\s*$", text, re.MULTILINE)}
 
 
 def test_slug_follows_github():
