@@ -223,6 +223,7 @@ class InferprofMiddleware:
         ):
             raise ValueError(f"content_max_bytes must be a positive int, got {content_max_bytes!r}")
         self._span_name = span_name
+        self._warned_foreign_span = False
         self._runtime: Runtime | None = None
         #: (runtime, _content_limit_for(runtime)), worked out once per runtime
         self._content_limit: tuple[Runtime, int] | None = None
@@ -302,6 +303,8 @@ class InferprofMiddleware:
         context = current_otel_context()
         if context:  # maybe another instrumentation's server span to enrich
             rec = begin_request(rt, method, _SERVER, attrs, parent, start, context, _HttpRequest)
+            if rec.live_span is not None and rt.production and not self._warned_foreign_span:
+                self._warn_foreign_span(rec.live_span)
         else:  # nothing current (the usual case): straight to a new record
             rec = rt.start_request(method, _SERVER, attrs, parent, start, _HttpRequest)
         rec.recv_start = rec.recv_end = rec.received = 0
@@ -318,6 +321,16 @@ class InferprofMiddleware:
         # traceparent and other instrumentations parent their spans on the request.
         rec._otel_token = attach_span(RequestSpan(rec), context) if rec.live_span is None else None
         return rec
+
+    def _warn_foreign_span(self, span: Any) -> None:
+        self._warned_foreign_span = True
+        scope = getattr(getattr(span, "instrumentation_scope", None), "name", None) or "?"
+        hint = (" Turn FastAPI's own tracing off: inferprof.fastapi.instrument(app) does, or"
+                " FastAPI(telemetry={'tracing': False})." if scope == "fastapi" else "")
+        _logger.warning(
+            "inferprof production mode: the request span is made by another instrumentation "
+            "(%s), so its sampler, not inferprof's tail sampler, decides which traces are "
+            "exported (with the default sampler: all of them).%s", scope, hint)
 
     def _close(self, rt: Runtime, scope: Scope, rec: _HttpRequest) -> None:
         now = _time_ns()
@@ -355,12 +368,37 @@ def split_paths(paths: tuple[str, ...]) -> tuple[frozenset, tuple]:
     )
 
 
-def instrument(app: Any, **options: Any) -> Any:
-    """``inferprof.fastapi.instrument(app, model_name="m")``: add the middleware; returns app."""
+def instrument(app: Any, *, fastapi_tracing: bool = False, **options: Any) -> Any:
+    """``inferprof.fastapi.instrument(app, model_name="m")``: add the middleware; returns app.
+
+    FastAPI releases with built-in telemetry (0.16x, ``fastapi.telemetry``) wrap every
+    request in a SERVER span of their own as soon as a global tracer provider exists,
+    which ``inferprof.configure()`` installs. inferprof would then enrich that span
+    instead of making its own, and in production mode FastAPI's sampler, not inferprof's
+    tail sampler, would decide what is exported. So ``instrument()`` turns FastAPI's
+    request tracing off (its metrics and logs are left as they are); pass
+    ``fastapi_tracing=True`` to keep FastAPI's spans, with inferprof's attributes and
+    stages on them. Options are :class:`InferprofMiddleware`'s.
+    """
     if not hasattr(app, "add_middleware"):
         raise ValueError(f"instrument() needs a Starlette/FastAPI app, got {app!r}")
+    if not isinstance(fastapi_tracing, bool):
+        raise ValueError(f"fastapi_tracing must be a bool, got {fastapi_tracing!r}")
     app.add_middleware(InferprofMiddleware, **options)
+    if not fastapi_tracing:
+        _native_tracing_off(app)
     return app
+
+
+def _native_tracing_off(app: Any) -> None:
+    # FastAPI keeps its telemetry settings in this dict and reads "tracing" per request
+    # (fastapi/telemetry/_asgi.py, NativeTelemetry); older releases have none of it.
+    config = getattr(app, "_telemetry", None)
+    if isinstance(config, dict) and config.get("tracing"):
+        config["tracing"] = False
+        _logger.info("inferprof: FastAPI's own request tracing turned off; inferprof's "
+                     "middleware makes the request span (instrument(app, "
+                     "fastapi_tracing=True) keeps FastAPI's)")
 
 
 __all__ = ["InferprofMiddleware", "instrument"]

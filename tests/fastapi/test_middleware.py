@@ -422,3 +422,62 @@ async def test_a_body_cut_short_and_a_response_failing_midway_still_end_their_st
     assert receive_stage.end_time >= receive_stage.start_time > 0
     assert serialize.end_time >= serialize.start_time > 0
     assert request.status.status_code is StatusCode.ERROR
+
+
+def _app_with_fastapi_tracing(provider, **instrument_options):
+    """An app whose FastAPI traces requests itself (FastAPI >= 0.16x): given a tracer
+    provider, as it would find the global one configure() installs."""
+    app = FastAPI(telemetry={"tracer_provider": provider, "metrics": False, "logs": False})
+
+    @app.post("/v1/run")
+    async def run(body: dict):
+        with inferprof.stage("tokenize"):
+            return {"n": len(body["prompt"].split())}
+
+    inferprof.fastapi.instrument(app, model_name="llm", **instrument_options)
+    return app
+
+
+async def test_instrument_turns_fastapis_own_request_tracing_off_so_production_mode_samples(
+        caplog):
+    import logging
+
+    with captured(mode="production", sample_rate=0.001, tail_quantile=0.9) as cap:
+        app = _app_with_fastapi_tracing(cap.provider)
+        assert app._telemetry["tracing"] is False
+        rt = inferprof._config.active_runtime()
+        with caplog.at_level(logging.WARNING, logger="inferprof"):
+            async with client(app) as c:
+                for _ in range(rt.tail_sampler._warmup + 40):
+                    assert (await c.post("/v1/run", json={"prompt": "a b"})).status_code == 200
+        spans = cap.spans()
+    assert not [s for s in spans if s.instrumentation_scope.name == "fastapi"]
+    requests = [s for s in spans if s.kind is SpanKind.SERVER]
+    assert all(s.instrumentation_scope.name == semconv.INSTRUMENTATION_SCOPE for s in requests)
+    # the warm-up keeps everything; after it, inferprof's tail sampler drops most fast ones
+    assert rt.tail_sampler._warmup <= len(requests) < rt.tail_sampler._warmup + 40
+    assert "another instrumentation" not in caplog.text
+
+
+async def test_fastapi_tracing_kept_on_request_is_enriched_and_production_mode_warns_once(
+        caplog):
+    import logging
+
+    with captured(mode="production", sample_rate=0.001, tail_quantile=0.9) as cap:
+        app = _app_with_fastapi_tracing(cap.provider, fastapi_tracing=True)
+        with caplog.at_level(logging.WARNING, logger="inferprof"):
+            async with client(app) as c:
+                for _ in range(100):
+                    await c.post("/v1/run", json={"prompt": "a b"})
+        servers = [s for s in cap.spans() if s.kind is SpanKind.SERVER]
+    # FastAPI's span is the request span, enriched; its sampler (always on) keeps every one
+    assert len(servers) == 100
+    assert {s.instrumentation_scope.name for s in servers} == {"fastapi"}
+    assert all(s.attributes[semconv.ATTR_MODEL_NAME] == "llm" for s in servers)
+    warnings = [r for r in caplog.records if "another instrumentation" in r.getMessage()]
+    assert len(warnings) == 1 and "FastAPI(telemetry=" in warnings[0].getMessage()
+
+
+def test_instrument_rejects_a_non_bool_fastapi_tracing():
+    with pytest.raises(ValueError, match="fastapi_tracing"):
+        inferprof.fastapi.instrument(FastAPI(), fastapi_tracing="yes")

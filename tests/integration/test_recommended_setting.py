@@ -1,0 +1,102 @@
+"""The recommended production setting end to end, as docs/overhead.md gives it: the example
+service in ``production`` mode exporting OTLP/HTTP into a real ``inferprof collect``, whose
+breakdown then holds every contract stage with weighted counts."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from inferprof import semconv
+from tests.integration.test_collector_cli import _start
+from tests.integration.test_collector_cli import _stop as _stop_collector
+from tests.integration.test_demo_example import _LISTENING
+from tests.integration.test_demo_example import _stop as _stop_service
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+REQUESTS = 400
+
+
+def _start_example(env: dict[str, str]) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "examples.demo_service:app", "--host", "127.0.0.1",
+         "--port", "0"],
+        cwd=ROOT, env={**os.environ, **env}, stderr=subprocess.PIPE, text=True,
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        if not line and proc.poll() is not None:
+            break
+        m = _LISTENING.search(line)
+        if m:
+            return proc, f"http://127.0.0.1:{m.group(1)}"
+    _stop_service(proc)
+    raise AssertionError("the example service did not start")
+
+
+def test_production_mode_over_otlp_http_into_the_collector_gives_every_stage():
+    collector, urls = _start(["--grpc-port", "0", "--http-port", "0", "--api-port", "0",
+                              "--settle-s", "0.1"])
+    try:
+        assert {"OTLP/HTTP", "API"} <= set(urls), collector.stdout
+        service, url = _start_example({
+            "INFERPROF_MODE": "production",
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": urls["OTLP/HTTP"],
+        })
+        try:
+            texts = ["The tide came in over the harbour wall.", "Pruning apple trees in winter.",
+                     "The signal box released the token to the driver."]
+
+            def post(i: int) -> int:
+                body = {"text": " ".join([texts[i % 3]] * (1 + i % 7))}
+                return httpx.post(url + "/v1/classify", json=body, timeout=30).status_code
+
+            with concurrent.futures.ThreadPoolExecutor(8) as pool:
+                codes = list(pool.map(post, range(REQUESTS)))
+            assert codes == [200] * REQUESTS
+        finally:
+            _stop_service(service)  # the lifespan's inferprof.shutdown() flushes the spans
+            errors = service.stderr.read()
+            service.stderr.close()
+        assert not re.search(r"Failed to export|Connection refused", errors), errors
+
+        def breakdown() -> dict | None:
+            r = httpx.get(urls["API"] + "/api/v1/breakdown", params={"service": "demo-classifier"})
+            return r.json() if r.status_code == 200 else None
+
+        deadline = time.monotonic() + 15
+        body = breakdown()
+        while (body is None or not body.get("stages")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+            body = breakdown()
+        assert body is not None, "the collector never heard of the service"
+    finally:
+        code, out = _stop_collector(collector)
+    assert code == 0, out
+
+    stages = {s["stage"]: s for s in body["stages"]}
+    want = {semconv.STAGE_RECEIVE, semconv.STAGE_TOKENIZE, semconv.STAGE_QUEUE,
+            semconv.STAGE_BATCH_ASSEMBLY, semconv.STAGE_H2D, semconv.STAGE_COMPUTE,
+            semconv.STAGE_D2H, semconv.STAGE_POSTPROCESS, semconv.STAGE_SERIALIZE}
+    assert want <= set(stages), want - set(stages)
+    # Only a sample of traces is exported, each with its weight: the weighted request
+    # count estimates all the requests served, not just the kept ones.
+    # The tail sampler keeps every trace of its 64-request warm-up, then ~15%.
+    assert body["traced_requests"] < 0.5 * REQUESTS
+    # Only a sample is exported, each trace with its weight: the weighted request count
+    # estimates every request served, not just the kept ones (5% of fast requests,
+    # weight 20, stand for the rest: a loose bound, the estimate is a random variable).
+    assert 0.4 * REQUESTS < body["requests"] < 2.5 * REQUESTS
+    assert body["requests"] > body["traced_requests"]
