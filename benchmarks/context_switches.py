@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from overhead import NullSink, _pin
 
+from inferprof._config import PROTOCOL_GRPC, PROTOCOL_HTTP
 from inferprof.demo.processes import ServiceProcess, run_loadgen
 from inferprof.demo.settings import DemoSettings
 
@@ -61,7 +62,7 @@ def measure(c: Config, sink: NullSink, args: argparse.Namespace, cpus: tuple) ->
     endpoint = None
     extra = {}
     if c.protocol:
-        endpoint = sink.http_endpoint if c.protocol == "http/protobuf" else sink.endpoint
+        endpoint = sink.http_endpoint if c.protocol == PROTOCOL_HTTP else sink.endpoint
         extra = {"OTEL_EXPORTER_OTLP_PROTOCOL": c.protocol, "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint}
     settings = DemoSettings(instrumentation=c.instrumentation, endpoint=endpoint)
     _pin(cpus[0])  # the service and all its threads inherit CPU 0
@@ -103,8 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     cpus = sorted(os.sched_getaffinity(0))
     pinned = (cpus[0], cpus[1]) if len(cpus) >= 2 else (None, None)
     configs = [Config("uninstrumented", "none"), Config("off", "off"),
-               Config("production, OTLP/gRPC", "production", "grpc"),
-               Config("production, OTLP/HTTP", "production", "http/protobuf")]
+               Config("production, OTLP/gRPC", "production", PROTOCOL_GRPC),
+               Config("production, OTLP/HTTP", "production", PROTOCOL_HTTP)]
     with NullSink() as sink:
         for r in range(args.rounds):
             for c in configs[r % len(configs):] + configs[:r % len(configs)]:

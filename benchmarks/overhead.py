@@ -85,6 +85,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 
 from inferprof import semconv
+from inferprof._config import PROTOCOL_GRPC, PROTOCOL_HTTP
 from inferprof.demo.processes import ServiceProcess, run_loadgen
 from inferprof.demo.service import HEALTH_PATH
 from inferprof.demo.settings import (
@@ -351,7 +352,7 @@ def table(cfgs: list[Config], args: argparse.Namespace, sink_spans: int, pinned:
          f"Python {sys.version.split()[0]}; services "
          f"{'without' if args.no_gc_freeze else 'with'} gc.freeze() after start-up, "
          f"young-GC threshold {args.gc_threshold or 'left at 700'}; inferprof exports "
-         f"OTLP/{'HTTP' if args.protocol == 'http/protobuf' else 'gRPC'}. "
+         f"OTLP/{'HTTP' if args.protocol == PROTOCOL_HTTP else 'gRPC'}. "
          f"`x (a)`: throughput and CPU, the median over rounds of the per-round ratio to "
          f"(a); p50 and p99, the ratio of the quantiles of all rounds' latencies pooled. `[lo, hi]`: 90% bootstrap interval over rounds. "
          f"(a2), a second uninstrumented process, shows the noise floor."),
@@ -483,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="young-generation GC threshold every service sets after "
                              "start-up (default %(default)s; 0 leaves CPython's 700; see "
                              "docs/overhead.md)")
-    parser.add_argument("--protocol", choices=("http/protobuf", "grpc"), default="http/protobuf",
+    parser.add_argument("--protocol", choices=(PROTOCOL_HTTP, PROTOCOL_GRPC), default=PROTOCOL_HTTP,
                         help="OTLP protocol of inferprof's configurations (default "
                              "http/protobuf, the recommended production setting; see "
                              "docs/overhead.md. (b) always exports OTLP/gRPC)")
@@ -508,9 +509,10 @@ def main(argv: list[str] | None = None) -> int:
         down = closed_port_endpoint()
 
         def start(c: Config, stack: ExitStack) -> None:
-            http = args.protocol == "http/protobuf" and c.instrumentation not in (
-                INSTRUMENTATION_NONE, INSTRUMENTATION_OTEL)
-            live = sink.http_endpoint if http else sink.endpoint
+            # inferprof's configurations use --protocol; (b) is the SDK's gRPC exporter
+            protocol = args.protocol if c.instrumentation not in (
+                INSTRUMENTATION_NONE, INSTRUMENTATION_OTEL) else PROTOCOL_GRPC
+            live = sink.http_endpoint if protocol == PROTOCOL_HTTP else sink.endpoint
             endpoint = {"sink": live, "down": down}.get(c.exporter)
             settings = DemoSettings(
                 instrumentation=c.instrumentation, model_size=args.model_size,
@@ -520,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             # Nothing but the endpoint we chose: no OTLP env from the caller's shell.
             extra = {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint or down,
-                     "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf" if http else "grpc"}
+                     "OTEL_EXPORTER_OTLP_PROTOCOL": protocol}
             # The child (and every thread it ever starts) inherits the affinity it is
             # started with, so the service is pinned from its first instruction.
             _pin(server_cpu)
