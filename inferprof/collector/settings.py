@@ -18,6 +18,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from inferprof.collector.sketch import RELATIVE_ACCURACY_MAX, RELATIVE_ACCURACY_MIN
+
 _log = logging.getLogger(__name__)
 
 # --- defaults ------------------------------------------------------------------------
@@ -395,8 +397,13 @@ def _check_field(name: str, value: Any) -> None:
         if not value or not all(_positive(w) for w in value):
             raise ValueError(f"windows_s must be one or more positive numbers, got {value!r}")
     elif name == "relative_accuracy":
-        if not (_positive(value) and value < 1):
-            raise ValueError(f"relative_accuracy must be in (0, 1), got {value!r}")
+        # The sketch's own range: a value it refuses must be refused here, where a bad
+        # setting is a usage error (or, from the environment, replaced by the default).
+        if not (_positive(value) and RELATIVE_ACCURACY_MIN <= value <= RELATIVE_ACCURACY_MAX):
+            raise ValueError(
+                f"relative_accuracy must be in [{RELATIVE_ACCURACY_MIN}, "
+                f"{RELATIVE_ACCURACY_MAX}], got {value!r}"
+            )
     elif name == "auth_token":
         if value is not None and (
             not isinstance(value, str) or not value.strip() or value != value.strip()

@@ -41,6 +41,9 @@ KEY_BITS = 14
 KEY_MASK = (1 << KEY_BITS) - 1
 #: Smallest and largest value bucketed (seconds); smaller positives are clamped to
 #: MIN_VALUE (1 ns is the resolution of span timestamps), larger to MAX_VALUE.
+#: The relative accuracies :class:`KeyMapping` takes (its docstring says why).
+RELATIVE_ACCURACY_MIN = 0.0015
+RELATIVE_ACCURACY_MAX = 0.05
 MIN_VALUE = 1e-9
 MAX_VALUE = 1e6
 #: Relative tolerance on ``q * W`` so that the sketch and the exact reference agree on
@@ -58,10 +61,11 @@ class KeyMapping:
 
     def __init__(self, relative_accuracy: float = 0.005) -> None:
         if not isinstance(relative_accuracy, (int, float)) or not (
-            0.0015 <= relative_accuracy <= 0.05
+            RELATIVE_ACCURACY_MIN <= relative_accuracy <= RELATIVE_ACCURACY_MAX
         ):
             raise ValueError(
-                f"relative_accuracy must be in [0.0015, 0.05], got {relative_accuracy!r}"
+                f"relative_accuracy must be in [{RELATIVE_ACCURACY_MIN}, "
+                f"{RELATIVE_ACCURACY_MAX}], got {relative_accuracy!r}"
             )
         ddsketch_mapping = require("ddsketch.mapping", "collector")
         self._mapping = ddsketch_mapping.LogarithmicMapping(relative_accuracy)

@@ -63,6 +63,7 @@ def test_list_valued_environment_variables():
         (st.ENV_SETTLE_S, "nan", "settle_s"),
         (st.ENV_FORWARD, "ftp://x", "forward"),
         (st.ENV_WINDOWS_S, "60,-1", "windows_s"),
+        (st.ENV_RELATIVE_ACCURACY, "0.2", "relative_accuracy"),
     ],
 )
 def test_bad_environment_values_are_logged_and_defaulted(caplog, var, raw, field):
@@ -104,6 +105,9 @@ def test_bad_file_values_are_logged_and_skipped_but_an_unreadable_file_is_an_err
         {"retry_after_s": 0},
         {"windows_s": ()},
         {"relative_accuracy": 1.5},
+        # outside the sketch's range: the engine would refuse it at start-up
+        {"relative_accuracy": 0.1},
+        {"relative_accuracy": 0.001},
         {"auth_token": " padded "},
         {"tls_cert": "/c.pem"},
         {"forward": ("tempo:4317",)},

@@ -115,13 +115,22 @@ def test_collect_fails_clearly_when_a_port_is_taken():
     assert "cannot start the collector" in proc.stderr
 
 
-def test_collect_rejects_bad_flags_with_a_usage_error():
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--forward", "tempo:4317"], "forward"),
+        # in (0, 1) but outside the sketch's range: once a traceback at start-up
+        (["--relative-accuracy", "0.1"], "relative_accuracy must be in [0.0015, 0.05]"),
+    ],
+)
+def test_collect_rejects_bad_flags_with_a_usage_error(flags, named):
     proc = subprocess.run(
-        [*CLI, "collect", "--forward", "tempo:4317"],
+        [*CLI, "collect", "--grpc-port", "0", "--http-port", "0", "--api-port", "0", *flags],
         check=False,
         capture_output=True,
         text=True,
         timeout=30,
     )
     assert proc.returncode == 2
-    assert "forward" in proc.stderr
+    assert named in proc.stderr
+    assert "Traceback" not in proc.stderr
