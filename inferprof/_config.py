@@ -44,6 +44,9 @@ ENV_OTEL_SERVICE_NAME = "OTEL_SERVICE_NAME"
 ENV_OTEL_EXPORTER_OTLP_ENDPOINT = "OTEL_EXPORTER_OTLP_ENDPOINT"
 ENV_OTEL_EXPORTER_OTLP_PROTOCOL = "OTEL_EXPORTER_OTLP_PROTOCOL"
 ENV_OTEL_EXPORTER_OTLP_TRACES_PROTOCOL = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
+ENV_OTEL_EXPORTER_OTLP_METRICS_PROTOCOL = "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL"
+ENV_OTEL_EXPORTER_OTLP_TRACES_ENDPOINT = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
+ENV_OTEL_EXPORTER_OTLP_METRICS_ENDPOINT = "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"
 
 # --- defaults -----------------------------------------------------------------------------
 
@@ -84,6 +87,15 @@ class Config:
     excluded_paths: tuple[str, ...]
     #: True when inferprof created the providers (``shutdown()`` then shuts them down).
     owns_providers: bool
+    #: OpenTelemetry's per-signal settings, which beat the generic ones (and ``endpoint``
+    #: taken from the environment): ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` and
+    #: ``..._METRICS_ENDPOINT``, full URLs used as given (no ``/v1/...`` appended); None
+    #: when unset or when ``configure(endpoint=...)`` names one endpoint for both signals.
+    traces_endpoint: str | None = None
+    metrics_endpoint: str | None = None
+    #: the metrics exporter's protocol (``OTEL_EXPORTER_OTLP_METRICS_PROTOCOL``); None:
+    #: ``protocol``'s.
+    metrics_protocol: str | None = None
 
     @property
     def enabled(self) -> bool:
@@ -271,6 +283,13 @@ def _resolve(
         if _env(ENV_OTEL_EXPORTER_OTLP_TRACES_PROTOCOL)
         else ENV_OTEL_EXPORTER_OTLP_PROTOCOL
     )
+    metrics_protocol = None
+    if protocol is None and _env(ENV_OTEL_EXPORTER_OTLP_METRICS_PROTOCOL):
+        metrics_protocol = _choice(None, ENV_OTEL_EXPORTER_OTLP_METRICS_PROTOCOL, PROTOCOLS,
+                                   _DEFAULT_PROTOCOL, "protocol")
+    # configure(endpoint=...) names one endpoint for both signals; otherwise a signal's
+    # own variable wins over OTEL_EXPORTER_OTLP_ENDPOINT (OpenTelemetry's rule).
+    signal_endpoint = None if endpoint is not None else _url_env
     return Config(
         mode=resolved_mode,
         service_name=service_name or _env(ENV_OTEL_SERVICE_NAME),
@@ -292,7 +311,21 @@ def _resolve(
         ),
         excluded_paths=excluded_paths_setting(excluded_paths),
         owns_providers=owns,
+        traces_endpoint=signal_endpoint and signal_endpoint(ENV_OTEL_EXPORTER_OTLP_TRACES_ENDPOINT),
+        metrics_endpoint=signal_endpoint
+        and signal_endpoint(ENV_OTEL_EXPORTER_OTLP_METRICS_ENDPOINT),
+        metrics_protocol=metrics_protocol,
     )
+
+
+def _url_env(name: str) -> str | None:
+    """A URL-valued variable; anything without a scheme is logged and ignored."""
+    value = _env(name)
+    if value and "://" not in value:
+        _logger.warning("ignoring %s=%r: not a URL such as http://127.0.0.1:4318/v1/traces",
+                        name, value)
+        return None
+    return value or None
 
 
 def _resource(service_name: str | None, extra: Mapping[str, Any] | None):
@@ -342,24 +375,44 @@ def protocol_port_mismatch(endpoint: str | None, protocol: str) -> str | None:
             f"use port {4318 if protocol == PROTOCOL_HTTP else 4317}")
 
 
+def traces_endpoint(config: Config) -> str | None:
+    """The URL the span exporter sends to (None: the exporter's default)."""
+    if config.traces_endpoint:
+        return config.traces_endpoint
+    if config.protocol == PROTOCOL_HTTP:
+        return _http_signal_endpoint(config.endpoint, "/v1/traces")
+    return config.endpoint
+
+
+def metrics_endpoint(config: Config) -> tuple[str, str | None]:
+    """The metrics exporter's protocol and URL (None: the exporter's default)."""
+    protocol = config.metrics_protocol or config.protocol
+    if config.metrics_endpoint:
+        return protocol, config.metrics_endpoint
+    if protocol == PROTOCOL_HTTP:
+        return protocol, _http_signal_endpoint(config.endpoint, "/v1/metrics")
+    return protocol, config.endpoint
+
+
 def _span_exporter(config: Config):
     # The SDK's exporters with inferprof's wire encoder (same bytes, a quarter of the CPU
     # per span; see inferprof/instrumentation/otlp_encode.py and docs/overhead.md).
     from inferprof.instrumentation.otlp_encode import grpc_span_exporter, http_span_exporter
 
     if config.protocol == PROTOCOL_HTTP:
-        return http_span_exporter(endpoint=_http_signal_endpoint(config.endpoint, "/v1/traces"))
-    return grpc_span_exporter(endpoint=config.endpoint)
+        return http_span_exporter(endpoint=traces_endpoint(config))
+    return grpc_span_exporter(endpoint=traces_endpoint(config))
 
 
 def _metric_exporter(config: Config):
-    if config.protocol == PROTOCOL_HTTP:
+    protocol, endpoint = metrics_endpoint(config)
+    if protocol == PROTOCOL_HTTP:
         from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 
-        return OTLPMetricExporter(endpoint=_http_signal_endpoint(config.endpoint, "/v1/metrics"))
+        return OTLPMetricExporter(endpoint=endpoint)
     from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
 
-    return OTLPMetricExporter(endpoint=config.endpoint)
+    return OTLPMetricExporter(endpoint=endpoint)
 
 
 def configure(
@@ -446,7 +499,8 @@ def configure(
 
         stats = Stats()
         tp = TracerProvider(resource=resource)
-        mismatch = span_exporter is None and protocol_port_mismatch(config.endpoint, config.protocol)
+        mismatch = span_exporter is None and protocol_port_mismatch(
+            config.traces_endpoint or config.endpoint, config.protocol)
         if mismatch:
             _logger.warning("%s", mismatch)
         exporter = span_exporter if span_exporter is not None else _span_exporter(config)

@@ -121,10 +121,12 @@ def test_configure_exports_otlp_grpc_with_resource(otlp_sink, monkeypatch):
 
 class _OtlpHttpHandler(http.server.BaseHTTPRequestHandler):
     received: list = []
+    paths: list = []
     status = 200
 
     def do_POST(self):  # noqa: N802
         body = self.rfile.read(int(self.headers["Content-Length"]))
+        self.paths.append(self.path)
         if self.status != 200:
             self.send_response(self.status)
             self.end_headers()
@@ -182,6 +184,50 @@ def test_configure_exports_otlp_http_protobuf(monkeypatch):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_signal_specific_otlp_variables_beat_the_generic_ones(monkeypatch):
+    # OpenTelemetry's rule: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / ..._METRICS_ENDPOINT (full
+    # URLs, used as given) and ..._METRICS_PROTOCOL win over OTEL_EXPORTER_OTLP_ENDPOINT and
+    # OTEL_EXPORTER_OTLP_PROTOCOL. The generic endpoint here is a closed port: whatever
+    # reached the live receiver came through the per-signal variables.
+    _OtlpHttpHandler.received, _OtlpHttpHandler.paths = [], []
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _OtlpHttpHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    live = f"http://127.0.0.1:{server.server_port}"
+    try:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", f"{live}/v1/traces")
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "http/protobuf")
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", f"{live}/custom/metrics")
+        config = inferprof.configure(service_name="svc", set_global=False)
+        assert config.endpoint == "http://127.0.0.1:9"
+        assert _config.traces_endpoint(config) == f"{live}/v1/traces"
+        assert _config.metrics_endpoint(config) == ("http/protobuf", f"{live}/custom/metrics")
+        with inferprof.request():
+            with inferprof.stage("tokenize"):
+                pass
+        inferprof.shutdown()  # flushes spans and the final metrics collection
+    finally:
+        server.shutdown()
+        server.server_close()
+    spans = [span for req in _OtlpHttpHandler.received for rs in req.resource_spans
+             for ss in rs.scope_spans for span in ss.spans]
+    assert {span.name for span in spans} == {semconv.REQUEST_SPAN_NAME, "inferprof.tokenize"}
+    assert "/custom/metrics" in _OtlpHttpHandler.paths
+
+
+def test_configure_endpoint_argument_beats_the_per_signal_variables(monkeypatch):
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://elsewhere:4318/v1/traces")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "http://elsewhere:4318/v1/metrics")
+    config = inferprof.configure(endpoint="http://collector:4318", protocol="http/protobuf",
+                                 set_global=False, metric_readers=[InMemoryMetricReader()])
+    inferprof.shutdown()
+    assert _config.traces_endpoint(config) == "http://collector:4318/v1/traces"
+    assert _config.metrics_endpoint(config) == ("http/protobuf", "http://collector:4318/v1/metrics")
 
 
 def test_otlp_http_rejections_are_counted_as_failed_exports(monkeypatch):
