@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import pathlib
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -316,15 +317,17 @@ def load_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     suffix = p.suffix.lower()
     if suffix not in (".toml", ".yaml", ".yml"):
         raise ValueError(f"collector config {str(p)!r} must end in .toml, .yaml or .yml")
-    if suffix in (".yaml", ".yml"):
-        from inferprof._optional import require
+    from inferprof._optional import require
 
+    if suffix in (".yaml", ".yml"):
         yaml = require("yaml", "collector")
+    elif sys.version_info >= (3, 11):
+        import tomllib as toml
+    else:  # tomli: the parser that became tomllib, for Python 3.10
+        toml = require("tomli", "collector")
     try:
         if suffix == ".toml":
-            import tomllib  # stdlib since 3.11
-
-            data = tomllib.loads(text)
+            data = toml.loads(text)
         else:
             data = yaml.safe_load(text) or {}
     except Exception as exc:  # parse errors of either format
