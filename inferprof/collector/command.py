@@ -81,7 +81,7 @@ def _windows(ctx: click.Context, param: click.Parameter, value: str | None) -> A
     type=click.Choice(_settings.FORWARD_COMPRESSIONS),
     help="Compression of forwarded exports (default gzip).",
 )
-@click.option("--settle-s", type=float, help="Quiet time after which a trace is folded.")
+@click.option("--settle-s", type=float, help="Seconds after a request span arrives before its request is folded.")
 @click.option("--trace-timeout-s", type=float, help="Longest a trace is held before it is folded.")
 @click.option(
     "--windows-s", callback=_windows, help="Sliding windows kept, comma-separated seconds."
@@ -97,9 +97,10 @@ def _windows(ctx: click.Context, param: click.Parameter, value: str | None) -> A
 def collect(config: str | None, log_level: str, **options: Any) -> None:
     """Receive OTLP traces and GPU metrics; serve per-stage breakdowns and /metrics.
 
-    Every option also reads an environment variable (INFERPROF_COLLECTOR_<NAME>, or
-    INFERPROF_AUTH_TOKEN[_FILE] and INFERPROF_TLS_CERT/KEY); a flag beats the variable,
-    which beats --config, which beats the default. See docs/collector.md.
+    Every option but --log-level also reads an environment variable
+    (INFERPROF_COLLECTOR_<NAME>, or INFERPROF_AUTH_TOKEN[_FILE] and INFERPROF_TLS_CERT/KEY);
+    a flag beats the variable, which beats --config, which beats the default. See
+    docs/collector.md.
     """
     logging.basicConfig(
         level=getattr(logging, log_level.upper(), logging.INFO),

@@ -1,4 +1,5 @@
-"""The OTLP/gRPC receiver: ``TraceService/Export`` and ``MetricsService/Export``.
+"""The OTLP/gRPC receiver: ``TraceService/Export``, ``MetricsService/Export`` and
+``LogsService/Export`` (logs are received only to be forwarded).
 
 Handlers are registered with identity deserialisers so the receiver sees the
 request's original bytes: it parses them itself (malformed protobuf ->

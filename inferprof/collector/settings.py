@@ -1,6 +1,7 @@
 """Settings of ``inferprof collect``: one frozen record, resolved flag -> env -> file -> default.
 
-Every setting has a keyword (and a CLI flag of the same name with dashes), an
+Every setting has a keyword (and a CLI flag of the same name with dashes; ``forward_headers``
+is ``--forward-header``, repeated), an
 ``INFERPROF_*`` environment variable and a ``_DEFAULT_*`` constant. A bad keyword
 argument raises ``ValueError``; a bad environment or config-file value is logged
 and replaced by the default, so a typo in a deployment manifest degrades to
