@@ -60,3 +60,25 @@ def test_loadbalancing_example_routes_by_trace_to_the_k8s_headless_service():
     assert statefulset["spec"]["serviceName"] == headless["metadata"]["name"]
     pod0 = f"{statefulset['metadata']['name']}-0.{host}:4317"
     assert otelcol["exporters"]["otlp/inferprof-0"]["endpoint"] == pod0
+
+
+def test_every_otelcol_exporter_to_inferprof_sends_the_bearer_token():
+    # The k8s collector requires a token on every listener (INFERPROF_AUTH_TOKEN_FILE):
+    # an exporter without the header would have its exports refused, UNAUTHENTICATED.
+    manifests = _yaml_docs(DEPLOY / "k8s" / "inferprof-collector.yaml")
+    statefulset = next(m for m in manifests if m["kind"] == "StatefulSet")
+    env = {e["name"] for c in statefulset["spec"]["template"]["spec"]["containers"]
+           for e in c.get("env", ())}
+    assert st.ENV_AUTH_TOKEN_FILE in env or st.ENV_AUTH_TOKEN in env
+    checked = 0
+    for path in (DEPLOY / "otelcol").glob("*.yaml"):
+        (config,) = _yaml_docs(path)
+        for name, exporter in config["exporters"].items():
+            if "inferprof" not in name:
+                continue
+            if name.startswith("loadbalancing"):
+                exporter = exporter["protocol"]["otlp"]
+            auth = exporter.get("headers", {}).get("authorization", "")
+            assert auth.startswith("Bearer "), (path.name, name)
+            checked += 1
+    assert checked >= 4  # agent: 1; load balancing: the router and one per instance
