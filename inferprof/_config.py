@@ -289,7 +289,10 @@ def _resolve(
                                    _DEFAULT_PROTOCOL, "protocol")
     # configure(endpoint=...) names one endpoint for both signals; otherwise a signal's
     # own variable wins over OTEL_EXPORTER_OTLP_ENDPOINT (OpenTelemetry's rule).
-    signal_endpoint = None if endpoint is not None else _url_env
+    traces_url = metrics_url = None
+    if endpoint is None:
+        traces_url = _url_env(ENV_OTEL_EXPORTER_OTLP_TRACES_ENDPOINT)
+        metrics_url = _url_env(ENV_OTEL_EXPORTER_OTLP_METRICS_ENDPOINT)
     return Config(
         mode=resolved_mode,
         service_name=service_name or _env(ENV_OTEL_SERVICE_NAME),
@@ -311,9 +314,8 @@ def _resolve(
         ),
         excluded_paths=excluded_paths_setting(excluded_paths),
         owns_providers=owns,
-        traces_endpoint=signal_endpoint and signal_endpoint(ENV_OTEL_EXPORTER_OTLP_TRACES_ENDPOINT),
-        metrics_endpoint=signal_endpoint
-        and signal_endpoint(ENV_OTEL_EXPORTER_OTLP_METRICS_ENDPOINT),
+        traces_endpoint=traces_url,
+        metrics_endpoint=metrics_url,
         metrics_protocol=metrics_protocol,
     )
 
