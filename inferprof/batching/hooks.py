@@ -292,17 +292,46 @@ def batch(
     return Batch(handles, max_size, model, encoding, attributes)
 
 
-def current_batch() -> BatchRecord | None:
-    """The batch being processed in this context (e.g. from inside ``collate``), or None."""
+class _NoBatch:
+    """What :func:`current_batch` returns where no batch is recorded (inferprof off or not
+    configured, or outside a batch): the same calls, checked the same way, recording
+    nothing, so code written for a recorded batch runs unchanged. It is falsy."""
+
+    __slots__ = ()
+    batch_id = None
+
+    def set_tokens(self, *, effective: int | None = None, padded: int | None = None) -> None:
+        _set_tokens(None, effective, padded)
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        pass
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return "<inferprof batch: not recorded>"
+
+
+_NO_BATCH = _NoBatch()
+
+
+def current_batch() -> BatchRecord | _NoBatch:
+    """The batch being processed in this context (e.g. from inside ``collate``).
+
+    Where none is recorded (inferprof off or not configured, or outside a batch) a falsy
+    stand-in with the same ``set_tokens()``/``set_attribute()``, which record nothing:
+    ``current_batch().set_tokens(...)`` works in every mode, as the batcher does.
+    """
     scope = SCOPE.get()
     if scope is None or not isinstance(scope[0], BatchRecord):
-        return None
+        return _NO_BATCH
     return scope[0]
 
 
 def set_tokens(*, effective: int | None = None, padded: int | None = None) -> None:
     """Token counts for the current batch (no-op outside one)."""
-    _set_tokens(current_batch(), effective, padded)
+    current_batch().set_tokens(effective=effective, padded=padded)
 
 
 __all__ = ["enqueue", "batch", "Batch", "QueueHandle", "current_batch", "set_tokens"]

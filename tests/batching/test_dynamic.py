@@ -288,6 +288,30 @@ async def test_batcher_works_with_inferprof_off():
         assert await asyncio.gather(*(b.submit(i) for i in range(6))) == [0, 10, 20, 30, 40, 50]
 
 
+@pytest.mark.parametrize("mode", ["unconfigured", "off"])
+async def test_collate_reporting_tokens_runs_unchanged_when_nothing_is_recorded(mode):
+    # The batcher behaves identically when inferprof is off (docs/batching.md): a collate
+    # written for a recorded batch must not fail the batch where none is recorded.
+    if mode == "off":
+        inferprof.configure(mode="off", set_global=False)
+    seen = []
+
+    def collate(items):
+        b = inferprof.batching.current_batch()
+        b.set_tokens(effective=4, padded=6)
+        inferprof.batching.set_tokens(effective=4)
+        seen.append((bool(b), b.batch_id))
+        return items
+
+    async with inferprof.DynamicBatcher(
+        lambda xs: [x + 1 for x in xs], max_batch_size=2, max_delay_ms=5, collate=collate
+    ) as b:
+        assert await asyncio.gather(*(b.submit(i) for i in range(4))) == [1, 2, 3, 4]
+    assert seen and set(seen) == {(False, None)}
+    with pytest.raises(ValueError, match="padded"):  # still checked, as when recorded
+        inferprof.batching.current_batch().set_tokens(effective=5, padded=2)
+
+
 async def test_max_queue_size_rejects_when_full(cap):
     async with inferprof.DynamicBatcher(
         lambda xs: xs, max_batch_size=8, max_delay_ms=200, max_queue_size=2
