@@ -30,6 +30,12 @@ _LAZY = {
     "batch": "inferprof.batching.hooks",
 }
 
+#: subpackages reachable as attributes after ``import inferprof`` alone (imported on first
+#: use): ``inferprof.instrumentation.stats()``, ``inferprof.batching.current_batch()``...
+_SUBPACKAGES = frozenset(
+    ("instrumentation", "batching", "fastapi", "collector", "report", "demo", "cli")
+)
+
 __all__ = ["semconv", "__version__", *_LAZY]
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -40,6 +46,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"inferprof.{name}")  # binds inferprof.<name> too
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'inferprof' has no attribute {name!r}")

@@ -304,6 +304,24 @@ def test_no_provider_is_set_at_import_time():
     assert out.returncode == 0, out.stderr
 
 
+def test_subpackages_are_reachable_after_import_inferprof_alone_and_loaded_on_first_use():
+    # docs: `inferprof.instrumentation.stats()`, `inferprof.batching.current_batch()` after
+    # nothing but `import inferprof`; and import inferprof itself stays cheap.
+    script = (
+        "import sys, inferprof\n"
+        "assert 'inferprof.collector' not in sys.modules\n"
+        "assert 'inferprof.batching' not in sys.modules\n"
+        "assert inferprof.instrumentation.stats() is None  # unconfigured\n"
+        "assert not inferprof.batching.current_batch()\n"
+        "assert inferprof.collector.__name__ == 'inferprof.collector'\n"
+        "print('OK')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60, check=False)
+    assert out.returncode == 0, out.stderr
+    assert "OK" in out.stdout
+
+
 def test_configure_installs_global_providers_once_and_reconfigures_cleanly():
     script = textwrap.dedent(
         """
