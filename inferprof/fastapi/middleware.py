@@ -96,6 +96,8 @@ class _HttpRequest(RequestRecord):
         "status",
         "route",
         "content",
+        "root_path",
+        "live_scope",
         "_receive",
         "_send",
         "_scope_token",
@@ -126,6 +128,10 @@ class _HttpRequest(RequestRecord):
                 self.sent += len(body)
                 if self.content is not None:
                     self.content.add(self.content.response, body)
+            if self.live_scope is not None and not message.get("more_body", False):
+                # The outer instrumentation (opentelemetry-instrumentation-asgi) ends its
+                # span when the last body chunk passes it: its attributes go on now.
+                self._enrich_live()
             await self._send(message)
             if not message.get("more_body", False) and not self.ser_end:
                 self.ser_end = _time_ns()  # also the request's end: the last byte handed over
@@ -147,17 +153,32 @@ class _HttpRequest(RequestRecord):
             self.stages.append(
                 _ended_stage(_STAGE_SERIALIZE, self.ser_start, self.ser_end, self.sent)
             )
-        live = self.live_span
+        status = self.status
+        if status is not None and status >= 500 and self.error is None:
+            self.error = f"HTTP {status}"
+        if self.live_span is not None:  # another instrumentation's span
+            if self.live_scope is not None:  # no last body chunk went out (the app failed)
+                self._enrich_live()
+            return
         # Our own request span: its attributes go straight into the record (what
         # set_attribute() does, minus the check for a live span).
-        set_attribute = self.attrs.__setitem__ if live is None else self.set_attribute
+        self._http_attributes(self.attrs.__setitem__)
+
+    def _enrich_live(self) -> None:
+        """The HTTP attributes on another instrumentation's request span, while it still
+        records (once)."""
+        scope, self.live_scope = self.live_scope, None
+        try:
+            self.route = _route_template(scope, self.root_path or "")
+        except Exception:
+            _logger.exception("inferprof could not find the request's route")
+        self._http_attributes(self.set_attribute)
+
+    def _http_attributes(self, set_attribute: Callable[[str, Any], None]) -> None:
         if self.route:
             set_attribute(_ROUTE, self.route)
-        status = self.status
-        if status is not None:
-            set_attribute(_STATUS_CODE, status)
-            if status >= 500 and self.error is None:
-                self.error = f"HTTP {status}"
+        if self.status is not None:
+            set_attribute(_STATUS_CODE, self.status)
         content = self.content
         if content is not None:
             set_attribute(
@@ -167,6 +188,70 @@ class _HttpRequest(RequestRecord):
                 semconv.ATTR_RESPONSE_BODY, bytes(content.response).decode("utf-8", "replace")
             )
             self.content = None
+
+
+def _route_template(scope: Scope, open_root: str) -> str | None:
+    """The path template of the route that served the request, mount prefixes included
+    (``/v1/generate/{m}`` for ``app.mount("/v1", sub)``); None when no route matched.
+
+    Starlette's router records the route it matched in ``scope["route"]``; a mounted
+    app's router overwrites it with its own and extends ``root_path`` by the mount's
+    path, which is where the prefix comes from. FastAPI 0.16x records only its own
+    routes there (not ``/docs``, ``/openapi.json`` or mounted non-Starlette apps): for
+    those the app's routes are matched again here.
+    """
+    root = scope.get("root_path") or ""
+    prefix = root[len(open_root):] if root != open_root and root.startswith(open_root) else ""
+    route = scope.get("route")
+    if route is None:
+        route, prefix = _match_route(scope, open_root, prefix)
+        if route is None:
+            return None
+    path = getattr(route, "path", None)
+    if not isinstance(path, str):
+        return None
+    if prefix and _is_mount(route) and prefix.endswith(path):
+        return prefix  # the matched route is a mount, already in root_path
+    return prefix + path
+
+
+def _match_route(scope: Scope, open_root: str, prefix: str) -> tuple[Any, str]:
+    """(route, prefix) of the app's route that fully matches the request, else (None, "")."""
+    routes = getattr(scope.get("app"), "routes", None)
+    match_cls = _starlette_match()
+    if not routes or match_cls is None:
+        return None, ""
+    # As served (the innermost Starlette app, its root_path); then from the root path the
+    # request came in with (a mount whose app is not a Starlette app extends root_path
+    # without a router of its own).
+    candidates = [(scope, prefix)]
+    if prefix:
+        candidates.append(({**scope, "root_path": open_root}, ""))
+    for candidate, candidate_prefix in candidates:
+        for route in routes:
+            try:
+                match, _ = route.matches(candidate)
+            except Exception:
+                continue
+            if match is match_cls.FULL:
+                return route, candidate_prefix
+    return None, ""
+
+
+def _starlette_match() -> Any:
+    try:
+        from starlette.routing import Match
+    except ImportError:  # a pure ASGI app without Starlette: no routes to match
+        return None
+    return Match
+
+
+def _is_mount(route: Any) -> bool:
+    try:
+        from starlette.routing import Mount
+    except ImportError:
+        return False
+    return isinstance(route, Mount)
 
 
 def _ended_stage(name: str, start: int, end: int, nbytes: int) -> StageRecord:
@@ -265,6 +350,10 @@ class InferprofMiddleware:
             await self.app(scope, rec.receive, rec.send)
         except BaseException as exc:
             rec.error = exc
+            if rec.status is None and isinstance(exc, Exception):
+                # No response started: the server (or Starlette's ServerErrorMiddleware,
+                # outside this one) answers 500.
+                rec.status = 500
             raise
         finally:
             self._close(rt, scope, rec)
@@ -310,6 +399,9 @@ class InferprofMiddleware:
         rec.recv_start = rec.recv_end = rec.received = 0
         rec.ser_start = rec.ser_end = rec.sent = 0
         rec.status = rec.route = None
+        rec.root_path = scope.get("root_path")  # as the request came in (mounts extend it)
+        # Another instrumentation's span gets the HTTP attributes before it ends (send()).
+        rec.live_scope = scope if rec.live_span is not None else None
         rec._receive = receive
         rec._send = send
         limit = self._content_limit
@@ -348,7 +440,10 @@ class InferprofMiddleware:
             # The name (and the tail sampler's key) needs the route now; the rest of the
             # HTTP attributes waits for _complete().
             route = scope.get("route")
-            template = getattr(route, "path", None) if route is not None else None
+            if route is not None and scope.get("root_path") is rec.root_path:
+                template = getattr(route, "path", None)  # no mount crossed: the usual case
+            else:
+                template = _route_template(scope, rec.root_path or "")
             rec.route = template
             if rec.live_span is None:
                 if self._span_name is not None:

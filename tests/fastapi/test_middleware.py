@@ -171,6 +171,8 @@ async def test_handler_exception_marks_the_request_failed(cap):
     (request,) = cap.requests()
     assert request.status.status_code is StatusCode.ERROR
     assert request.events[0].attributes["exception.type"] == "RuntimeError"
+    # what the client got: the 500 answered outside the app for the exception
+    assert request.attributes["http.response.status_code"] == 500
 
 
 async def test_5xx_response_marks_the_request_failed(cap):
@@ -195,6 +197,63 @@ async def test_record_content_is_opt_in():
         (request,) = cap.requests()
         assert request.attributes[semconv.ATTR_REQUEST_BODY] == '{"prompt'
         assert len(request.attributes[semconv.ATTR_RESPONSE_BODY]) == 8
+
+
+async def test_record_content_reaches_opentelemetry_instrumentation_fastapis_span():
+    # Its span ends when the last body chunk passes it, before inferprof's request ends:
+    # the HTTP attributes and the opted-in bodies must be on it by then.
+    from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
+
+    with captured() as cap:
+        app = make_app(record_content=True, content_max_bytes=8)
+        FastAPIInstrumentor.instrument_app(app, tracer_provider=cap.provider)
+        try:
+            async with client(app) as c:
+                await c.post("/generate/m", json={"prompt": "secret words"})
+        finally:
+            FastAPIInstrumentor.uninstrument_app(app)
+        (server,) = [s for s in cap.spans() if s.kind is SpanKind.SERVER]
+    assert server.instrumentation_scope.name != semconv.INSTRUMENTATION_SCOPE
+    assert server.attributes[semconv.ATTR_REQUEST_BODY] == '{"prompt'
+    assert len(server.attributes[semconv.ATTR_RESPONSE_BODY]) == 8
+    assert server.attributes["http.response.status_code"] == 200
+    assert server.attributes["http.route"] == "/generate/{model}"
+
+
+async def test_route_templates_of_mounted_apps_docs_and_static_files(cap, tmp_path):
+    from fastapi.staticfiles import StaticFiles
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+
+    async def hello(request):
+        return PlainTextResponse("hi")
+
+    sub = FastAPI()
+
+    @sub.post("/generate/{m}")
+    async def generate(m: str):
+        return {"m": m}
+
+    (tmp_path / "a.txt").write_text("a")
+    app = FastAPI()
+    app.mount("/v1", sub)
+    app.mount("/sub", Starlette(routes=[Route("/x/{y}", hello)]))
+    app.mount("/static", StaticFiles(directory=tmp_path))
+    inferprof.fastapi.instrument(app)
+    async with client(app) as c:
+        for method, path in [("POST", "/v1/generate/llama"), ("GET", "/sub/x/7"),
+                             ("GET", "/static/a.txt"), ("GET", "/docs"), ("GET", "/nope")]:
+            await c.request(method, path)
+    got = {(s.attributes["url.path"], s.name, s.attributes.get("http.route"))
+           for s in cap.requests()}
+    assert got == {
+        ("/v1/generate/llama", "POST /v1/generate/{m}", "/v1/generate/{m}"),
+        ("/sub/x/7", "GET /sub/x/{y}", "/sub/x/{y}"),
+        ("/static/a.txt", "GET /static", "/static"),
+        ("/docs", "GET /docs", "/docs"),
+        ("/nope", "GET", None),  # no route matched: the method alone
+    }
 
 
 async def test_coexists_with_opentelemetry_instrumentation_fastapi(cap):
