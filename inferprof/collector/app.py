@@ -283,7 +283,8 @@ class CollectorApp:
         if token:
             from inferprof.collector.auth import BearerAuthMiddleware
 
-            otlp = BearerAuthMiddleware(otlp, token=token, on_reject=self._http_rejected)
+            otlp = BearerAuthMiddleware(otlp, token=token, on_reject=self._http_rejected,
+                                        otlp=True)
             api = BearerAuthMiddleware(api, token=token)
         self._ports["http"] = self._http.add(otlp, s.http_bind_host, s.http_port)
         self._ports["api"] = self._http.add(api, s.api_bind_host, s.api_port)

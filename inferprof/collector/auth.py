@@ -79,11 +79,15 @@ class BearerAuthMiddleware:
         token: str,
         open_paths: Iterable[str] = OPEN_PATHS,
         on_reject: Callable[[str], None] | None = None,
+        otlp: bool = False,
     ) -> None:
         self.app = app
         self._token = token
         self._open = frozenset(open_paths)
         self._on_reject = on_reject
+        #: an OTLP receiver answers in the request's encoding (a google.rpc.Status);
+        #: the API answers ``{"error": ...}`` like its other errors
+        self._otlp = otlp
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope.get("path") in self._open:
@@ -102,13 +106,21 @@ class BearerAuthMiddleware:
                 self._on_reject(scope.get("path", ""))
             except Exception:  # a metrics hiccup must not change the answer
                 _log.debug("auth reject hook failed", exc_info=True)
-        body = json.dumps({"message": "missing or wrong bearer token"}).encode()
+        reason = "missing or wrong bearer token"
+        if self._otlp:
+            from inferprof.collector.decode import error_body, format_of
+
+            content_type = next((v.decode("latin-1") for k, v in scope.get("headers") or ()
+                                 if k.lower() == b"content-type"), None)
+            body, ctype = error_body(reason, format_of(content_type), 401)
+        else:
+            body, ctype = json.dumps({"error": reason}).encode(), "application/json"
         await send(
             {
                 "type": "http.response.start",
                 "status": 401,
                 "headers": [
-                    (b"content-type", b"application/json"),
+                    (b"content-type", ctype.encode()),
                     (b"content-length", str(len(body)).encode()),
                     (b"www-authenticate", b'Bearer realm="inferprof"'),
                 ],

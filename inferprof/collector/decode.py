@@ -71,10 +71,14 @@ class BodyError(ValueError):
         self.outcome = outcome  # label value of inferprof_otlp_requests_total
 
 
+def format_of(content_type: str | None) -> Format | None:
+    """The body format of a ``Content-Type`` header; None for an unknown one."""
+    return _MEDIA_TYPES.get((content_type or "").split(";", 1)[0].strip().lower())
+
+
 def body_format(content_type: str | None) -> Format:
     """The body format of a ``Content-Type`` header, or 415."""
-    media = (content_type or "").split(";", 1)[0].strip().lower()
-    fmt = _MEDIA_TYPES.get(media)
+    fmt = format_of(content_type)
     if fmt is None:
         raise BodyError(
             STATUS_UNSUPPORTED,
@@ -188,15 +192,22 @@ def encode_response(
     return response.SerializeToString(), CONTENT_TYPE_PROTOBUF
 
 
-def error_body(reason: str, fmt: Format | None) -> tuple[bytes, str]:
-    """A ``google.rpc.Status`` body for a failed request, in the request's format
-    (plain JSON when the format itself was not understood)."""
+#: HTTP status -> the google.rpc.Code a ``Status`` body carries (gRPC's own mapping).
+_RPC_CODES = {400: 3, 401: 16, 413: 8, 415: 3, 429: 8, 500: 13}  # INVALID_ARGUMENT,
+# UNAUTHENTICATED, RESOURCE_EXHAUSTED, INVALID_ARGUMENT, RESOURCE_EXHAUSTED, INTERNAL
+
+
+def error_body(reason: str, fmt: Format | None, status: int = 400) -> tuple[bytes, str]:
+    """A ``google.rpc.Status`` body for a failed request (HTTP ``status``), in the
+    request's format (plain JSON ``{"code", "message"}`` when the format itself was not
+    understood)."""
     from google.rpc import status_pb2
 
-    status = status_pb2.Status(message=reason)
+    code = _RPC_CODES.get(status, 2)  # UNKNOWN
     if fmt == FORMAT_PROTOBUF:
-        return status.SerializeToString(), CONTENT_TYPE_PROTOBUF
-    return json.dumps({"message": reason}).encode(), CONTENT_TYPE_JSON
+        return (status_pb2.Status(code=code, message=reason).SerializeToString(),
+                CONTENT_TYPE_PROTOBUF)
+    return json.dumps({"code": code, "message": reason}).encode(), CONTENT_TYPE_JSON
 
 
 def _parse_logs_json(doc: Any) -> Message:

@@ -76,13 +76,13 @@ def otlp_app(intake: Intake, *, max_body_bytes: int, max_concurrent_requests: in
         intake.metrics.request(transport, signal, exc.outcome)
         if exc.status == 400:
             intake.metrics.decode_error(transport, fmt or "unknown")
-        body, ctype = error_body(exc.reason, fmt)
+        body, ctype = error_body(exc.reason, fmt, exc.status)
         return Response(body, status_code=exc.status, media_type=ctype)
 
     def overloaded(signal: str, message: str, fmt: Any, *, count: bool = True) -> Response:
         if count:  # the intake has counted overloads the engine reported
             intake.metrics.request(transport, signal, semconv.OUTCOME_OVERLOADED)
-        body, ctype = error_body(message, fmt)
+        body, ctype = error_body(message, fmt, 429)
         retry = str(max(1, math.ceil(intake.retry_after_s)))
         return Response(body, status_code=429, media_type=ctype, headers={"Retry-After": retry})
 
@@ -133,7 +133,7 @@ def otlp_app(intake: Intake, *, max_body_bytes: int, max_concurrent_requests: in
             if outcome.overloaded:
                 return overloaded(signal, outcome.error_message, fmt, count=False)
             if outcome.failed:
-                body, ctype = error_body(outcome.error_message, fmt)
+                body, ctype = error_body(outcome.error_message, fmt, 500)
                 return Response(body, status_code=500, media_type=ctype)
             body, ctype = encode_response(
                 signal, fmt, rejected=outcome.rejected, error_message=outcome.error_message

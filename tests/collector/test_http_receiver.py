@@ -155,10 +155,12 @@ def test_partial_success_reports_rejected_spans_in_protobuf_and_json(app):
 def test_bad_bodies_get_a_clear_status_and_reason(app, body, headers, status):
     resp = httpx.post(f"{app.otlp_http_endpoint}/v1/traces", content=body, headers=headers)
     assert resp.status_code == status, resp.text
+    code = 3  # google.rpc.Code INVALID_ARGUMENT, for 400 and 415 alike
     if headers.get("content-type") == PB["content-type"]:
-        assert status_pb2.Status.FromString(resp.content).message
+        answer = status_pb2.Status.FromString(resp.content)
+        assert answer.message and answer.code == code
     else:
-        assert resp.json()["message"]
+        assert resp.json()["message"] and resp.json()["code"] == code
 
 
 def test_oversized_bodies_and_gzip_bombs_get_413(app):

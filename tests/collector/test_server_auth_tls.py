@@ -9,6 +9,7 @@ import ssl
 import grpc
 import httpx
 import pytest
+from google.rpc import status_pb2
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -150,6 +151,11 @@ def test_auth_token_is_required_on_grpc_http_and_api_but_not_healthz():
         resp = httpx.post(url, content=body, headers=pb)
         assert resp.status_code == 401
         assert resp.headers["www-authenticate"].startswith("Bearer")
+        # in the request's encoding, as every other OTLP/HTTP answer
+        assert resp.headers["content-type"] == "application/x-protobuf"
+        assert status_pb2.Status.FromString(resp.content).code == 16  # UNAUTHENTICATED
+        resp = httpx.post(url, content=b"{}", headers={"content-type": "application/json"})
+        assert resp.status_code == 401 and resp.json()["code"] == 16
         assert (
             httpx.post(
                 url, content=body, headers={**pb, "authorization": "Bearer nope"}
@@ -160,7 +166,8 @@ def test_auth_token_is_required_on_grpc_http_and_api_but_not_healthz():
 
         # API and /metrics; /healthz stays open for probes.
         api = app.api_url
-        assert httpx.get(f"{api}/metrics").status_code == 401
+        resp = httpx.get(f"{api}/metrics")
+        assert resp.status_code == 401 and "token" in resp.json()["error"]  # as API errors
         assert httpx.get(f"{api}/api/v1/breakdown", params={"service": "svc"}).status_code == 401
         assert httpx.get(f"{api}/healthz").status_code == 200
         app.engine.flush()
@@ -168,7 +175,7 @@ def test_auth_token_is_required_on_grpc_http_and_api_but_not_healthz():
         assert resp.status_code == 200 and resp.json()["requests"] == 4
         metrics = httpx.get(f"{api}/metrics", headers=AUTH).text
         assert 'outcome="unauthenticated",signal="traces",transport="grpc"} 2.0' in metrics
-        assert 'outcome="unauthenticated",signal="traces",transport="http"} 2.0' in metrics
+        assert 'outcome="unauthenticated",signal="traces",transport="http"} 3.0' in metrics
 
 
 def test_auth_token_file(tmp_path):
