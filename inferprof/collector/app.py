@@ -286,8 +286,8 @@ class CollectorApp:
             otlp = BearerAuthMiddleware(otlp, token=token, on_reject=self._http_rejected,
                                         otlp=True)
             api = BearerAuthMiddleware(api, token=token)
-        self._ports["http"] = self._http.add(otlp, s.http_bind_host, s.http_port)
-        self._ports["api"] = self._http.add(api, s.api_bind_host, s.api_port)
+        self._ports["http"] = self._http.add(otlp, s.http_bind_host, s.http_port, "OTLP/HTTP")
+        self._ports["api"] = self._http.add(api, s.api_bind_host, s.api_port, "the API")
 
         self._forwarders.start()
         self._grpc.start()

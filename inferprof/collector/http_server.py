@@ -252,9 +252,14 @@ class HttpServers:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._error: BaseException | None = None
 
-    def add(self, app: Any, host: str, port: int) -> int:
-        """Bind ``app`` to ``host:port`` now; returns the bound port."""
-        sock = bind_socket(host, port)
+    def add(self, app: Any, host: str, port: int, what: str = "HTTP") -> int:
+        """Bind ``app`` to ``host:port`` now; returns the bound port. ``what`` names the
+        listener in the error when the port cannot be had."""
+        try:
+            sock = bind_socket(host, port)
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot listen for {what} on {host}:{port}: "
+                                     f"{exc.strerror or exc}") from exc
         config = self._uvicorn.Config(
             app,
             log_level="warning",

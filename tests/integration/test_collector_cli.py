@@ -99,20 +99,26 @@ def test_collect_serves_forwards_and_stops_on_sigterm(otlp_sink):
     assert otlp_sink.wait_for(lambda s: len(s.spans()) == 20, timeout=5)
 
 
-def test_collect_fails_clearly_when_a_port_is_taken():
+@pytest.mark.parametrize(("flag", "listener"), [
+    ("--http-port", "OTLP/HTTP"), ("--api-port", "the API"), ("--grpc-port", "OTLP/gRPC"),
+])
+def test_collect_fails_clearly_when_a_port_is_taken(flag, listener):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         port = taken.getsockname()[1]
+        ports = {"--grpc-port": "0", "--http-port": "0", "--api-port": "0", flag: str(port)}
         proc = subprocess.run(
-            [*CLI, "collect", "--grpc-port", "0", "--http-port", str(port), "--api-port", "0"],
+            [*CLI, "collect", *(x for kv in ports.items() for x in kv)],
             check=False,
             capture_output=True,
             text=True,
             timeout=30,
         )
     assert proc.returncode != 0
+    # which listener, on which address
     assert "cannot start the collector" in proc.stderr
+    assert f"cannot listen for {listener} on 127.0.0.1:{port}" in proc.stderr
 
 
 @pytest.mark.parametrize(
