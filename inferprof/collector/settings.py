@@ -270,12 +270,15 @@ class CollectorSettings:
                 continue
             raw = env.get(var)
             if raw is not None and raw != "":
-                candidate = _try(lambda p=parse, r=raw: p(r), f"environment variable {var}={raw!r}")
+                # an invalid variable falls back to what is below it: the file, the default
+                fallback = "the config file's value" if name in file_values else "the default"
+                candidate = _try(lambda p=parse, r=raw: p(r),
+                                 f"environment variable {var}={raw!r}", fallback)
                 if candidate is not _INVALID and _field_ok(name, candidate):
                     values[name] = candidate
                     continue
                 if candidate is not _INVALID:
-                    _log.warning("ignoring invalid %s=%r; using the default", var, raw)
+                    _log.warning("ignoring invalid %s=%r; using %s", var, raw, fallback)
             if name in file_values:
                 values[name] = file_values[name]
         if values.get("auth_token") is not None and overrides.get("auth_token_file") is None:
@@ -286,11 +289,11 @@ class CollectorSettings:
 _INVALID = object()
 
 
-def _try(fn: Callable[[], Any], what: str) -> Any:
+def _try(fn: Callable[[], Any], what: str, fallback: str = "the default") -> Any:
     try:
         return fn()
     except (ValueError, TypeError) as exc:
-        _log.warning("ignoring invalid %s (%s); using the default", what, exc)
+        _log.warning("ignoring invalid %s (%s); using %s", what, exc, fallback)
         return _INVALID
 
 
