@@ -73,6 +73,15 @@ def test_bad_environment_values_are_logged_and_defaulted(caplog, var, raw, field
     assert var in caplog.text
 
 
+def test_a_bad_environment_value_falls_back_to_the_config_files_and_says_so(tmp_path, caplog):
+    config = tmp_path / "c.yaml"
+    config.write_text("grpc-port: 26317\n")
+    with caplog.at_level(logging.WARNING, logger="inferprof.collector.settings"):
+        s = CollectorSettings.from_env(config=config, environ={st.ENV_GRPC_PORT: "notanint"})
+    assert s.grpc_port == 26317
+    assert st.ENV_GRPC_PORT in caplog.text and "config file's value" in caplog.text
+
+
 def test_bad_file_values_are_logged_and_skipped_but_an_unreadable_file_is_an_error(
     tmp_path, caplog
 ):
