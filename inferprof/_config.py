@@ -538,7 +538,8 @@ def configure(
             _set_global(tp, mp)
         with _lock:
             deferred = processor if processor._emit is not None else None
-            _runtime = Runtime(config, tp, mp, stats=stats, deferred=deferred)
+            _runtime = Runtime(config, tp, mp, stats=stats, deferred=deferred,
+                               owned_processor=processor)
         return config
 
     with _lock:
@@ -572,11 +573,16 @@ def current_config() -> Config | None:
     return rt.config if rt is not None else None
 
 
-def shutdown(timeout_millis: int = 30000) -> None:
+def shutdown(timeout_millis: int = 5000) -> None:
     """Flush and shut down what ``configure()`` created; inferprof becomes a no-op again.
 
+    At most ``timeout_millis`` for spans and metrics together: with a healthy exporter
+    the flush takes milliseconds; against one that is down, the SDK's exporters retry
+    each export for up to 10 s, and a service being stopped (Kubernetes allows 30 s
+    before SIGKILL) must not spend that. What is not exported in time is dropped.
+
     Providers inferprof did not create (passed in, or the application's globals) are
-    flushed but left running: they belong to the application.
+    flushed (within the same bound) but left running: they belong to the application.
     """
     global _runtime, _auto
     with _lock:

@@ -286,6 +286,15 @@ class CountingBatchSpanProcessor(BatchSpanProcessor):
             exporter.accepts_encoded
         )
 
+    def shutdown(self, timeout_millis: int | None = None) -> None:
+        """Flush and stop, waiting at most ``timeout_millis`` (the SDK's processor, called
+        by its provider, has no bound of its own: 30 s, each export retrying for up to 10 s
+        against a dead endpoint). What is not exported by then is dropped."""
+        inner = self._inner
+        if timeout_millis is None or not callable(getattr(inner, "shutdown", None)):
+            return super().shutdown()
+        return inner.shutdown(timeout_millis=timeout_millis)
+
     def on_end(self, span: Any) -> None:
         entry = type(span) in _TRACE_ENTRIES
         if not entry and not (span.context and span.context.trace_flags.sampled):

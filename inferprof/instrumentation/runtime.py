@@ -19,6 +19,7 @@ import functools
 import itertools
 import logging
 import random
+import time
 import traceback
 from collections.abc import Iterable
 from typing import Any
@@ -154,6 +155,7 @@ class Runtime:
         meter_provider: Any,
         stats: Stats | None = None,
         deferred: Any = None,
+        owned_processor: Any = None,
     ) -> None:
         self.config = config
         self.enabled = config.enabled and tracer_provider is not None
@@ -182,6 +184,8 @@ class Runtime:
         #: bytes here when its exporter takes them, else a DeferredTrace built into spans
         #: on its export thread.
         self._deferred = deferred
+        #: the span processor configure() built (shut down within close()'s timeout)
+        self.owned_processor = owned_processor
         self._encode = deferred is not None and getattr(deferred, "accepts_encoded", False)
         self._resource = None
         self._sampler = None
@@ -668,13 +672,22 @@ class Runtime:
 
     # --- lifecycle ---------------------------------------------------------------------
     def close(self, timeout_millis: int = 30000) -> None:
+        """Flush and shut down, within ``timeout_millis`` for spans and metrics together
+        when inferprof built the providers (an exporter that is down costs the wait, not
+        more)."""
         tp, mp = self.tracer_provider, self.meter_provider
         if tp is None:
             return
         if self.config.owns_providers:
+            deadline = time.monotonic() + timeout_millis / 1000
+            processor = self.owned_processor
+            if processor is not None:  # first, bounded; the provider's call is then a no-op
+                # spans get most of the time; the final metrics collection the rest
+                processor.shutdown(timeout_millis=timeout_millis * 0.8)
             tp.shutdown()
             if mp is not None and hasattr(mp, "shutdown"):
-                mp.shutdown(timeout_millis=timeout_millis)
+                left = max(0.0, deadline - time.monotonic())
+                mp.shutdown(timeout_millis=left * 1000)
         elif hasattr(tp, "force_flush"):
             tp.force_flush(timeout_millis)
 

@@ -124,3 +124,19 @@ def test_dead_exporter_drops_and_counts_without_slowing_requests(monkeypatch, ca
     t0 = time.perf_counter()
     inferprof.shutdown(timeout_millis=5000)
     assert time.perf_counter() - t0 < 15
+
+
+def test_shutdown_against_a_dead_endpoint_keeps_to_its_timeout():
+    # The SDK's exporters retry each export for up to 10 s (OTEL_EXPORTER_OTLP_TIMEOUT) and
+    # its provider shuts its processor down with no bound of its own: ~20 s here before.
+    # A service being stopped must not spend that; what is unsent is dropped.
+    inferprof.configure(endpoint=f"http://127.0.0.1:{_closed_port()}",
+                        protocol="http/protobuf", set_global=False)
+    burst(50)
+    time.sleep(1.2)  # the export thread is in its first export's retries
+    burst(50)
+    t0 = time.perf_counter()
+    inferprof.shutdown(timeout_millis=1000)
+    took = time.perf_counter() - t0
+    assert took < 4, took  # the bound plus slack for a loaded machine; 20 s unbounded
+    assert _config._runtime is None  # shut down all the same
