@@ -296,7 +296,7 @@ def _resolve(
     return Config(
         mode=resolved_mode,
         service_name=service_name or _env(ENV_OTEL_SERVICE_NAME),
-        endpoint=endpoint or _env(ENV_OTEL_EXPORTER_OTLP_ENDPOINT),
+        endpoint=endpoint or _url_env(ENV_OTEL_EXPORTER_OTLP_ENDPOINT),
         protocol=_choice(protocol, proto_env, PROTOCOLS, _DEFAULT_PROTOCOL, "protocol"),
         sample_rate=_fraction(
             sample_rate, ENV_SAMPLE_RATE, _DEFAULT_SAMPLE_RATE, "sample_rate", open_low=True
@@ -321,12 +321,12 @@ def _resolve(
 
 
 def _url_env(name: str) -> str | None:
-    """A URL-valued variable; anything without a scheme is logged and ignored."""
+    """A URL-valued variable. One without a scheme is logged: OpenTelemetry's exporters
+    read these variables themselves as well, so it cannot be ignored, only named."""
     value = _env(name)
     if value and "://" not in value:
-        _logger.warning("ignoring %s=%r: not a URL such as http://127.0.0.1:4318/v1/traces",
-                        name, value)
-        return None
+        _logger.warning("%s=%r is not a URL such as http://127.0.0.1:4318: exports to it "
+                        "will fail", name, value)
     return value or None
 
 

@@ -220,6 +220,16 @@ def test_signal_specific_otlp_variables_beat_the_generic_ones(monkeypatch):
     assert "/custom/metrics" in _OtlpHttpHandler.paths
 
 
+@pytest.mark.parametrize("var", ["OTEL_EXPORTER_OTLP_ENDPOINT",
+                                 "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"])
+def test_an_endpoint_variable_that_is_not_a_url_is_named_in_a_warning(monkeypatch, caplog, var):
+    monkeypatch.setenv(var, "garbage")
+    with caplog.at_level(logging.WARNING, logger="inferprof"):
+        inferprof.configure(set_global=False, metric_readers=[InMemoryMetricReader()])
+    inferprof.shutdown(timeout_millis=100)
+    assert any(var in r.getMessage() and "not a URL" in r.getMessage() for r in caplog.records)
+
+
 def test_configure_endpoint_argument_beats_the_per_signal_variables(monkeypatch):
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://elsewhere:4318/v1/traces")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "http://elsewhere:4318/v1/metrics")
