@@ -197,7 +197,7 @@ def decide(shares: Mapping[str, float], traced: int, tail_traced: int, gpu: Mapp
     if traced < MIN_TRACED_REQUESTS:
         return _unknown(
             f"not enough data: a verdict needs at least {MIN_TRACED_REQUESTS} traced "
-            f"requests in the window, there are {traced}"
+            f"requests in this breakdown, there are {traced}"
         )
     groups: dict[str, float] = defaultdict(float)
     members: dict[str, list[tuple[str, float]]] = defaultdict(list)
@@ -209,7 +209,7 @@ def decide(shares: Mapping[str, float], traced: int, tail_traced: int, gpu: Mapp
         groups[group] += share
         members[group].append((stage, share))
     if not groups:
-        return _unknown("no request in the window has any latency to attribute")
+        return _unknown("no request in this breakdown has any latency to attribute")
     # Largest share first; ties go to the cheaper explanation (the order of _GROUPS).
     order = {name: i for i, (name, _, _) in enumerate(_GROUPS)}
     ranked = sorted(groups.items(), key=lambda kv: (-kv[1], order.get(kv[0], len(order))))

@@ -66,7 +66,8 @@ def format_table(doc: dict) -> str:
     lines = [title(doc)]
     traced = doc.get("traced_requests")
     traced_part = f" ({traced} traced)" if traced is not None and traced != doc["requests"] else ""
-    lines.append(f"{doc['requests']} requests{traced_part}")
+    n = doc["requests"]
+    lines.append(f"{n} request{'' if n == 1 else 's'}{traced_part}")
     lines.append("")
     header = (
         f"{'stage':<16}{'count':>9}{'p50 ms':>10}{'p95 ms':>10}{'p99 ms':>10}{'share of p95':>14}"
