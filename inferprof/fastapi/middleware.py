@@ -96,6 +96,7 @@ class _HttpRequest(RequestRecord):
         "status",
         "route",
         "content",
+        "disconnected",
         "root_path",
         "live_scope",
         "_receive",
@@ -106,7 +107,10 @@ class _HttpRequest(RequestRecord):
 
     async def receive(self) -> Message:
         if self.recv_end:  # the body is in: later reads (disconnect listeners) pass through
-            return await self._receive()
+            message = await self._receive()
+            if message["type"] == "http.disconnect" and not self.ser_end:
+                self.disconnected = True  # the client left before the response's end
+            return message
         t0 = _time_ns()
         message = await self._receive()
         if message["type"] == "http.request":
@@ -119,6 +123,8 @@ class _HttpRequest(RequestRecord):
                     self.content.add(self.content.request, body)
             if not message.get("more_body", False):
                 self.recv_end = _time_ns()
+        elif message["type"] == "http.disconnect" and not self.ser_end:
+            self.disconnected = True
         return message
 
     async def send(self, message: Message) -> None:
@@ -177,6 +183,8 @@ class _HttpRequest(RequestRecord):
     def _http_attributes(self, set_attribute: Callable[[str, Any], None]) -> None:
         if self.route:
             set_attribute(_ROUTE, self.route)
+        if self.disconnected:  # e.g. a user stopping a streamed generation
+            set_attribute(semconv.ATTR_CANCELLED, True)
         if self.status is not None:
             set_attribute(_STATUS_CODE, self.status)
         content = self.content
@@ -399,6 +407,7 @@ class InferprofMiddleware:
         rec.recv_start = rec.recv_end = rec.received = 0
         rec.ser_start = rec.ser_end = rec.sent = 0
         rec.status = rec.route = None
+        rec.disconnected = False
         rec.root_path = scope.get("root_path")  # as the request came in (mounts extend it)
         # Another instrumentation's span gets the HTTP attributes before it ends (send()).
         rec.live_scope = scope if rec.live_span is not None else None

@@ -131,6 +131,27 @@ async def test_sse_through_raw_asgi_passes_each_chunk_on(cap):
     assert bodies[-1][0] - bodies[0][0] > 0.04
     (serialize,) = cap.stages("serialize")
     assert serialize.attributes[semconv.ATTR_BYTES] == sum(len(m["body"]) for _, m in bodies)
+    # the client disconnected after the whole stream: nothing was cut short
+    (request,) = cap.requests()
+    assert semconv.ATTR_CANCELLED not in request.attributes
+
+
+async def test_a_client_leaving_mid_stream_marks_the_request_cancelled(cap):
+    app = make_app()
+
+    async def receive():  # the client goes away after the first event or so
+        await asyncio.sleep(0.03)
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        pass
+
+    await app(_raw_scope("GET", "/stream"), receive, send)
+    (request,) = cap.requests()
+    assert request.attributes[semconv.ATTR_CANCELLED] is True
+    assert request.status.status_code is not StatusCode.ERROR  # not a failure of the service
+    (serialize,) = cap.stages("serialize")
+    assert 0 < serialize.attributes[semconv.ATTR_BYTES] < 4 * len("data: 0\n\n")
 
 
 async def test_traceparent_is_extracted_and_propagated(cap):
