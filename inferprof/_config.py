@@ -489,6 +489,18 @@ def configure(
             _runtime = Runtime(config, None, None)
         return config
 
+    if not owns:
+        # Settings only a provider inferprof builds would use: say they are not applied.
+        unused = [name for name, value in (
+            ("service_name", service_name), ("endpoint", endpoint), ("protocol", protocol),
+            ("resource_attributes", resource_attributes), ("span_exporter", span_exporter),
+            ("metric_readers", metric_readers)) if value is not None]
+        if unused:
+            _logger.warning(
+                "inferprof uses %s tracer provider, so %s given to configure() %s not "
+                "applied: set them on that provider", "the given" if tracer_provider is not None
+                else "the application's global", ", ".join(unused),
+                "is" if len(unused) == 1 else "are")
     if tracer_provider is not None:
         tp = tracer_provider
         mp = meter_provider if meter_provider is not None else metrics_api.get_meter_provider()

@@ -300,6 +300,8 @@ def test_existing_global_sdk_provider_is_used_and_nothing_installed():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "OK" in out.stdout
+    # service_name="x" went nowhere (the application's provider keeps its resource): said
+    assert "service_name given to configure() is not applied" in out.stderr
 
 
 def test_no_provider_is_set_at_import_time():
