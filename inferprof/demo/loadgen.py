@@ -170,10 +170,30 @@ class _Connection:
         self.writer: asyncio.StreamWriter | None = None
 
     async def request(self, payload: bytes) -> int:
-        """Send one pre-built request; return the status code after reading the whole body."""
-        if self.writer is None or self.writer.is_closing():
+        """Send one pre-built request; return the status code after reading the whole body.
+
+        A kept-alive connection the server has closed meanwhile (uvicorn closes one idle
+        for 5 s) is replaced, and a request that met the close in flight, unanswered, is
+        sent again once on a fresh connection, as HTTP clients do: that race is the
+        client's, not an error of the service.
+        """
+        reused = not (self.writer is None or self.writer.is_closing()
+                      or self.reader is None or self.reader.at_eof())
+        if not reused:
+            self.close()
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
-        assert self.reader is not None
+        try:
+            return await self._exchange(payload)
+        except (ConnectionError, asyncio.IncompleteReadError) as exc:
+            unanswered = not isinstance(exc, asyncio.IncompleteReadError) or not exc.partial
+            if not (reused and unanswered):
+                raise
+            self.close()
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+            return await self._exchange(payload)
+
+    async def _exchange(self, payload: bytes) -> int:
+        assert self.reader is not None and self.writer is not None
         self.writer.write(payload)
         head = await self.reader.readuntil(b"\r\n\r\n")
         lines = head.split(b"\r\n")

@@ -53,8 +53,10 @@ def test_mix_parsing_and_prompt_lengths_follow_the_weights():
 class _Server:
     """A tiny HTTP/1.1 server: keep-alive, Content-Length or chunked bodies, optional 500s."""
 
-    def __init__(self, chunked=False, fail_every=0, delay=0.0):
+    def __init__(self, chunked=False, fail_every=0, delay=0.0, keep_alive_s=None):
         self.chunked, self.fail_every, self.delay = chunked, fail_every, delay
+        #: close a connection idle this long, as uvicorn does (timeout_keep_alive, 5 s)
+        self.keep_alive_s = keep_alive_s
         self.requests = []
         self.connections = 0
 
@@ -62,7 +64,11 @@ class _Server:
         self.connections += 1
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
+                try:
+                    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"),
+                                                  self.keep_alive_s)
+                except asyncio.TimeoutError:
+                    return  # idle too long: closed by the server
                 length = int(next(ln for ln in head.split(b"\r\n")
                                   if ln.lower().startswith(b"content-length")).split(b":")[1])
                 body = json.loads(await reader.readexactly(length))
@@ -113,6 +119,18 @@ async def test_open_loop_offers_the_requested_rate_and_measures_from_arrival():
     assert 120 < result.completed < 300  # Poisson, mean 200 in one second
     assert result.errors == 0
     assert quantile(result.latencies_s, 0.5) >= 0.02
+
+
+async def test_open_loop_reconnects_when_the_server_closed_an_idle_connection():
+    # Bursts open several connections; between bursts most sit idle past the server's
+    # keep-alive timeout and are closed by it. Reusing one is the client's problem, not
+    # an error of the service: HTTP clients reconnect, and so must the load generator.
+    async with _Server(keep_alive_s=0.05) as srv:
+        result = await run_load(f"http://127.0.0.1:{srv.port}/x", duration_s=1.5, rate=40,
+                                burst=8, progress=False, seed=1)
+    assert result.completed > 20
+    assert result.errors == 0, result.error_kinds
+    assert srv.connections > 8  # idle connections were closed and replaced
 
 
 async def test_dead_server_is_reported_not_raised():
