@@ -79,6 +79,11 @@ class TransportMetrics:
             [semconv.PROM_LABEL_DESTINATION],
             registry=registry,
         )
+        # The series the alert rules watch exist from the start, at 0: the first overload
+        # is then an increase that rate() sees (a series born at 1 shows none).
+        for transport in (semconv.TRANSPORT_GRPC, semconv.TRANSPORT_HTTP):
+            for signal in (semconv.SIGNAL_TRACES, semconv.SIGNAL_METRICS, semconv.SIGNAL_LOGS):
+                self.requests.labels(transport, signal, semconv.OUTCOME_OVERLOADED)
 
     # Metrics must never fail a request: every update is guarded.
     def request(self, transport: str, signal: str, outcome: str) -> None:

@@ -206,6 +206,8 @@ class Forwarder:
         self._queue: queue.Queue[tuple[str, bytes]] = queue.Queue(maxsize=queue_size)
         self._on_sent = on_sent or (lambda dest, signal: None)
         self._on_dropped = on_dropped or (lambda dest, reason, n: None)
+        for reason in (DROP_QUEUE_FULL, DROP_SEND_FAILED, DROP_SHUTDOWN):
+            self._count_drop(reason, 0)  # each drop series from the start, at 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._idle = threading.Condition()

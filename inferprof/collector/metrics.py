@@ -39,6 +39,14 @@ def _le(bound: float) -> str:
     return repr(float(bound))
 
 
+#: the engine's span-drop reasons (contract names in inferprof.semconv)
+_ENGINE_DROP_REASONS = (
+    sc.DROP_INVALID_ID, sc.DROP_NEGATIVE_DURATION, sc.DROP_ABSURD_DURATION, sc.DROP_DUPLICATE,
+    sc.DROP_INVALID_STAGE, sc.DROP_TRACE_TOO_LARGE, sc.DROP_TOO_MANY_STAGES, sc.DROP_LATE,
+    sc.DROP_ORPHAN_STAGE, sc.DROP_INCOMPLETE_TRACE,
+)
+
+
 class EngineCollector:
     def __init__(self, engine: Engine, *, window_s: float = 300.0, max_series: int = 1000) -> None:
         if not isinstance(window_s, (int, float)) or not window_s > 0:
@@ -132,7 +140,11 @@ class EngineCollector:
             "Spans dropped by the collector engine, by reason.",
             labels=[sc.PROM_LABEL_REASON],
         )
-        for reason, n in sorted(stats.spans_dropped.items()):
+        # Every reason from the start, at 0: the first drop is then an increase that
+        # rate() and the `> 0` alert rules see (a series born at 1 shows none).
+        counts = dict.fromkeys(_ENGINE_DROP_REASONS, 0)
+        counts.update(stats.spans_dropped)
+        for reason, n in sorted(counts.items()):
             dropped.add_metric([reason], n)
         yield dropped
         yield core.CounterMetricFamily(

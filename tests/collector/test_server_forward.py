@@ -177,10 +177,12 @@ def test_a_dead_downstream_is_retried_then_dropped_and_counted():
     fwd.start()
     try:
         assert fwd.submit("traces", b"")
-        assert wait_until(lambda: dropped, timeout=10)
+        assert wait_until(lambda: [d for d in dropped if d[1]], timeout=10)
     finally:
         fwd.stop(timeout_s=1.0)
-    assert dropped == [("send_failed", 1)]
+    # each drop reason's series is created at 0 up front, then the real drop counted
+    assert [d for d in dropped if d[1]] == [("send_failed", 1)]
+    assert {r for r, n in dropped if n == 0} == {"queue_full", "send_failed", "shutdown"}
 
 
 def test_destination_labels_hide_credentials():

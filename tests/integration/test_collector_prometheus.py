@@ -136,6 +136,12 @@ def test_prometheus_scrapes_the_collector_and_promql_gives_per_stage_p95(prometh
         # Transport self-metrics are scraped as well.
         ok = _query(url, 'inferprof_otlp_requests_total{transport="grpc",outcome="ok"}')
         assert float(ok[0]["value"][1]) == 1.0
+        # What the alert rules watch exists before anything goes wrong, at 0, so that the
+        # first overload or drop is an increase rate() sees.
+        overloaded = _query(url, 'inferprof_otlp_requests_total{outcome="overloaded"}')
+        assert len(overloaded) == 6 and all(float(r["value"][1]) == 0 for r in overloaded)
+        drops = _query(url, 'inferprof_spans_dropped_total{reason="late"}')
+        assert float(drops[0]["value"][1]) == 0
 
         # Every query of the shipped Grafana dashboard is valid PromQL on this data, and the
         # per-stage p95 panel shows the stages.
@@ -150,6 +156,10 @@ def test_prometheus_scrapes_the_collector_and_promql_gives_per_stage_p95(prometh
                 )
                 resp = httpx.get(f"{url}/api/v1/query", params={"query": expr}).json()
                 assert resp["status"] == "success", (panel["title"], expr, resp)
+        # A stat of the current verdict: an instant query (a range one keeps every verdict
+        # that held at any time in the dashboard's range, one tile each).
+        (verdict,) = [p for p in dashboard["panels"] if "verdict" in p["title"].lower()]
+        assert all(t.get("instant") is True for t in verdict["targets"])
         p95_panel = dashboard["panels"][0]["targets"][0]["expr"]
         stages = _query(url, p95_panel.replace("$service", "prom").replace("$model", ".*"))
         assert {r["metric"]["stage"] for r in stages} >= {"queue", "compute", "tokenize"}
