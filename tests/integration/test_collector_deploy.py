@@ -82,3 +82,14 @@ def test_every_otelcol_exporter_to_inferprof_sends_the_bearer_token():
             assert auth.startswith("Bearer "), (path.name, name)
             checked += 1
     assert checked >= 4  # agent: 1; load balancing: the router and one per instance
+
+
+def test_k8s_manifests_validate_against_the_kubernetes_api_schema():
+    # Strict: unknown fields (a typo in a probe, a misplaced securityContext) fail too.
+    import kubernetes_validate
+
+    version = kubernetes_validate.latest_version()
+    resources = [doc for path in sorted((DEPLOY / "k8s").glob("*.yaml")) for doc in _yaml_docs(path)]
+    assert {r["kind"] for r in resources} >= {"StatefulSet", "Service", "Secret"}
+    for resource in resources:
+        kubernetes_validate.validate(resource, version, strict=True)  # raises if invalid
