@@ -77,7 +77,12 @@ class EngineCollector:
             labels=[svc, mdl],
         )
         self.engine.advance()  # fold what is due, so histograms and gauges agree
-        series = self.engine.series()[: self.max_series]
+        series = self.engine.series()
+        # The engine's own cap folds the pairs past it into __overflow__, which comes after
+        # them: it is always rendered, so what was folded stays visible.
+        overflow = (sc.OVERFLOW_SERIES, "")
+        series = series[: self.max_series] + (
+            [overflow] if overflow in series[self.max_series:] else [])
         allowed = set(series)
         for service, model, stage, counts, total in self.engine.histograms():
             if (service, model) not in allowed:
@@ -147,6 +152,12 @@ class EngineCollector:
         for reason, n in sorted(counts.items()):
             dropped.add_metric([reason], n)
         yield dropped
+        yield core.CounterMetricFamily(
+            sc.PROM_SERIES_OVERFLOW,
+            "Requests folded into service=\"__overflow__\": their (service, model) came after "
+            "--max-series others.",
+            value=stats.series_overflow,
+        )
         yield core.CounterMetricFamily(
             sc.PROM_TRACES_INCOMPLETE,
             "Traces evicted with stage spans but no request span (never completed).",

@@ -104,6 +104,28 @@ def test_exposition_passes_promtool(scraped):
     assert problems == []
 
 
+def test_the_overflow_series_is_rendered_and_counted():
+    # The engine folds the pairs past its cap into service="__overflow__"; /metrics, which
+    # renders as many pairs as the engine keeps, must show it and count what went there.
+    clock = FakeClock()
+    engine = Engine(clock=clock, max_series=2)
+    b = TraceBuilder()
+    for i, model in enumerate("abcdc"):
+        b.sequential(i * 0.1, [("compute", 0.01)], model=model)
+    engine.ingest_traces(b.export())
+    clock.tick(5)
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(engine, max_series=2))
+    fams = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
+    pairs = {(s.labels["service"], s.labels["model"]) for s in fams[sc.PROM_BOTTLENECK].samples}
+    assert pairs == {("svc", "a"), ("svc", "b"), (sc.OVERFLOW_SERIES, "")}
+    req = {s.labels["service"]: s.value for s in fams[sc.PROM_REQUEST_DURATION].samples
+           if s.name.endswith("_count") and s.labels["service"] == sc.OVERFLOW_SERIES}
+    assert req[sc.OVERFLOW_SERIES] == 3
+    overflow = _samples(fams, sc.PROM_SERIES_OVERFLOW.removesuffix("_total"), "_total")
+    assert overflow[0].value == 3
+
+
 def test_series_cap_and_bad_arguments():
     clock = FakeClock()
     engine = Engine(clock=clock)
