@@ -16,7 +16,9 @@ finalised at, so windows are "what the collector finalised in the last N seconds
 do not depend on the services' clocks.
 
 Memory is bounded: spans pending in unfinished traces by ``max_pending_spans`` (an
-export that would exceed it raises ``Overloaded`` before anything of it is accepted),
+export that would exceed it raises ``Overloaded`` before anything of it is accepted;
+with nothing pending any one export is taken, so the bound is that plus one export, whose
+size ``--max-body-bytes`` limits),
 slices by the largest window, (service, model) series by ``max_series`` (the rest fold
 into ``service="__overflow__"``), stage names by ``attribution.MAX_STAGE_COLUMNS``.
 """
@@ -218,7 +220,10 @@ class Engine:
                 # Finalise what is due first: the pressure may be only apparent.
                 self._advance(self.clock())
                 pending = self._asm.pending
-                if pending + incoming > self.max_pending_spans:
+                # With nothing pending an export is taken whatever its size (the body
+                # limit bounds it): refused, it could never fit and its sender would
+                # retry it forever.
+                if pending and pending + incoming > self.max_pending_spans:
                     raise Overloaded(pending, incoming, self.max_pending_spans)
             with _gc_paused():
                 accepted, rejected, errors = self._asm.ingest(request)

@@ -343,6 +343,19 @@ def test_overloaded_rejects_whole_export_before_accepting_anything():
     assert engine.ingest_traces(b.export()).accepted_spans == 3
 
 
+def test_an_export_larger_than_the_pending_limit_is_taken_when_nothing_is_pending():
+    # Refused, it could never fit: its sender would get 429 and retry it forever.
+    engine, clock = make_engine(max_pending_spans=5)
+    b = TraceBuilder()
+    for i in range(3):
+        b.sequential(float(i), [("queue", 0.01), ("compute", 0.02)])  # 9 spans > 5
+    assert engine.ingest_traces(b.export()).accepted_spans == 9
+    b = TraceBuilder()
+    b.sequential(5.0, [("compute", 0.02)])
+    with pytest.raises(Overloaded):  # something pending: the limit holds again
+        engine.ingest_traces(b.export())
+
+
 def test_sliding_windows_forget_old_slices():
     engine, clock = make_engine(windows_s=(60.0, 300.0), slice_s=10.0)
     b = TraceBuilder()
