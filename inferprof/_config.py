@@ -377,23 +377,24 @@ def protocol_port_mismatch(endpoint: str | None, protocol: str) -> str | None:
             f"use port {4318 if protocol == PROTOCOL_HTTP else 4317}")
 
 
+def _signal_url(own: str | None, protocol: str, endpoint: str | None, path: str) -> str | None:
+    """A signal's URL: its own variable as given, else the shared endpoint (plus the
+    signal's path over OTLP/HTTP); None leaves it to the exporter's default."""
+    if own:
+        return own
+    return _http_signal_endpoint(endpoint, path) if protocol == PROTOCOL_HTTP else endpoint
+
+
 def traces_endpoint(config: Config) -> str | None:
     """The URL the span exporter sends to (None: the exporter's default)."""
-    if config.traces_endpoint:
-        return config.traces_endpoint
-    if config.protocol == PROTOCOL_HTTP:
-        return _http_signal_endpoint(config.endpoint, "/v1/traces")
-    return config.endpoint
+    return _signal_url(config.traces_endpoint, config.protocol, config.endpoint, "/v1/traces")
 
 
 def metrics_endpoint(config: Config) -> tuple[str, str | None]:
     """The metrics exporter's protocol and URL (None: the exporter's default)."""
     protocol = config.metrics_protocol or config.protocol
-    if config.metrics_endpoint:
-        return protocol, config.metrics_endpoint
-    if protocol == PROTOCOL_HTTP:
-        return protocol, _http_signal_endpoint(config.endpoint, "/v1/metrics")
-    return protocol, config.endpoint
+    return protocol, _signal_url(config.metrics_endpoint, protocol, config.endpoint,
+                                 "/v1/metrics")
 
 
 def _span_exporter(config: Config):
@@ -401,9 +402,8 @@ def _span_exporter(config: Config):
     # per span; see inferprof/instrumentation/otlp_encode.py and docs/overhead.md).
     from inferprof.instrumentation.otlp_encode import grpc_span_exporter, http_span_exporter
 
-    if config.protocol == PROTOCOL_HTTP:
-        return http_span_exporter(endpoint=traces_endpoint(config))
-    return grpc_span_exporter(endpoint=traces_endpoint(config))
+    exporter = http_span_exporter if config.protocol == PROTOCOL_HTTP else grpc_span_exporter
+    return exporter(endpoint=traces_endpoint(config))
 
 
 def _metric_exporter(config: Config):
@@ -514,7 +514,7 @@ def configure(
         stats = Stats()
         tp = TracerProvider(resource=resource)
         mismatch = span_exporter is None and protocol_port_mismatch(
-            config.traces_endpoint or config.endpoint, config.protocol)
+            traces_endpoint(config), config.protocol)
         if mismatch:
             _logger.warning("%s", mismatch)
         exporter = span_exporter if span_exporter is not None else _span_exporter(config)
@@ -594,7 +594,8 @@ def shutdown(timeout_millis: int = 5000) -> None:
     before SIGKILL) must not spend that. What is not exported in time is dropped.
 
     Providers inferprof did not create (passed in, or the application's globals) are
-    flushed (within the same bound) but left running: they belong to the application.
+    flushed but left running: they belong to the application (their processors may not
+    keep to the bound: the SDK's batch processor ignores a flush's timeout).
     """
     global _runtime, _auto
     with _lock:

@@ -226,8 +226,8 @@ def _route_template(scope: Scope, open_root: str) -> str | None:
 def _match_route(scope: Scope, open_root: str, prefix: str) -> tuple[Any, str]:
     """(route, prefix) of the app's route that fully matches the request, else (None, "")."""
     routes = getattr(scope.get("app"), "routes", None)
-    match_cls = _starlette_match()
-    if not routes or match_cls is None:
+    routing = _starlette_routing()
+    if not routes or routing is None:
         return None, ""
     # As served (the innermost Starlette app, its root_path); then from the root path the
     # request came in with (a mount whose app is not a Starlette app extends root_path
@@ -241,25 +241,23 @@ def _match_route(scope: Scope, open_root: str, prefix: str) -> tuple[Any, str]:
                 match, _ = route.matches(candidate)
             except Exception:
                 continue
-            if match is match_cls.FULL:
+            if match is routing.Match.FULL:
                 return route, candidate_prefix
     return None, ""
 
 
-def _starlette_match() -> Any:
+def _starlette_routing() -> Any:
+    """``starlette.routing``, or None for a pure ASGI app without Starlette."""
     try:
-        from starlette.routing import Match
-    except ImportError:  # a pure ASGI app without Starlette: no routes to match
+        from starlette import routing
+    except ImportError:
         return None
-    return Match
+    return routing
 
 
 def _is_mount(route: Any) -> bool:
-    try:
-        from starlette.routing import Mount
-    except ImportError:
-        return False
-    return isinstance(route, Mount)
+    routing = _starlette_routing()
+    return routing is not None and isinstance(route, routing.Mount)
 
 
 def _ended_stage(name: str, start: int, end: int, nbytes: int) -> StageRecord:
