@@ -210,7 +210,10 @@ class Assembler:
         self.link_created: dict[tuple[bytes, bytes], float] = {}
         # linked span identity -> index entries still referring to it
         self.link_refs: dict[tuple[bytes, bytes], int] = {}
+        # Finalised traces, for ``trace_timeout_s``: trace id -> when (clock order), and
+        # trace id -> the request spans counted (a re-sent export must not count twice).
         self.recent_done: dict[bytes, float] = {}
+        self.counted: dict[bytes, tuple[bytes, ...]] = {}
         self.seen_batches: dict[Any, float] = {}
         self.pending = 0
         self.next_check = math.inf
@@ -458,10 +461,13 @@ class Assembler:
                         next_check = expiry
             self.next_check = next_check
         recent_done = self.recent_done
+        counted = self.counted
         for tid in done:
             trace = self.traces.pop(tid)
             self.pending -= len(trace.spans)
-            self._finalise_trace(tid, trace, out, now)
+            before = counted.get(tid, ())
+            now_counted = self._finalise_trace(tid, trace, out, now, before)
+            counted[tid] = before + now_counted if before else now_counted
             recent_done.pop(tid, None)  # re-insert at the end: keeps clock order
             recent_done[tid] = now
         for tid in expired:
@@ -488,8 +494,8 @@ class Assembler:
                 reason = sc.DROP_LATE if lk[0] in recent_done else sc.DROP_ORPHAN_STAGE
                 self._drop(reason, len(records))
         if not everything:
-            for _ in _pop_older(recent_done, now - self.trace_timeout_s):
-                pass
+            for tid in _pop_older(recent_done, now - self.trace_timeout_s):
+                counted.pop(tid, None)
         for _ in _pop_older(self.seen_batches, now - _BATCH_MEMORY_S):
             pass
         return out
@@ -505,7 +511,17 @@ class Assembler:
             else:
                 refs[ident] = left
 
-    def _finalise_trace(self, tid: bytes, trace: _Trace, out: Finalised, now: float) -> None:
+    def _finalise_trace(
+        self, tid: bytes, trace: _Trace, out: Finalised, now: float, counted: tuple = ()
+    ) -> tuple[bytes, ...]:
+        """Fold the trace's requests into ``out``; returns the request span ids counted.
+
+        ``counted``: request spans of this trace finalised before (in the last
+        ``trace_timeout_s``). An exporter that re-sends an export (its answer was lost, a
+        persistent queue replays it) brings them again: they and their stage spans are
+        dropped as duplicates instead of being counted twice. Other request spans of the
+        trace (another service's, arriving later) are counted as usual.
+        """
         spans = trace.spans
         # Confirm local roots among the candidates.
         requests: set[bytes] = set()
@@ -523,6 +539,7 @@ class Assembler:
             p = spans.get(parent)
             if p is None or p[4][0] != resource[0]:
                 requests.add(sid)
+        repeated = requests.intersection(counted) if counted else None
         # Request span id -> its row in ``out``; a row is opened by the request's first
         # stage span (or at the end for a request with attributes but no stage span).
         rows: dict[bytes, int] = {}
@@ -541,6 +558,9 @@ class Assembler:
             if owner is None:
                 self._drop(sc.DROP_ORPHAN_STAGE)
                 continue
+            if repeated and owner in repeated:
+                self._drop(sc.DROP_DUPLICATE)
+                continue
             row = rows.get(owner)
             if row is None:
                 row = rows[owner] = self._open_row(spans[owner], out)
@@ -551,6 +571,15 @@ class Assembler:
                 self._stage_attrs(out, row, stage, s, e, res, extra, (tid, sid), now)
         self.ignored += ignored
         links = self.links
+        if repeated:
+            requests -= repeated
+            self._drop(sc.DROP_DUPLICATE, len(repeated))
+            for rid in repeated:  # linked batch spans re-sent with their member
+                linked = links.pop((tid, rid), None) if links else None
+                if linked is not None:
+                    self.link_created.pop((tid, rid), None)
+                    self._release_linked(linked)
+                    self._drop(sc.DROP_DUPLICATE, len(linked))
         for rid in requests:
             linked = links.pop((tid, rid), None) if links else None
             if linked is not None:
@@ -573,6 +602,7 @@ class Assembler:
                     self.ignored += 1
                 else:
                     self._open_row(req, out)
+        return tuple(requests)
 
     @staticmethod
     def _open_row(req: tuple, out: Finalised) -> int:

@@ -167,6 +167,59 @@ def test_linked_batch_span_arriving_after_finalisation_is_counted_late():
     assert engine.pending_spans() == 0
 
 
+def test_export_resent_after_finalisation_is_not_counted_twice():
+    # An exporter whose answer was lost (or a persistent queue replaying) sends the same
+    # export again after its requests were finalised.
+    engine, clock = make_engine(settle_s=1.0, trace_timeout_s=30.0)
+    b = TraceBuilder()
+    for i in range(3):
+        b.sequential(i, [("queue", 0.01), ("compute", 0.02)])
+    export = b.export()
+    engine.ingest_traces(export)
+    settle(engine, clock, 2.0)
+    engine.ingest_traces(export)
+    settle(engine, clock, 2.0)
+    doc = engine.breakdown("svc")
+    assert doc["requests"] == 3
+    assert stage_of(doc, "compute")["count"] == 3
+    assert engine.stats.spans_dropped[sc.DROP_DUPLICATE] == 9
+    assert engine.pending_spans() == 0
+
+
+def test_resent_member_with_linked_batch_span_is_not_counted_twice():
+    engine, clock = make_engine(settle_s=1.0, trace_timeout_s=30.0)
+    b = TraceBuilder()
+    members = [b.request(0.0, 0.1) for _ in range(2)]
+    b.stage(None, "compute", 0.01, 0.09, links=members, batch_id="b1", batch_size=2)
+    export = b.export()
+    engine.ingest_traces(export)
+    settle(engine, clock, 2.0)
+    engine.ingest_traces(export)
+    settle(engine, clock, 2.0)
+    doc = engine.breakdown("svc")
+    assert doc["requests"] == 2
+    assert stage_of(doc, "compute")["count"] == 2
+    assert engine.stats.spans_dropped[sc.DROP_DUPLICATE] == 4  # 2 requests, 2 link uses
+    assert engine.pending_spans() == 0
+
+
+def test_another_services_request_arriving_after_finalisation_is_still_counted():
+    engine, clock = make_engine(settle_s=1.0, trace_timeout_s=30.0)
+    gateway = TraceBuilder("gateway")
+    model_svc = TraceBuilder("model-svc")
+    outer = gateway.request(0.0, 0.2, model=None)
+    gateway.stage(outer, "network", 0.01, 0.19)
+    engine.ingest_traces(gateway.export())
+    settle(engine, clock, 2.0)
+    inner = model_svc.request(0.02, 0.18, parent=outer)
+    model_svc.stage(inner, "compute", 0.03, 0.17)
+    engine.ingest_traces(model_svc.export())
+    settle(engine, clock, 2.0)
+    assert engine.breakdown("gateway")["requests"] == 1
+    assert engine.breakdown("model-svc")["requests"] == 1
+    assert sc.DROP_DUPLICATE not in engine.stats.spans_dropped
+
+
 def test_incomplete_trace_counted_and_evicted():
     engine, clock = make_engine(trace_timeout_s=30.0)
     b = TraceBuilder()
