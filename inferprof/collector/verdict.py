@@ -27,10 +27,17 @@ A utilisation sample taken at ``t`` describes the sampling period before it, so 
 joined to a compute span ``[s, e]`` when ``s < t < e + period`` (``period`` = the median
 gap between that GPU's samples): compute spans are often shorter than the sampling
 period and a strict "inside" rule would match nothing.
+
+Samples join on (``host.name``, ``hw.id``) as §4 says, with one allowance: an ``hw.id``
+that is an NVIDIA GPU or MIG UUID names one device in the world, so it joins whatever
+``host.name`` each side carries. In Kubernetes a pod's spans carry the pod's host name
+and dcgm-exporter's samples the node's; short ids (``GPU-0``, replayed or hand-made) still
+need equal host names.
 """
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 
@@ -68,6 +75,17 @@ _GROUPS = (
 )
 _GROUP_OF = {stage: name for name, stages, _ in _GROUPS for stage in stages}
 _WORDS = {name: words for name, _, words in _GROUPS}
+
+
+#: NVML's and DCGM's GPU / MIG instance UUIDs (``GPU-8-4-4-4-12 hex``): unique per device.
+_DEVICE_UUID = re.compile(
+    r"(?:GPU|MIG)-[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"
+)
+
+
+def is_device_uuid(hw_id: str) -> bool:
+    """Whether ``hw_id`` names one GPU in the world (joins across host names)."""
+    return _DEVICE_UUID.fullmatch(hw_id) is not None
 
 
 def is_gpu_metric(name: str) -> bool:
@@ -145,9 +163,12 @@ class GpuSamples:
             by_gpu[(host, gpu)].append((s, e))
         out = []
         for (host, gpu), spans in by_gpu.items():
+            any_host = is_device_uuid(gpu)
             for key in self._data:
                 shost, sgpu, smetric = key
-                if smetric != metric or sgpu != gpu or (host and shost and host != shost):
+                if smetric != metric or sgpu != gpu:
+                    continue
+                if host and shost and host != shost and not any_host:
                     continue
                 t, v, period = self._arrays(key)
                 iv = np.asarray(spans)

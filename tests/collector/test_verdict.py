@@ -101,7 +101,14 @@ def test_compute_rules_read_gpu_evidence(gpu, expected):
         assert any("DCGM" in e for e in verdict["evidence"])
 
 
-def _compute_bound_engine(util: float | None, *, dcgm: dict | None = None, gpu_id: str = "GPU-0"):
+def _compute_bound_engine(
+    util: float | None,
+    *,
+    dcgm: dict | None = None,
+    gpu_id: str = "GPU-0",
+    sample_host: str = "host-1",
+    sample_gpu_id: str = "GPU-0",
+):
     clock = FakeClock()
     engine = Engine(clock=clock)
     b = TraceBuilder()
@@ -113,10 +120,17 @@ def _compute_bound_engine(util: float | None, *, dcgm: dict | None = None, gpu_i
     engine.ingest_traces(b.export())
     if util is not None:
         samples = [(i * 0.05, util) for i in range(600)]
-        engine.ingest_metrics(gpu_metrics(samples))
+        engine.ingest_metrics(
+            gpu_metrics(samples, host=sample_host, hw_id=sample_gpu_id)
+        )
         for metric, value in (dcgm or {}).items():
             engine.ingest_metrics(
-                gpu_metrics([(i * 0.05, value) for i in range(600)], metric=metric)
+                gpu_metrics(
+                    [(i * 0.05, value) for i in range(600)],
+                    metric=metric,
+                    host=sample_host,
+                    hw_id=sample_gpu_id,
+                )
             )
     clock.tick(5)
     return engine.breakdown("svc", window_s=None)
@@ -141,6 +155,17 @@ def test_engine_compute_bound_without_samples_or_with_unjoinable_samples():
     other = _compute_bound_engine(0.5, gpu_id="GPU-other")
     assert other["gpu"]["samples_received"] == 600 and other["gpu"]["samples"] == 0
     assert "inferprof.gpu.id" in other["verdict"]["evidence"][0]
+
+
+def test_device_uuid_joins_across_host_names_short_ids_do_not():
+    # Kubernetes: the pod's spans say host.name = the pod, dcgm-exporter says the node.
+    uuid = "GPU-5d3f8c2a-9b1e-4c7d-8a6f-0e2b4c6d8f10"
+    doc = _compute_bound_engine(0.25, gpu_id=uuid, sample_host="node-7", sample_gpu_id=uuid)
+    assert doc["gpu"]["samples"] > 100
+    assert doc["verdict"]["bottleneck"] == sc.VERDICT_RUNTIME
+    short = _compute_bound_engine(0.25, gpu_id="GPU-0", sample_host="node-7")
+    assert short["gpu"]["samples"] == 0
+    assert short["verdict"]["bottleneck"] == sc.VERDICT_UNKNOWN
 
 
 def test_gpu_samples_without_hw_id_or_finite_value_rejected():
