@@ -84,8 +84,9 @@ _DEVICE_UUID = re.compile(
 
 
 def is_device_uuid(hw_id: str) -> bool:
-    """Whether ``hw_id`` names one GPU in the world (joins across host names)."""
-    return _DEVICE_UUID.fullmatch(hw_id) is not None
+    """Whether ``hw_id`` names one GPU in the world (joins across host names). The nil
+    UUID is a placeholder (``inferprof.gpu.SyntheticSource``'s default), not a device."""
+    return _DEVICE_UUID.fullmatch(hw_id) is not None and hw_id.strip("GPUMI-0") != ""
 
 
 def is_gpu_metric(name: str) -> bool:

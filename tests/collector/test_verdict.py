@@ -166,6 +166,9 @@ def test_device_uuid_joins_across_host_names_short_ids_do_not():
     short = _compute_bound_engine(0.25, gpu_id="GPU-0", sample_host="node-7")
     assert short["gpu"]["samples"] == 0
     assert short["verdict"]["bottleneck"] == sc.VERDICT_UNKNOWN
+    nil = "GPU-00000000-0000-0000-0000-000000000000"  # a placeholder, not a device
+    placeholder = _compute_bound_engine(0.25, gpu_id=nil, sample_host="node-7", sample_gpu_id=nil)
+    assert placeholder["gpu"]["samples"] == 0
 
 
 def test_gpu_samples_without_hw_id_or_finite_value_rejected():
