@@ -33,7 +33,10 @@ _LAZY = {
 #: subpackages reachable as attributes after ``import inferprof`` alone (imported on first
 #: use): ``inferprof.instrumentation.stats()``, ``inferprof.batching.current_batch()``...
 _SUBPACKAGES = frozenset(
-    ("instrumentation", "batching", "fastapi", "collector", "report", "demo", "cli")
+    (
+        "instrumentation", "batching", "fastapi", "triton", "gpu", "collector", "report",
+        "demo", "cli",
+    )
 )
 
 __all__ = ["semconv", "__version__", *_LAZY]

@@ -121,6 +121,20 @@ METRIC_DCGM_SM_OCCUPANCY: Final = "inferprof.gpu.dcgm.sm_occupancy"
 METRIC_DCGM_TENSOR_ACTIVE: Final = "inferprof.gpu.dcgm.tensor_active"
 METRIC_DCGM_DRAM_ACTIVE: Final = "inferprof.gpu.dcgm.dram_active"
 ATTR_HW_ID: Final = "hw.id"
+#: Share of time the memory controller was busy (NVML ``utilization.memory``, DCGM
+#: ``DCGM_FI_DEV_MEM_COPY_UTIL``), ratio 0..1. Not ``hw.gpu.memory.utilization``: the
+#: OpenTelemetry convention defines that one as memory *used* over memory size (§9).
+METRIC_DCGM_MEM_COPY_UTIL: Final = "inferprof.gpu.dcgm.mem_copy_util"
+#: Resource attribute of GPU samples naming what produced them (§9): live sources
+#: ``nvml`` and ``dcgm-exporter``; ``replay`` and ``synthetic`` are not live GPU data.
+RESOURCE_GPU_SOURCE: Final = "inferprof.gpu.source"
+GPU_SOURCE_NVML: Final = "nvml"
+GPU_SOURCE_DCGM_EXPORTER: Final = "dcgm-exporter"
+GPU_SOURCE_REPLAY: Final = "replay"
+GPU_SOURCE_SYNTHETIC: Final = "synthetic"
+GPU_SOURCES: Final = (
+    GPU_SOURCE_NVML, GPU_SOURCE_DCGM_EXPORTER, GPU_SOURCE_REPLAY, GPU_SOURCE_SYNTHETIC
+)
 
 # --- §5 Collector outputs -------------------------------------------------------
 
@@ -233,5 +247,22 @@ METRIC_SPANS_EMITTED: Final = "inferprof.spans.emitted"
 ATTR_DROP_REASON: Final = "reason"
 DROP_REASON_QUEUE_FULL: Final = "queue_full"
 DROP_REASON_EXPORT_FAILED: Final = "export_failed"
+
+# --- Triton client wrapper (inferprof.triton; extensions beyond the v1 contract) --------
+
+#: Model name and version a Triton call's ``network`` stage asked Triton for (the request
+#: span's own ``inferprof.model.name`` stays the application's to set).
+ATTR_TRITON_MODEL_NAME: Final = "inferprof.triton.model.name"
+ATTR_TRITON_MODEL_VERSION: Final = "inferprof.triton.model.version"
+#: The client's protocol: ``http`` or ``grpc``.
+ATTR_TRITON_PROTOCOL: Final = "inferprof.triton.protocol"
+#: Binary tensor data the call sent / received (``inferprof.bytes`` holds their sum).
+ATTR_TRITON_REQUEST_BYTES: Final = "inferprof.triton.request.bytes"
+ATTR_TRITON_RESPONSE_BYTES: Final = "inferprof.triton.response.bytes"
+#: Streams: inference requests sent and responses received on the stream.
+ATTR_TRITON_STREAM_REQUESTS: Final = "inferprof.triton.stream.requests"
+ATTR_TRITON_STREAM_RESPONSES: Final = "inferprof.triton.stream.responses"
+TRITON_PROTOCOL_HTTP: Final = "http"
+TRITON_PROTOCOL_GRPC: Final = "grpc"
 
 __all__ = [name for name in dir() if name.isupper()] + ["span_name", "validate_stage"]

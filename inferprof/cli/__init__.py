@@ -15,6 +15,7 @@ _SUBCOMMANDS = {
     "demo": ("inferprof.demo.command:demo", "Run the demo service under load and print its breakdown."),
     "collect": ("inferprof.collector.command:collect", "Receive OTLP and serve per-stage breakdowns."),
     "report": ("inferprof.report.command:report", "Per-stage breakdown of OTLP files, offline."),
+    "gpu": ("inferprof.gpu.command:gpu", "Sample GPUs (NVML, dcgm-exporter) and ship them as OTLP."),
 }
 
 

@@ -9,10 +9,18 @@ import yaml
 
 from inferprof.collector import settings as st
 from inferprof.collector.command import collect
+from inferprof.gpu import sampler as gpu_sampler
+from inferprof.gpu.command import gpu
 
 DEPLOY = pathlib.Path(__file__).resolve().parents[2] / "deploy"
-FLAGS = {opt for param in collect.params for opt in getattr(param, "opts", ())}
-ENV_VARS = {getattr(st, name) for name in dir(st) if name.startswith("ENV_")}
+# `inferprof collect` and `inferprof gpu` (the GPU sampler DaemonSet).
+FLAGS = {opt for cmd in (collect, gpu) for param in cmd.params for opt in getattr(param, "opts", ())}
+ENV_VARS = {
+    getattr(module, name)
+    for module in (st, gpu_sampler)
+    for name in dir(module)
+    if name.startswith("ENV_")
+}
 
 
 def _yaml_docs(path: pathlib.Path) -> list:

@@ -1,0 +1,192 @@
+"""GPU samples from NVML, the NVIDIA driver's management library (``nvidia-ml-py``).
+
+Per GPU and poll: utilisation (``nvmlDeviceGetUtilizationRates``: the percent of the
+driver's last sample period, between 1/6 s and 1 s depending on the product, in which a
+kernel ran -> ratio), memory-controller busy share, memory used and size
+(``nvmlDeviceGetMemoryInfo``, bytes), power (``nvmlDeviceGetPowerUsage``, mW -> W), the
+graphics clock (MHz) and the core temperature (Cel). ``hw.id`` is the GPU's UUID as NVML
+reports it (``GPU-<8-4-4-4-12 lower-case hex>``), which is what ``inferprof.gpu.id`` on the
+service's CUDA stages holds (``inferprof.batching.device.gpu_uuid``), so the collector can
+join the two.
+
+What NVML cannot give, as sampled here: SM activity and SM occupancy (DCGM profiling
+fields). Without them the collector's verdict never says ``hardware`` (docs/gpu.md).
+
+Readings NVML reports as not supported on a GPU (power on some boards, utilisation on a
+MIG-enabled GPU) are left out for that GPU from then on; other per-field errors skip the
+field for that poll. NVML ignores ``CUDA_VISIBLE_DEVICES``: every GPU the driver exposes to
+this process (its container) is sampled unless ``devices`` narrows it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from inferprof import semconv as sc
+from inferprof._optional import require
+from inferprof.gpu.records import GpuSample, RateLimitedLog, SourceUnavailable
+
+_logger = logging.getLogger(__name__)
+
+#: Poll interval when none is configured. NVML refreshes utilisation once per sample period
+#: (1/6 s on recent data-centre GPUs, up to 1 s on older ones): polling every 0.1 s sees
+#: every refresh, and compute spans of tens of milliseconds still get a sample close by.
+#: Cost: six NVML calls per GPU per poll, tens of microseconds each.
+DEFAULT_INTERVAL_S = 0.1
+
+_WHY = {
+    "NVMLError_LibraryNotFound": "the NVML library (libnvidia-ml.so) was not found: no NVIDIA "
+    "driver on this machine, or it is not mounted into this container",
+    "NVMLError_DriverNotLoaded": "the NVIDIA driver is not loaded",
+    "NVMLError_NoPermission": "no permission to open the GPU devices",
+    "NVMLError_LibRmVersionMismatch": "the NVML library and the loaded driver have different "
+    "versions (a driver upgrade needs a reboot)",
+}
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class NvmlSource:
+    """Reads every GPU (or ``devices``: UUIDs or NVML indices) through NVML."""
+
+    name = sc.GPU_SOURCE_NVML
+    default_interval = DEFAULT_INTERVAL_S
+
+    def __init__(self, devices: Sequence[str | int] | None = None) -> None:
+        if devices is not None and (isinstance(devices, (str, bytes)) or not all(
+                isinstance(d, (str, int)) and not isinstance(d, bool) for d in devices)):
+            raise ValueError(f"devices must be a sequence of GPU UUIDs or indices, got {devices!r}")
+        self._wanted = None if devices is None else list(devices)
+        self._nvml: Any = None
+        self._gpus: list[tuple[Any, str]] = []  # (handle, uuid)
+        # uuid -> readers switched off because NVML said "not supported" on that GPU
+        self._unsupported: dict[str, set[str]] = {}
+        self._errors = RateLimitedLog(_logger, "NVML reads")
+
+    @property
+    def gpu_ids(self) -> list[str]:
+        return [uuid for _, uuid in self._gpus]
+
+    def open(self) -> None:
+        try:
+            nvml = require("pynvml", "gpu")
+        except ImportError as exc:
+            raise SourceUnavailable(str(exc)) from None
+        try:
+            nvml.nvmlInit()
+        except nvml.NVMLError as exc:
+            why = _WHY.get(type(exc).__name__, f"NVML could not start ({exc})")
+            raise SourceUnavailable(f"no GPU to sample: {why}") from None
+        try:
+            count = nvml.nvmlDeviceGetCount()
+            gpus = []
+            for index in range(count):
+                handle = nvml.nvmlDeviceGetHandleByIndex(index)
+                gpus.append((index, handle, _text(nvml.nvmlDeviceGetUUID(handle))))
+        except nvml.NVMLError as exc:
+            self._shutdown(nvml)
+            raise SourceUnavailable(f"NVML could not list the GPUs: {exc}") from None
+        if not gpus:
+            self._shutdown(nvml)
+            raise SourceUnavailable("no GPU to sample: NVML sees no GPU on this machine")
+        if self._wanted is not None:
+            chosen = [g for g in gpus if g[0] in self._wanted or g[2] in self._wanted]
+            missing = [w for w in self._wanted if not any(w in (g[0], g[2]) for g in gpus)]
+            if missing:
+                self._shutdown(nvml)
+                known = ", ".join(f"{i}={u}" for i, _, u in gpus)
+                raise ValueError(f"no such GPU: {missing} (NVML sees {known})")
+            gpus = chosen
+        self._nvml = nvml
+        self._gpus = [(handle, uuid) for _, handle, uuid in gpus]
+        self._unsupported = {uuid: set() for _, uuid in self._gpus}
+
+    def read(self) -> list[GpuSample]:
+        nvml = self._nvml
+        if nvml is None:
+            raise RuntimeError("NvmlSource.read() before open()")
+        samples = []
+        failed: list[str] = []
+        for handle, uuid in self._gpus:
+            values: list[tuple[str, float]] = []
+            off = self._unsupported[uuid]
+            for reader_name, reader in _READERS:
+                if reader_name in off:
+                    continue
+                try:
+                    values.extend(reader(nvml, handle))
+                except nvml.NVMLError as exc:
+                    if getattr(exc, "value", None) == nvml.NVML_ERROR_NOT_SUPPORTED:
+                        off.add(reader_name)
+                        _logger.info("NVML does not report %s on GPU %s; left out", reader_name,
+                                     uuid)
+                    else:
+                        failed.append(f"{uuid} {reader_name}: {exc}")
+            if values:
+                samples.append(GpuSample(time.time_ns(), uuid, tuple(values)))
+        if failed:
+            if not samples:
+                raise RuntimeError("NVML reads failed: " + "; ".join(failed))
+            self._errors.failure("NVML reads failed: %s", "; ".join(failed))
+        else:
+            self._errors.success()
+        return samples
+
+    def close(self) -> None:
+        nvml, self._nvml = self._nvml, None
+        if nvml is not None:
+            self._shutdown(nvml)
+
+    @staticmethod
+    def _shutdown(nvml: Any) -> None:
+        try:
+            nvml.nvmlShutdown()
+        except Exception:  # closing never raises
+            _logger.debug("nvmlShutdown failed", exc_info=True)
+
+
+def _utilization(nvml: Any, handle: Any) -> list[tuple[str, float]]:
+    rates = nvml.nvmlDeviceGetUtilizationRates(handle)
+    return [(sc.METRIC_GPU_UTILIZATION, rates.gpu / 100.0),
+            (sc.METRIC_DCGM_MEM_COPY_UTIL, rates.memory / 100.0)]
+
+
+def _memory(nvml: Any, handle: Any) -> list[tuple[str, float]]:
+    info = nvml.nvmlDeviceGetMemoryInfo(handle)
+    out = [(sc.METRIC_GPU_MEMORY_USAGE, float(info.used)),
+           (sc.METRIC_GPU_MEMORY_LIMIT, float(info.total))]
+    if info.total > 0:
+        out.append((sc.METRIC_GPU_MEMORY_UTILIZATION, info.used / info.total))
+    return out
+
+
+def _power(nvml: Any, handle: Any) -> list[tuple[str, float]]:
+    return [(sc.METRIC_GPU_POWER_DRAW, nvml.nvmlDeviceGetPowerUsage(handle) / 1000.0)]
+
+
+def _clock(nvml: Any, handle: Any) -> list[tuple[str, float]]:
+    mhz = nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_GRAPHICS)
+    return [(sc.METRIC_GPU_CLOCK_GRAPHICS, float(mhz))]
+
+
+def _temperature(nvml: Any, handle: Any) -> list[tuple[str, float]]:
+    celsius = nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU)
+    return [(sc.METRIC_GPU_TEMPERATURE, float(celsius))]
+
+
+# A reading is stamped after its GPU's calls: all of them take tens of microseconds, a
+# thousandth of the poll interval.
+_READERS: tuple[tuple[str, Callable[[Any, Any], list[tuple[str, float]]]], ...] = (
+    ("utilization", _utilization),
+    ("memory", _memory),
+    ("power", _power),
+    ("clock", _clock),
+    ("temperature", _temperature),
+)
+
+__all__ = ["DEFAULT_INTERVAL_S", "NvmlSource"]

@@ -1,0 +1,101 @@
+"""Triton Inference Server clients as ``network`` stages, with the trace continued in Triton.
+
+::
+
+    import tritonclient.grpc.aio as grpcclient
+    import inferprof.triton
+
+    triton = inferprof.triton.instrument(grpcclient.InferenceServerClient("triton:8001"))
+
+    async def handler(...):                       # inside an inferprof request
+        result = await triton.infer("bert", inputs)   # one ``network`` stage
+
+``instrument(client)`` works on ``tritonclient.http`` and ``tritonclient.grpc``
+``InferenceServerClient`` and their ``aio`` versions. Each ``infer`` (and ``async_infer``,
+and each gRPC stream) becomes a ``network`` stage of the current request — or, outside a
+request, an ordinary span, as ``inferprof.stage`` does — with the Triton model name and
+version, the protocol and the binary tensor bytes; a Triton error is recorded on it and
+re-raised unchanged. The stage's W3C ``traceparent``/``tracestate`` go into the call's
+HTTP headers or gRPC metadata through tritonclient's plugin mechanism, so a Triton server
+tracing in OpenTelemetry mode puts its own spans (request, queue, compute) under the
+``network`` span of the same trace. With inferprof off or not configured a call costs one
+check. See ``docs/triton.md``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from inferprof._optional import require
+
+C = TypeVar("C")
+
+
+def instrument(client: C, *, propagate: bool | str = True) -> C:
+    """Record every inference call of ``client`` as a ``network`` stage; returns ``client``.
+
+    ``propagate``: send each call's trace context to Triton — ``True`` (default), ``False``,
+    or ``"sampled"``: only for requests whose trace is sampled at the start (Triton traces
+    every request that carries a trace context, whatever its sampled flag and its own
+    ``rate``; see docs/triton.md). An application plugin already registered on the client
+    (``BasicAuth``...) is kept and runs first; register yours before calling
+    ``instrument()``, since a client holds one plugin. Instrumenting a client twice changes
+    nothing. Raises ``TypeError`` for anything but a tritonclient ``InferenceServerClient``,
+    ``ValueError`` for another ``propagate``, ``ImportError`` naming ``inferprof[triton]``
+    without tritonclient.
+    """
+    require("tritonclient", "triton")
+    from inferprof.triton._clients import kind_of, patch
+    from inferprof.triton._kinds import PROPAGATE_SAMPLED, STATE_KEY, State
+
+    if not (isinstance(propagate, bool) or propagate == PROPAGATE_SAMPLED):
+        raise ValueError(f"propagate must be True, False or 'sampled', got {propagate!r}")
+    kind = kind_of(client)
+    if kind is None:
+        raise TypeError(
+            "inferprof.triton.instrument() takes a tritonclient InferenceServerClient "
+            f"(http, grpc, http.aio or grpc.aio), got {type(client).__qualname__}"
+        )
+    if STATE_KEY in vars(client):
+        return client
+    state = State(kind, type(client), propagate)
+    if propagate is not False:
+        from inferprof.triton._plugin import TraceContextPlugin
+
+        previous = client.plugin()
+        plugin = TraceContextPlugin(previous)
+        if previous is not None:
+            client.unregister_plugin()
+        client.register_plugin(plugin)
+        state.plugin = plugin
+    patch(client, state)
+    return client
+
+
+def uninstrument(client: C) -> C:
+    """Undo :func:`instrument`: the client's own methods again, and the plugin it had
+    before (if ours is still the registered one). A stream still open ends its stage now."""
+    from inferprof.triton._clients import unpatch
+    from inferprof.triton._kinds import STATE_KEY
+
+    state = vars(client).get(STATE_KEY) if hasattr(client, "__dict__") else None
+    if state is None:
+        return client
+
+    unpatch(client, state)
+    plugin = state.plugin
+    if plugin is not None and client.plugin() is plugin:
+        client.unregister_plugin()
+        if plugin.previous is not None:
+            client.register_plugin(plugin.previous)
+    return client
+
+
+def is_instrumented(client: Any) -> bool:
+    """Whether :func:`instrument` applies to ``client`` now."""
+    from inferprof.triton._kinds import STATE_KEY
+
+    return STATE_KEY in getattr(client, "__dict__", ())
+
+
+__all__ = ["instrument", "is_instrumented", "uninstrument"]

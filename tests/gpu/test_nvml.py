@@ -1,0 +1,172 @@
+"""The NVML source: readings in the contract's units, per-GPU failures, and the machine
+without a GPU (this one: the real nvidia-ml-py finds no libnvidia-ml)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import types
+
+import pynvml
+import pytest
+
+from inferprof import semconv as sc
+from inferprof.batching import device
+from inferprof.gpu import DisabledSampler, NvmlSource, SourceUnavailable, start_sampler
+from tests.gpu import fake_pynvml
+from tests.gpu.fake_pynvml import FakeGpu
+
+UUID_A = "GPU-604ac76c-d9cf-fef3-62e9-d92044ab6e52"
+UUID_B = "GPU-e2d9b65e-98cb-5b7a-90f0-e0336573f9e2"
+
+
+@pytest.fixture
+def fake_nvml(monkeypatch):
+    def install(gpus, **kw):
+        mod = fake_pynvml.build(gpus, **kw)
+        monkeypatch.setitem(sys.modules, "pynvml", mod)
+        return mod
+    return install
+
+
+def _real_nvml_works() -> bool:
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return False
+    pynvml.nvmlShutdown()
+    return True
+
+
+def test_reads_every_gpu_in_the_contracts_units(fake_nvml):
+    fake_nvml([
+        FakeGpu(UUID_A, util=[(37, 12), (90, 40)], memory_total=80 * 2**30,
+                memory_used=20 * 2**30, power_mw=312_500, clock_mhz=1_755, temperature_c=61),
+        # older nvidia-ml-py releases return the UUID as bytes
+        FakeGpu(UUID_B.encode(), util=[(5, 1)]),
+    ])
+    src = NvmlSource()
+    src.open()
+    try:
+        first = src.read()
+        second = src.read()
+    finally:
+        src.close()
+    assert [s.hw_id for s in first] == [UUID_A, UUID_B]
+    a = first[0].as_dict()
+    assert a == {
+        sc.METRIC_GPU_UTILIZATION: pytest.approx(0.37),
+        sc.METRIC_DCGM_MEM_COPY_UTIL: pytest.approx(0.12),
+        sc.METRIC_GPU_MEMORY_USAGE: 20 * 2**30,
+        sc.METRIC_GPU_MEMORY_LIMIT: 80 * 2**30,
+        sc.METRIC_GPU_MEMORY_UTILIZATION: pytest.approx(0.25),
+        sc.METRIC_GPU_POWER_DRAW: pytest.approx(312.5),
+        sc.METRIC_GPU_CLOCK_GRAPHICS: 1755.0,
+        sc.METRIC_GPU_TEMPERATURE: 61.0,
+    }
+    assert all(s.host is None for s in first)  # the sampler's host.name applies
+    # each poll reads the driver again: the second reading is the GPU's next figure
+    assert second[0].as_dict()[sc.METRIC_GPU_UTILIZATION] == pytest.approx(0.90)
+    assert second[0].time_unix_nano >= first[0].time_unix_nano
+
+
+def test_a_reading_nvml_does_not_support_is_left_out_and_the_rest_kept(fake_nvml):
+    fake_nvml([FakeGpu(UUID_A), FakeGpu(UUID_B, unsupported={"nvmlDeviceGetPowerUsage"})])
+    src = NvmlSource()
+    src.open()
+    try:
+        for _ in range(2):
+            a, b = (s.as_dict() for s in src.read())
+            assert sc.METRIC_GPU_POWER_DRAW in a
+            assert sc.METRIC_GPU_POWER_DRAW not in b
+            assert sc.METRIC_GPU_UTILIZATION in b and sc.METRIC_GPU_TEMPERATURE in b
+    finally:
+        src.close()
+
+
+def test_a_poll_fails_only_when_no_gpu_could_be_read(fake_nvml):
+    everything = {"nvmlDeviceGetUtilizationRates", "nvmlDeviceGetMemoryInfo",
+                  "nvmlDeviceGetPowerUsage", "nvmlDeviceGetClockInfo", "nvmlDeviceGetTemperature"}
+    fake_nvml([FakeGpu(UUID_A, lost=everything), FakeGpu(UUID_B)])
+    src = NvmlSource()
+    src.open()
+    assert [s.hw_id for s in src.read()] == [UUID_B]  # the lost GPU does not hide the other
+    src.close()
+    fake_nvml([FakeGpu(UUID_A, lost=everything)])
+    src = NvmlSource()
+    src.open()
+    with pytest.raises(RuntimeError, match="GPU is lost"):
+        src.read()
+    src.close()
+
+
+def test_devices_narrow_the_gpus_by_uuid_or_index(fake_nvml):
+    mod = fake_nvml([FakeGpu(UUID_A), FakeGpu(UUID_B)])
+    for wanted in ([UUID_B], [1]):
+        src = NvmlSource(wanted)
+        src.open()
+        assert [s.hw_id for s in src.read()] == [UUID_B]
+        src.close()
+    with pytest.raises(ValueError, match=f"no such GPU.*0={UUID_A}"):
+        NvmlSource(["GPU-nope"]).open()
+    assert mod.state["initialised"] == 0  # every open was matched by a shutdown
+
+
+def test_no_gpu_or_no_driver_is_source_unavailable_in_one_line(fake_nvml):
+    fake_nvml([])
+    with pytest.raises(SourceUnavailable, match="NVML sees no GPU"):
+        NvmlSource().open()
+    fake_nvml([FakeGpu(UUID_A)], init_error=pynvml.NVMLError_DriverNotLoaded)
+    with pytest.raises(SourceUnavailable, match="driver is not loaded"):
+        NvmlSource().open()
+
+
+def test_missing_nvidia_ml_py_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml -> ImportError
+    with pytest.raises(SourceUnavailable, match=r"pip install 'inferprof\[gpu\]'"):
+        NvmlSource().open()
+
+
+@pytest.mark.skipif(_real_nvml_works(), reason="this machine has a working NVIDIA driver")
+def test_real_nvml_without_a_driver_says_so():
+    with pytest.raises(SourceUnavailable, match="libnvidia-ml.so.*not found"):
+        NvmlSource().open()
+
+
+@pytest.mark.skipif(_real_nvml_works(), reason="this machine has a working NVIDIA driver")
+def test_start_sampler_without_a_gpu_warns_once_and_returns_a_no_op(caplog, otlp_sink):
+    before = {t.name for t in threading.enumerate()}
+    with caplog.at_level(logging.DEBUG, logger="inferprof"):
+        sampler = start_sampler(endpoint=otlp_sink.endpoint)  # nvml, the default source
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    assert "GPU sampling disabled" in warnings[0].getMessage()
+    assert "libnvidia-ml.so" in warnings[0].getMessage()
+    assert isinstance(sampler, DisabledSampler) and not sampler.running
+    assert sampler.reason == warnings[0].getMessage()
+    assert {t.name for t in threading.enumerate()} - before == set()  # no thread started
+    sampler.stop()
+    assert sampler.flush() and sampler.stats().polls == 0
+
+
+def test_nvml_uuid_is_the_gpu_id_the_cuda_stages_carry(fake_nvml, monkeypatch):
+    """The collector joins hw.id to inferprof.gpu.id: both must spell the UUID the same way.
+
+    torch prints a device's UUID without NVML's ``GPU-`` prefix (``_CUuuid.__str__``:
+    ``%02x`` bytes in 8-4-4-4-12 groups); ``device.gpu_uuid`` adds it. The stand-in below
+    reproduces that rendering for one GPU.
+    """
+    bare = UUID_A.removeprefix("GPU-")
+    props = types.SimpleNamespace(uuid=type("_CUuuid", (), {"__str__": lambda self: bare})())
+    torch = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        get_device_properties=lambda index: props))
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.setattr(device, "_gpu_uuids", {})
+    fake_nvml([FakeGpu(UUID_A)])
+    src = NvmlSource()
+    src.open()
+    try:
+        assert src.read()[0].hw_id == device.gpu_uuid(0) == UUID_A
+    finally:
+        src.close()
