@@ -159,6 +159,11 @@ class EngineCollector:
             value=stats.series_overflow,
         )
         yield core.CounterMetricFamily(
+            sc.PROM_GPU_SAMPLES_RECEIVED,
+            "GPU samples (contract section 4 data points) accepted, joined to spans or not.",
+            value=stats.gpu_samples_received,
+        )
+        yield core.CounterMetricFamily(
             sc.PROM_TRACES_INCOMPLETE,
             "Traces evicted with stage spans but no request span (never completed).",
             value=stats.traces_incomplete,

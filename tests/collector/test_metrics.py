@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from inferprof import semconv as sc
 from inferprof.collector.engine import HISTOGRAM_BOUNDS, Engine
 from inferprof.collector.metrics import EngineCollector
-from tests.collector.synth import FakeClock, TraceBuilder
+from tests.collector.synth import FakeClock, TraceBuilder, gpu_metrics
 
 
 @pytest.fixture
@@ -85,6 +85,18 @@ def test_self_metrics(scraped):
     assert counts[sc.DROP_INVALID_STAGE] == 1 and len(counts) == 10
     assert all(v == 0 for r, v in counts.items() if r != sc.DROP_INVALID_STAGE)
     assert _samples(fam, sc.PROM_TRACES_INCOMPLETE.removesuffix("_total"), "_total")[0].value == 0
+    gpu = sc.PROM_GPU_SAMPLES_RECEIVED.removesuffix("_total")
+    assert _samples(fam, gpu, "_total")[0].value == 0  # present before the first sample
+
+
+def test_gpu_samples_received_counted():
+    engine = Engine(clock=FakeClock())
+    engine.ingest_metrics(gpu_metrics([(0.0, 0.5), (0.1, 0.6), (0.2, float("nan"))]))
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(engine, window_s=300))
+    fam = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
+    gpu = sc.PROM_GPU_SAMPLES_RECEIVED.removesuffix("_total")
+    assert _samples(fam, gpu, "_total")[0].value == 2  # the NaN point is rejected
 
 
 def test_exposition_passes_promtool(scraped):
