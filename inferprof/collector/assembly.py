@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from inferprof import semconv as sc
+from inferprof.collector import triton_spans as _triton
 
 _DAY_NS = 86_400 * 1_000_000_000
 _ZERO_TRACE = bytes(16)
@@ -172,7 +173,7 @@ class Finalised:
 
 
 class _Trace:
-    __slots__ = ("candidates", "created", "due", "spans")
+    __slots__ = ("candidates", "created", "due", "spans", "triton")
 
     def __init__(self, created: float) -> None:
         # span id -> (parent id, start, end, stage index, resource, extra, is_candidate,
@@ -183,6 +184,8 @@ class _Trace:
         self.candidates: list[bytes] = []
         self.due: float | None = None
         self.created = created
+        # span id -> triton_spans.read_span record, for Triton's own spans (None: none).
+        self.triton: dict[bytes, tuple] | None = None
 
     def has_stage(self) -> bool:
         # Asked only of expired traces: cheaper than a flag set per span on ingest.
@@ -199,8 +202,11 @@ class Assembler:
         trace_timeout_s: float,
         max_spans_per_trace: int,
         clock: Callable[[], float],
+        triton_spans: bool = True,
     ) -> None:
         self.settle_s = settle_s
+        #: Translate Triton's own spans into stages (see ``triton_spans``).
+        self.triton_spans = triton_spans
         self.trace_timeout_s = trace_timeout_s
         self.max_spans_per_trace = max_spans_per_trace
         self.clock = clock
@@ -226,6 +232,8 @@ class Assembler:
         self.accepted = 0
         self.ignored = 0
         self.incomplete = 0
+        #: Triton requests counted with fewer than the four stages derived.
+        self.triton_partial = 0
 
     # --- ingest ---------------------------------------------------------------------
     def _drop(self, reason: str, n: int = 1) -> None:
@@ -251,6 +259,7 @@ class Assembler:
         next_check = self.next_check
         expiry = now + self.trace_timeout_s
         candidate_kinds = _CANDIDATE_KINDS
+        triton_on = self.triton_spans
         seen = rejected = 0
         errors: list[str] = []
 
@@ -276,6 +285,9 @@ class Assembler:
             resource = (service, host, instance)
             for ss in rs.scope_spans:
                 spans = ss.spans
+                # Triton's spans are told by their scope: other scopes' spans are never
+                # asked for their name or events.
+                triton = triton_on and ss.scope.name == _triton.SCOPE
                 # Every span is accepted unless rejected (and counted) below.
                 seen += len(spans)
                 for span in spans:
@@ -396,8 +408,19 @@ class Assembler:
                                 f"trace {tid.hex()}: more than {max_spans} spans",
                             )
                             continue
-                    if span.kind in candidate_kinds or (
-                        extra is not None and extra.get(attr_request) is True
+                    triton_request = False
+                    if triton and sidx is None:
+                        trec = _triton.read_span(span)
+                        if trec is not None:
+                            if trace.triton is None:
+                                trace.triton = {sid: trec}
+                            else:
+                                trace.triton[sid] = trec
+                            triton_request = trec[0] == _triton.REQUEST
+                    if (
+                        span.kind in candidate_kinds
+                        or (extra is not None and extra.get(attr_request) is True)
+                        or triton_request
                     ):
                         trace.candidates.append(sid)
                         due = now + settle_s
@@ -580,6 +603,9 @@ class Assembler:
                     self.link_created.pop((tid, rid), None)
                     self._release_linked(linked)
                     self._drop(sc.DROP_DUPLICATE, len(linked))
+        translated = (
+            _triton.translate(spans, trace.triton, requests) if trace.triton is not None else None
+        )
         for rid in requests:
             linked = links.pop((tid, rid), None) if links else None
             if linked is not None:
@@ -594,6 +620,18 @@ class Assembler:
                     add_end(e)
                     if extra is not None:
                         self._stage_attrs(out, row, stage, s, e, res, extra, ident, now)
+            if translated and rid not in rows and rid in translated:
+                # A Triton request with no inferprof stage of its own: its derived stages.
+                model, derived, used = translated[rid]
+                row = rows[rid] = self._open_row(spans[rid], out)
+                out.model[row] = model
+                for name, s, e in derived:
+                    add_key(row << 32 | self._stage_number(name))
+                    add_start(s)
+                    add_end(e)
+                if len(derived) < len(_triton.STAGES):
+                    self.triton_partial += 1
+                self.ignored -= used  # counted as ignored above; they were not
             if rid not in rows:
                 req = spans[rid]
                 # A request span with no stage span and no inferprof.* attribute (health
@@ -603,6 +641,13 @@ class Assembler:
                 else:
                     self._open_row(req, out)
         return tuple(requests)
+
+    def _stage_number(self, stage: str) -> int:
+        sidx = self.stage_index.get(stage)
+        if sidx is None:
+            sidx = self.stage_index[stage] = len(self.stage_names)
+            self.stage_names.append(stage)
+        return sidx
 
     @staticmethod
     def _open_row(req: tuple, out: Finalised) -> int:

@@ -93,6 +93,12 @@ def _windows(ctx: click.Context, param: click.Parameter, value: str | None) -> A
 @click.option("--max-pending-spans", type=int, help="Spans held unfolded before answering 429.")
 @click.option("--metrics-window-s", type=float, help="Window of the /metrics gauges.")
 @click.option("--advance-interval-s", type=float, help="How often settled traces are folded.")
+@click.option(
+    "--triton-spans/--no-triton-spans",
+    default=None,
+    help="Turn Triton's own spans into queue/h2d/compute/d2h stages of the Triton "
+    "service (default on).",
+)
 @click.option("--log-level", default="INFO", show_default=True, help="Python logging level.")
 def collect(config: str | None, log_level: str, **options: Any) -> None:
     """Receive OTLP traces and GPU metrics; serve per-stage breakdowns and /metrics.

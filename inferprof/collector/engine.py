@@ -165,6 +165,7 @@ class Engine:
         max_spans_per_trace: int = 10_000,
         max_pending_spans: int = 1_000_000,
         retention_s: float | None = None,
+        triton_spans: bool = True,
         clock: Callable[[], float] = time.time,
     ) -> None:
         if not isinstance(settle_s, (int, float)) or settle_s < 0:
@@ -185,6 +186,8 @@ class Engine:
         ):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(triton_spans, bool):
+            raise TypeError(f"triton_spans must be True or False, got {triton_spans!r}")
         self.max_series = max_series
         self.max_pending_spans = max_pending_spans
         self.mapping = KeyMapping(relative_accuracy)
@@ -195,6 +198,7 @@ class Engine:
             trace_timeout_s=self.trace_timeout_s,
             max_spans_per_trace=max_spans_per_trace,
             clock=clock,
+            triton_spans=triton_spans,
         )
         self._stage_names: list[str] = ["", sc.STAGE_UNATTRIBUTED, *sc.CANONICAL_STAGES]
         self._stage_index = {name: i for i, name in enumerate(self._stage_names) if name}
@@ -569,6 +573,7 @@ class Engine:
                 spans_dropped=dict(asm.dropped),
                 spans_ignored=asm.ignored,
                 traces_incomplete=asm.incomplete,
+                triton_requests_partial=asm.triton_partial,
                 requests_finalised=self._finalised,
                 series_overflow=self._overflow,
                 series=len(self._series),

@@ -37,6 +37,9 @@ class EngineStats:
     #: chain while their trace is open, not part of any breakdown.
     spans_ignored: int = 0
     traces_incomplete: int = 0
+    #: Triton requests (translated from Triton's own spans) counted with some of their
+    #: queue/h2d/compute/d2h stages missing: events absent, repeated or out of order.
+    triton_requests_partial: int = 0
     requests_finalised: int = 0
     #: requests folded into the overflow series because of the (service, model) cap.
     series_overflow: int = 0

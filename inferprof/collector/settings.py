@@ -46,6 +46,7 @@ _DEFAULT_MAX_SPANS_PER_TRACE = 10_000
 _DEFAULT_MAX_PENDING_SPANS = 1_000_000
 _DEFAULT_METRICS_WINDOW_S = 300.0
 _DEFAULT_ADVANCE_INTERVAL_S = 0.5
+_DEFAULT_TRITON_SPANS = True  # Triton's own spans become stages of the Triton service
 
 # --- environment variables (one per setting) --------------------------------------------
 ENV_HOST = "INFERPROF_COLLECTOR_HOST"
@@ -79,6 +80,7 @@ ENV_MAX_SPANS_PER_TRACE = "INFERPROF_COLLECTOR_MAX_SPANS_PER_TRACE"
 ENV_MAX_PENDING_SPANS = "INFERPROF_COLLECTOR_MAX_PENDING_SPANS"
 ENV_METRICS_WINDOW_S = "INFERPROF_COLLECTOR_METRICS_WINDOW_S"
 ENV_ADVANCE_INTERVAL_S = "INFERPROF_COLLECTOR_ADVANCE_INTERVAL_S"
+ENV_TRITON_SPANS = "INFERPROF_COLLECTOR_TRITON_SPANS"  # true/false, 1/0, yes/no, on/off
 ENV_CONFIG = "INFERPROF_COLLECTOR_CONFIG"
 
 # file:///path appends to an inferprof protobuf dump that `inferprof report` reads.
@@ -96,6 +98,19 @@ def _parse_int(value: str) -> int:
 
 def _parse_float(value: str) -> float:
     return float(value)
+
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+def _parse_bool(value: str) -> bool:
+    v = value.strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    raise ValueError(f"{value!r} is not a boolean (true/false, 1/0, yes/no, on/off)")
 
 
 def _parse_list(value: str) -> tuple[str, ...]:
@@ -150,6 +165,7 @@ _ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
     "max_pending_spans": (ENV_MAX_PENDING_SPANS, _parse_int),
     "metrics_window_s": (ENV_METRICS_WINDOW_S, _parse_float),
     "advance_interval_s": (ENV_ADVANCE_INTERVAL_S, _parse_float),
+    "triton_spans": (ENV_TRITON_SPANS, _parse_bool),
 }
 
 
@@ -189,6 +205,7 @@ class CollectorSettings:
     max_pending_spans: int = _DEFAULT_MAX_PENDING_SPANS
     metrics_window_s: float = _DEFAULT_METRICS_WINDOW_S
     advance_interval_s: float = _DEFAULT_ADVANCE_INTERVAL_S
+    triton_spans: bool = _DEFAULT_TRITON_SPANS
 
     def __post_init__(self) -> None:
         # Normalise sequences given as lists so the record stays hashable.
@@ -240,6 +257,7 @@ class CollectorSettings:
             "max_series": self.max_series,
             "max_spans_per_trace": self.max_spans_per_trace,
             "max_pending_spans": self.max_pending_spans,
+            "triton_spans": self.triton_spans,
         }
 
     # --- resolution ---------------------------------------------------------------------
@@ -351,7 +369,12 @@ def load_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
             value = tuple((str(k), str(v)) for k, v in value.items())
         elif isinstance(value, list):
             value = tuple(value)
-        elif isinstance(value, str) and name in ("forward", "windows_s", "forward_headers"):
+        elif isinstance(value, str) and name in (
+            "forward",
+            "windows_s",
+            "forward_headers",
+            "triton_spans",
+        ):
             value = _try(lambda v=value, n=name: _ENV[n][1](v), f"config key {key}={value!r}")
         if value is not _INVALID and _field_ok(name, value):
             out[name] = value
@@ -424,6 +447,9 @@ def _check_field(name: str, value: Any) -> None:
     elif name == "forward":
         for url in value:
             validate_forward_url(url)
+    elif name == "triton_spans":
+        if not isinstance(value, bool):
+            raise ValueError(f"triton_spans must be true or false, got {value!r}")
     elif name == "forward_headers":
         for key, _ in value:
             if not key or any(c in key for c in " \r\n:"):

@@ -67,7 +67,9 @@ class TraceBuilder:
         host: str = "host-1",
         instance: str = "i-1",
         base_unix: float = BASE_UNIX,
+        scope: str = "",
     ) -> None:
+        self.scope = scope
         self.resource = {
             sc.RESOURCE_SERVICE_NAME: service,
             sc.RESOURCE_HOST_NAME: host,
@@ -93,7 +95,9 @@ class TraceBuilder:
         links: Sequence[Ref] = (),
         trace_state: str = "",
         span_id: bytes | None = None,
+        events: Sequence[tuple[str, float]] = (),
     ) -> Ref:
+        """``events``: (name, time in seconds from the base) of each span event."""
         tid = parent.trace_id if parent is not None else (trace_id or new_trace_id())
         sid = span_id or new_span_id()
         span = trace_pb2.Span(
@@ -107,6 +111,7 @@ class TraceBuilder:
             end_time_unix_nano=self.ns(end),
             attributes=attributes(attrs or {}),
             links=[trace_pb2.Span.Link(trace_id=l.trace_id, span_id=l.span_id) for l in links],
+            events=[trace_pb2.Span.Event(name=n, time_unix_nano=self.ns(t)) for n, t in events],
         )
         self.spans.append(span)
         return Ref(tid, sid)
@@ -179,6 +184,70 @@ class TraceBuilder:
             t += d
         return req, e2e
 
+    def triton_request(
+        self,
+        parent: Ref | None,
+        start: float,
+        end: float,
+        *,
+        model: str = "double",
+        queue_start: float | None = None,
+        compute: Sequence[float] | None = None,
+        model_events: Sequence[tuple[str, float]] | None = None,
+        compute_events: Sequence[tuple[str, float]] | None = None,
+        trace_id: bytes | None = None,
+    ) -> dict[str, Ref]:
+        """The three spans Triton exports for one request, shaped as Triton 2.51 sends them
+        (build with ``scope="triton-server"``): ``InferRequest`` (SERVER), the model span
+        (named after the model, ``triton.model_name``, events REQUEST_START, QUEUE_START,
+        REQUEST_END) and ``compute`` (COMPUTE_START, COMPUTE_INPUT_END,
+        COMPUTE_OUTPUT_START, COMPUTE_END at the four times ``compute``; no compute span
+        when None). ``model_events`` / ``compute_events`` replace the generated events.
+        """
+        server = SERVER
+        req = self.span(
+            "InferRequest",
+            start,
+            end,
+            parent=parent,
+            trace_id=trace_id,
+            kind=server,
+            events=[
+                ("HTTP_RECV_START", start - 0.0001),
+                ("HTTP_RECV_END", start - 0.00005),
+                ("HTTP_SEND_START", end - 0.00002),
+                ("HTTP_SEND_END", end - 0.00001),
+            ],
+        )
+        m_start, m_end = start + 0.00001, end - 0.00003
+        if model_events is None:
+            q = m_start + 0.00001 if queue_start is None else queue_start
+            model_events = [("REQUEST_START", m_start), ("QUEUE_START", q), ("REQUEST_END", m_end)]
+        m = self.span(
+            model,
+            m_start,
+            m_end,
+            parent=req,
+            kind=server,
+            attrs={"triton.model_name": model, "triton.model_version": 1},
+            events=model_events,
+        )
+        out = {"request": req, "model": m}
+        if compute is not None or compute_events is not None:
+            if compute_events is None:
+                names = (
+                    "COMPUTE_START",
+                    "COMPUTE_INPUT_END",
+                    "COMPUTE_OUTPUT_START",
+                    "COMPUTE_END",
+                )
+                compute_events = list(zip(names, compute))
+            times = [t for _, t in compute_events] or [m_start]
+            out["compute"] = self.span(
+                "compute", min(times), max(times), parent=m, kind=server, events=compute_events
+            )
+        return out
+
     def export(self, spans: Sequence[trace_pb2.Span] | None = None) -> ExportTraceServiceRequest:
         """All spans built so far (or ``spans``) in one export; the builder is emptied."""
         chosen = self.spans if spans is None else list(spans)
@@ -187,7 +256,10 @@ class TraceBuilder:
         req = ExportTraceServiceRequest()
         rs = req.resource_spans.add()
         rs.resource.attributes.extend(attributes(self.resource))
-        rs.scope_spans.add().spans.extend(chosen)
+        ss = rs.scope_spans.add()
+        if self.scope:
+            ss.scope.name = self.scope
+        ss.spans.extend(chosen)
         return req
 
 
