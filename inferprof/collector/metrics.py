@@ -164,6 +164,12 @@ class EngineCollector:
             value=stats.gpu_samples_received,
         )
         yield core.CounterMetricFamily(
+            sc.PROM_TRITON_REQUESTS_PARTIAL,
+            "Triton requests counted with fewer than queue, h2d, compute and d2h derived "
+            "from their span events.",
+            value=stats.triton_requests_partial,
+        )
+        yield core.CounterMetricFamily(
             sc.PROM_TRACES_INCOMPLETE,
             "Traces evicted with stage spans but no request span (never completed).",
             value=stats.traces_incomplete,

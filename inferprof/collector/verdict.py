@@ -203,6 +203,8 @@ def gpu_evidence(
         "utilization_during_compute": _summary(util),
         "samples": int(util.size),
         "samples_received": samples.count(since),
+        # compute spans (batch spans once) naming their GPU: none, and no sample can join
+        "compute_spans_with_gpu_id": len(intervals),
     }
     for name, metric in (
         ("sm_active_during_compute", sc.METRIC_DCGM_SM_ACTIVE),
@@ -273,13 +275,20 @@ def decide(shares: Mapping[str, float], traced: int, tail_traced: int, gpu: Mapp
 
     if not util:
         received = gpu.get("samples_received", 0)
-        why = (
-            f"compute holds {_pct(top_share)} of p95 but no GPU samples were received"
-            if not received
-            else f"compute holds {_pct(top_share)} of p95 but none of the {received} GPU "
-            "samples received overlaps its compute spans (they join on host.name and "
-            "hw.id = inferprof.gpu.id)"
-        )
+        if not received:
+            why = f"compute holds {_pct(top_share)} of p95 but no GPU samples were received"
+        elif not gpu.get("compute_spans_with_gpu_id", 1):
+            why = (
+                f"compute holds {_pct(top_share)} of p95 but its compute spans name no GPU "
+                f"(inferprof.gpu.id), so none of the {received} GPU samples received can "
+                "be joined to them"
+            )
+        else:
+            why = (
+                f"compute holds {_pct(top_share)} of p95 but none of the {received} GPU "
+                "samples received overlaps its compute spans (they join on host.name and "
+                "hw.id = inferprof.gpu.id)"
+            )
         return _unknown(why, headline, *rest)
     gpu_factor = min(1.0, gpu.get("samples", 0) / FULL_CONFIDENCE_SAMPLES)
     evidence = [headline, util_words]

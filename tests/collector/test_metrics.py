@@ -87,6 +87,8 @@ def test_self_metrics(scraped):
     assert _samples(fam, sc.PROM_TRACES_INCOMPLETE.removesuffix("_total"), "_total")[0].value == 0
     gpu = sc.PROM_GPU_SAMPLES_RECEIVED.removesuffix("_total")
     assert _samples(fam, gpu, "_total")[0].value == 0  # present before the first sample
+    partial = sc.PROM_TRITON_REQUESTS_PARTIAL.removesuffix("_total")
+    assert _samples(fam, partial, "_total")[0].value == 0
 
 
 def test_gpu_samples_received_counted():

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import pytest
 from click.testing import CliRunner
+from prometheus_client import CollectorRegistry, generate_latest
 
 from inferprof import semconv as sc
 from inferprof.collector import command
 from inferprof.collector.engine import Engine
+from inferprof.collector.metrics import EngineCollector
 from inferprof.collector.settings import ENV_TRITON_SPANS, CollectorSettings
 from tests.collector.synth import FakeClock, TraceBuilder
 
@@ -108,6 +110,10 @@ def test_a_missing_event_leaves_out_only_the_stages_it_bounds():
     assert set(stages) == {"queue", "d2h", sc.STAGE_UNATTRIBUTED}
     assert _close(stages["queue"]["p50"], 0.010) and _close(stages["d2h"]["p50"], 0.001)
     assert engine.stats.triton_requests_partial == 1
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(engine))
+    scraped = generate_latest(registry).decode()
+    assert f"{sc.PROM_TRITON_REQUESTS_PARTIAL} 1.0" in scraped.splitlines()
 
 
 @pytest.mark.parametrize(

@@ -154,7 +154,12 @@ def test_engine_compute_bound_without_samples_or_with_unjoinable_samples():
     assert "no GPU samples were received" in doc["verdict"]["evidence"][0]
     other = _compute_bound_engine(0.5, gpu_id="GPU-other")
     assert other["gpu"]["samples_received"] == 600 and other["gpu"]["samples"] == 0
+    assert "overlaps" in other["verdict"]["evidence"][0]
     assert "inferprof.gpu.id" in other["verdict"]["evidence"][0]
+    # compute spans naming no GPU (a CPU-only Triton, a stage without the attribute)
+    nameless = _compute_bound_engine(0.5, gpu_id=None)
+    assert nameless["gpu"]["compute_spans_with_gpu_id"] == 0
+    assert "name no GPU" in nameless["verdict"]["evidence"][0]
 
 
 def test_device_uuid_joins_across_host_names_short_ids_do_not():
