@@ -173,14 +173,37 @@ class HeaderRecorder:
 # --- Triton ---------------------------------------------------------------------------------
 
 
-def _triton_env() -> dict:
+_LIBPYTHON_PROBE = (
+    "import sysconfig as s; print(s.get_config_var('Py_ENABLE_SHARED'));"
+    " print(s.get_config_var('LIBDIR'))"
+)
+
+
+def _triton_env(python: str) -> dict:
     env = dict(os.environ)
-    # Triton's Python backend stub links libpython3.X.so.1.0 and runs this interpreter's
-    # standard library on it. Where another build of the same version is first on the
-    # loader's path (a distribution's libpython next to a pyenv Python), the stub loads
-    # that one and the newer standard library fails on it: point the loader at ours.
-    libdir = sysconfig.get_config_var("LIBDIR")
-    if sysconfig.get_config_var("Py_ENABLE_SHARED") and libdir:
+    # Triton's Python backend stub links libpython3.X.so.1.0 and runs the standard library
+    # of the interpreter that runs Triton (``python``, maybe not this one) on it. Where
+    # another build of the same version is first on the loader's path (a distribution's
+    # libpython next to a pyenv Python), the stub loads that one and the newer standard
+    # library fails on it: point the loader at ``python``'s own.
+    if python == sys.executable:
+        shared, libdir = (
+            sysconfig.get_config_var("Py_ENABLE_SHARED"),
+            sysconfig.get_config_var("LIBDIR"),
+        )
+    else:
+        probe = subprocess.run(
+            [
+                python,
+                "-c",
+                _LIBPYTHON_PROBE,
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split("\n")
+        shared, libdir = probe[0].strip() not in ("0", "None", ""), probe[1].strip()
+    if shared and libdir:
         env["LD_LIBRARY_PATH"] = os.pathsep.join(
             p for p in (libdir, env.get("LD_LIBRARY_PATH")) if p
         )
@@ -232,7 +255,7 @@ class PyTritonServer:
             self._proc = subprocess.Popen(
                 cmd,
                 cwd=ROOT,
-                env=_triton_env(),
+                env=_triton_env(python),
                 stdin=subprocess.PIPE,
                 stdout=log,
                 stderr=subprocess.STDOUT,
