@@ -46,6 +46,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Mapping
 from urllib.parse import urlsplit
@@ -212,16 +213,28 @@ class DcgmExporterSource:
         require("prometheus_client.parser", "gpu")
 
     def read(self) -> list[GpuSample]:
+        """One scrape. A failure raises ``OSError`` (unreachable, HTTP error) or
+        ``ValueError`` (not an exposition), its message naming the URL."""
         request = urllib.request.Request(
             self.url, headers={"Accept": "text/plain;version=0.0.4"})
-        with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-            body = response.read(MAX_BODY_BYTES + 1)
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                body = response.read(MAX_BODY_BYTES + 1)
+        except urllib.error.HTTPError as exc:  # before URLError, its base class
+            raise OSError(f"scraping {self.url} failed: HTTP {exc.code} {exc.reason}") from None
+        except urllib.error.URLError as exc:
+            raise OSError(f"scraping {self.url} failed: {exc.reason}") from None
+        except OSError as exc:  # a timeout or reset while reading the body
+            raise OSError(f"scraping {self.url} failed: {exc}") from None
         if len(body) > MAX_BODY_BYTES:
             raise ValueError(f"{self.url} served more than {MAX_BODY_BYTES} bytes")
         now = time.time_ns()
         text = body.decode("utf-8", errors="replace")
-        samples = parse_exposition(text, now_ns=now, fields=self.fields,
-                                   host_label=self.host_label)
+        try:
+            samples = parse_exposition(text, now_ns=now, fields=self.fields,
+                                       host_label=self.host_label)
+        except ValueError as exc:
+            raise ValueError(f"{self.url} served no Prometheus text exposition: {exc}") from None
         if not self._checked:
             self._check_once(text, samples)
         return samples

@@ -106,6 +106,21 @@ def metrics_config(endpoint: str | None, protocol: str | None) -> _config.Config
     return config
 
 
+#: Where the SDK's ``OTLPMetricExporter`` sends when no endpoint is configured (its own
+#: defaults: ``opentelemetry-exporter-otlp-proto-grpc`` / ``-proto-http``).
+DEFAULT_ENDPOINTS = {
+    _config.PROTOCOL_GRPC: "http://localhost:4317",
+    _config.PROTOCOL_HTTP: "http://localhost:4318/v1/metrics",
+}
+
+
+def metrics_target(config: _config.Config) -> tuple[str, str]:
+    """The protocol and the URL the metric exporter for ``config`` really sends to: the
+    configured one, else the exporter's default for the protocol."""
+    protocol, url = _config.metrics_endpoint(config)
+    return protocol, url or DEFAULT_ENDPOINTS.get(protocol, DEFAULT_ENDPOINTS[_config.PROTOCOL_GRPC])
+
+
 def metric_exporter(config: _config.Config) -> Any:
     """The official ``OTLPMetricExporter`` (gRPC or HTTP/protobuf) for ``config``; headers,
     timeout, compression and TLS come from the ``OTEL_EXPORTER_OTLP_[METRICS_]*``
@@ -117,4 +132,4 @@ def metric_exporter(config: _config.Config) -> Any:
     return _config._metric_exporter(config)
 
 
-__all__ = ["metric_exporter", "metrics_config", "sampler_resource", "service_host_name", "to_metrics_data"]
+__all__ = ["DEFAULT_ENDPOINTS", "metric_exporter", "metrics_config", "metrics_target", "sampler_resource", "service_host_name", "to_metrics_data"]

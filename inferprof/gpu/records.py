@@ -41,9 +41,11 @@ METRICS: Mapping[str, tuple[str, str]] = {
 
 
 class SourceUnavailable(RuntimeError):
-    """The source cannot run on this machine (no driver, no GPU, no library): the message
-    says which, in one line. Not raised for transient failures (an unreachable
-    dcgm-exporter): those fail a ``read()`` and the sampler retries."""
+    """The source cannot run on this machine (no driver, no GPU, no NVML library): the
+    message says which, in one line. A Python package that is not installed (nvidia-ml-py,
+    prometheus-client) is an ``ImportError`` naming ``inferprof[gpu]`` instead. Not raised
+    for transient failures (an unreachable dcgm-exporter): those fail a ``read()`` and the
+    sampler retries."""
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,11 @@ class GpuSample:
 class Source(Protocol):
     """What the sampler polls. ``open()`` raises :class:`SourceUnavailable` when the source
     cannot work here at all; ``read()`` may raise anything on a failed poll (the sampler
-    logs, counts and polls again); ``close()`` never raises."""
+    logs, counts and polls again); ``close()`` never raises.
+
+    Optional: a source that can run out (a recording played without looping) has an
+    ``exhausted`` attribute that turns True once it has nothing more to give; the sampler
+    then stops polling it."""
 
     #: one of ``semconv.GPU_SOURCES`` (the ``inferprof.gpu.source`` resource attribute)
     name: str

@@ -14,7 +14,9 @@ finest step that survives); ``host.name`` is optional; ``values``
 holds contract metrics in the contract's units. Playback keeps the recording's spacing:
 the first reading is stamped with the time playback started, the others at their offset
 from it, each emitted once the clock reaches it; with ``loop`` the recording starts over
-after its last reading (one median gap later).
+after its last reading (one median gap later); without it, :attr:`ReplaySource.exhausted`
+turns True once the last reading was read, and the sampler stops polling it
+(``GpuSampler.exhausted``; the ``inferprof gpu`` sidecar then exports what it holds and exits).
 
 :func:`write_samples` writes the same format (``inferprof gpu --record FILE``).
 """
@@ -125,6 +127,16 @@ class ReplaySource:
         self._period_ns = int(offsets[-1] + gap)
         self._base_ns = time.time_ns()
         self._next = 0
+
+    @property
+    def exhausted(self) -> bool:
+        """True once a recording played without ``loop`` has given its last reading."""
+        return not self.loop and bool(self._records) and self._next == len(self._records)
+
+    @property
+    def hosts(self) -> list[str]:
+        """The ``host.name`` values the recording names (after :meth:`open`)."""
+        return sorted({host for _, _, host, _ in self._records if host})
 
     def read(self) -> list[GpuSample]:
         now = time.time_ns()

@@ -85,6 +85,8 @@ class SamplerSettings:
     host_override: bool
     service_name: str
     protocol: str
+    #: the URL the OTLP exporter sends to (its default for ``protocol`` when none is
+    #: configured); None with a custom ``exporter=``
     endpoint: str | None
 
 
@@ -181,7 +183,7 @@ class GpuSampler:
             # The exporter itself is built in start(), once the source has opened: a
             # sampler that cannot run opens no connection.
             self._config: _config.Config | None = otlp.metrics_config(endpoint, protocol)
-            protocol_used, url = _config.metrics_endpoint(self._config)
+            protocol_used, url = otlp.metrics_target(self._config)
         else:
             self._config = None
             protocol_used, url = "custom", None
@@ -211,6 +213,7 @@ class GpuSampler:
         self._export_lock = threading.Lock()
         self._stats = SamplerStats()
         self._stopping = threading.Event()
+        self._exhausted = threading.Event()
         self._poller: threading.Thread | None = None
         self._export_thread: threading.Thread | None = None
         self._poll_log = RateLimitedLog(_logger, f"GPU source {source.name}")
@@ -222,6 +225,12 @@ class GpuSampler:
     @property
     def running(self) -> bool:
         return self._started and not self._stopped
+
+    @property
+    def exhausted(self) -> bool:
+        """True once the source said it has nothing more to give (a recording played
+        without looping) and polling ended; what it gave is still exported by ``stop()``."""
+        return self._exhausted.is_set()
 
     def start(self) -> GpuSampler:
         """Open the source (raising :class:`SourceUnavailable` / ``ImportError`` /
@@ -287,6 +296,25 @@ class GpuSampler:
             # it when it returns).
             _unregister_atexit(self)
 
+    def read_once(self) -> list[GpuSample]:
+        """Open the source, take one reading and close it, without starting or exporting
+        anything (``inferprof gpu --once``). Each reading's ``host`` is the ``host.name`` it
+        would be exported with. Raises what :meth:`start` raises where the source cannot
+        open, and ``RuntimeError`` naming the source where the reading fails."""
+        self.source.open()
+        try:
+            samples = self.source.read()
+        except Exception as exc:
+            raise RuntimeError(f"reading the {self.source.name} source failed: {exc}") from exc
+        finally:
+            try:
+                self.source.close()
+            except Exception:
+                _logger.debug("closing the GPU source failed", exc_info=True)
+        host, override = self.settings.host_name, self.settings.host_override
+        return [replace(s, host=host) if s.host is None or (override and s.host != host) else s
+                for s in samples]
+
     def flush(self, timeout: float = 10.0) -> bool:
         """Export everything buffered now, from the calling thread; True when it all went
         out. Waits at most ``timeout`` for an export already running."""
@@ -307,6 +335,11 @@ class GpuSampler:
         next_at = time.monotonic()
         while not self._stopping.is_set():
             self._poll_once()
+            if getattr(self.source, "exhausted", False):
+                _logger.info("GPU source %s has nothing more to give: polling ended",
+                             self.source.name)
+                self._exhausted.set()
+                break
             next_at += interval
             delay = next_at - time.monotonic()
             if delay < 0:  # a slow poll: skip the ticks it overran instead of bursting
@@ -349,7 +382,12 @@ class GpuSampler:
         while not self._stopping.wait(self.settings.export_interval):
             with self._export_lock:
                 self._export_buffered()
-        with self._export_lock:  # the readings polled since the last export
+        # The readings polled since the last export, including those of a poll still
+        # running when stop() was called (waited for briefly: a poll stuck in the driver
+        # must not hold back the final export).
+        if self._poller is not None:
+            self._poller.join(0.5)
+        with self._export_lock:
             self._export_buffered()
 
     def _export_buffered(self) -> bool:
@@ -385,8 +423,8 @@ class GpuSampler:
                                       exported_points=s.exported_points + points)
         if failed:
             self._export_log.failure("GPU samples: export of %d readings to %s failed (%s); "
-                                     "dropped", len(batch), self.settings.endpoint or "the OTLP "
-                                     "endpoint", reason)
+                                     "dropped", len(batch), self.settings.endpoint or "the "
+                                     "exporter", reason)
         else:
             self._export_log.success()
         return not failed
@@ -394,17 +432,28 @@ class GpuSampler:
 
 class DisabledSampler:
     """What ``start_sampler()`` returns where GPU sampling cannot run: does nothing.
-    ``reason`` says why (the same words as the warning that was logged)."""
+
+    ``reason`` says why, in the words of the line that was logged (``"GPU sampling
+    disabled: ..."`` or ``"GPU sampling is off: ..."``). ``stop()`` does nothing,
+    ``flush()`` returns True (nothing is left unexported), ``stats()`` is all zeros and
+    ``running`` / ``exhausted`` are False, so code written for a :class:`GpuSampler` runs
+    unchanged.
+    """
 
     running = False
+    exhausted = False
 
     def __init__(self, reason: str) -> None:
         self.reason = reason
+
+    def __repr__(self) -> str:
+        return f"DisabledSampler(reason={self.reason!r})"
 
     def stop(self, timeout: float = _DEFAULT_STOP_TIMEOUT_S) -> None:
         pass
 
     def flush(self, timeout: float = 10.0) -> bool:
+        """Nothing to export: True."""
         return True
 
     def stats(self) -> SamplerStats:

@@ -4,6 +4,8 @@ mapped to the contract's names and units; label variants; an exporter that is do
 from __future__ import annotations
 
 import logging
+import re
+import socket
 import time
 
 import pytest
@@ -180,3 +182,20 @@ def test_an_exporter_that_is_down_is_retried_counted_and_picked_up(otlp_sink, ca
                 for sm in rm.scope_metrics for m in sm.metrics for dp in m.gauge.data_points}
     assert exported == {BUSY, IDLE}
     assert MIG not in exported
+
+
+def test_a_failed_scrape_names_the_url():
+    from tests.gpu.conftest import MetricsServer
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        down = f"http://127.0.0.1:{sock.getsockname()[1]}/metrics"
+    with pytest.raises(OSError, match=f"scraping {re.escape(down)} failed: .*refused"):
+        DcgmExporterSource(down).read()
+    server = MetricsServer("").start()
+    server.status = 503
+    try:
+        with pytest.raises(OSError, match=f"scraping {re.escape(server.url)} failed: HTTP 503"):
+            DcgmExporterSource(server.url).read()
+    finally:
+        server.stop()

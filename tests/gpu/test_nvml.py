@@ -122,10 +122,19 @@ def test_no_gpu_or_no_driver_is_source_unavailable_in_one_line(fake_nvml):
         NvmlSource().open()
 
 
-def test_missing_nvidia_ml_py_names_the_extra(monkeypatch):
+def test_a_missing_package_is_an_import_error_naming_the_extra_for_both_sources(monkeypatch):
+    # the same exception for nvidia-ml-py and prometheus-client, as inferprof's other extras
+    from inferprof.gpu import DcgmExporterSource
+
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml -> ImportError
-    with pytest.raises(SourceUnavailable, match=r"pip install 'inferprof\[gpu\]'"):
+    with pytest.raises(ImportError, match=r"pip install 'inferprof\[gpu\]'"):
         NvmlSource().open()
+    monkeypatch.setitem(sys.modules, "prometheus_client.parser", None)
+    with pytest.raises(ImportError, match=r"pip install 'inferprof\[gpu\]'"):
+        DcgmExporterSource().open()
+    # start_sampler() still turns either into a DisabledSampler
+    disabled = start_sampler("nvml")
+    assert isinstance(disabled, DisabledSampler) and "inferprof[gpu]" in disabled.reason
 
 
 @pytest.mark.skipif(_real_nvml_works(), reason="this machine has a working NVIDIA driver")

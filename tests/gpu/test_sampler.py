@@ -179,3 +179,89 @@ def test_inferprof_off_means_no_sampling(monkeypatch):
     monkeypatch.setenv("INFERPROF_MODE", "off")
     sampler = start_sampler("synthetic")
     assert isinstance(sampler, DisabledSampler) and not _threads()
+
+
+def test_disabled_sampler_says_why_in_its_repr_and_does_nothing(monkeypatch):
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    sampler = start_sampler("synthetic")
+    assert isinstance(sampler, DisabledSampler)
+    assert repr(sampler) == f"DisabledSampler(reason={sampler.reason!r})"
+    assert sampler.reason.startswith("GPU sampling is off")
+    assert sampler.flush() is True and sampler.stats().polls == 0
+    assert not sampler.running and not sampler.exhausted
+    sampler.stop()
+
+
+def test_without_an_endpoint_the_settings_name_the_exporters_real_default(monkeypatch):
+    for var in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
+                "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL"):
+        monkeypatch.delenv(var, raising=False)
+    grpc = GpuSampler(SyntheticSource()).settings
+    assert (grpc.protocol, grpc.endpoint) == ("grpc", "http://localhost:4317")
+    http = GpuSampler(SyntheticSource(), protocol="http/protobuf").settings
+    assert (http.protocol, http.endpoint) == ("http/protobuf", "http://localhost:4318/v1/metrics")
+    # what the SDK's exporters really use when given no endpoint
+    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+
+    assert OTLPMetricExporter()._endpoint == http.endpoint
+
+
+def test_read_once_applies_the_host_name_the_exports_would_carry(tmp_path):
+    from inferprof.gpu import ReplaySource, write_samples
+
+    path = tmp_path / "rec.jsonl"
+    with open(path, "w") as fh:
+        write_samples([GpuSample(0, "GPU-a", ((sc.METRIC_GPU_UTILIZATION, 0.5),), "rec-host"),
+                       GpuSample(0, "GPU-b", ((sc.METRIC_GPU_UTILIZATION, 0.5),))], fh)
+    plain = GpuSampler(ReplaySource(path), host_name=None)
+    assert [s.host for s in plain.read_once()] == ["rec-host", plain.settings.host_name]
+    forced = GpuSampler(ReplaySource(path), host_name="svc-host")
+    assert [s.host for s in forced.read_once()] == ["svc-host", "svc-host"]
+    assert not _threads()
+
+
+def test_a_recording_without_loop_ends_polling_and_everything_is_exported(tmp_path):
+    from opentelemetry.sdk.metrics.export import MetricExportResult
+
+    from inferprof.gpu import ReplaySource, write_samples
+
+    class MemoryExporter:
+        def __init__(self) -> None:
+            self.exported = []
+
+        def export(self, data, timeout_millis=None):
+            self.exported.append(data)
+            return MetricExportResult.SUCCESS
+
+        def shutdown(self, timeout_millis=None):
+            pass
+
+    path = tmp_path / "rec.jsonl"
+    with open(path, "w") as fh:
+        write_samples([GpuSample(i * 50_000_000, "GPU-a", ((sc.METRIC_GPU_UTILIZATION, 0.5),))
+                       for i in range(4)], fh)
+    exporter = MemoryExporter()
+    sampler = GpuSampler(ReplaySource(path, loop=False), interval=0.02, export_interval=10,
+                         exporter=exporter).start()
+    try:
+        deadline = time.monotonic() + 10
+        while not sampler.exhausted and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert sampler.exhausted
+        polls = sampler.stats().polls
+        time.sleep(0.1)
+        assert sampler.stats().polls == polls  # no more polling
+    finally:
+        sampler.stop()
+    stats = sampler.stats()
+    assert (stats.samples, stats.exported_samples, stats.dropped_export_failed) == (4, 4, 0)
+
+
+def test_the_documented_gpu_id_snippet_puts_the_uuid_on_the_compute_span(cap):
+    from inferprof.semconv import ATTR_GPU_ID
+
+    gpu_uuid = "GPU-604ac76c-1111-2222-3333-444455556666"
+    with inferprof.request(), inferprof.stage("compute", **{ATTR_GPU_ID: gpu_uuid}):
+        pass
+    (compute,) = cap.stages("compute")
+    assert compute.attributes[ATTR_GPU_ID] == gpu_uuid
