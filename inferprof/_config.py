@@ -16,7 +16,9 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import threading
+import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -596,15 +598,26 @@ def shutdown(timeout_millis: int = 5000) -> None:
     Providers inferprof did not create (passed in, or the application's globals) are
     flushed but left running: they belong to the application (their processors may not
     keep to the bound: the SDK's batch processor ignores a flush's timeout).
+
+    GPU samplers started in this process (``inferprof.gpu``) are stopped first, their
+    buffered readings exported, within a fifth of the timeout.
     """
     global _runtime, _auto
+    started = time.monotonic()
+    samplers = sys.modules.get("inferprof.gpu.sampler")  # loaded only if one was used
+    if samplers is not None:
+        try:
+            samplers._stop_all(timeout=timeout_millis / 5000)
+        except Exception:  # telemetry never raises into the application
+            _logger.exception("stopping the GPU samplers failed")
     with _lock:
         rt, _runtime = _runtime, None
         _auto = None
     if rt is None:
         return
+    left_ms = max(0, int(timeout_millis - (time.monotonic() - started) * 1000))
     try:
-        rt.close(timeout_millis=timeout_millis)
+        rt.close(timeout_millis=left_ms)
     except Exception:  # telemetry never raises into the application
         _logger.exception("inferprof shutdown failed")
 

@@ -530,9 +530,12 @@ def _unregister_atexit(sampler: GpuSampler) -> None:
         _live.discard(sampler)
 
 
-def _stop_all() -> None:
+def _stop_all(timeout: float = 2.0) -> None:
+    """Stop every running sampler, all within ``timeout`` seconds (plus up to half a second
+    to abort an export each): at exit, and from ``inferprof.shutdown()``."""
+    deadline = time.monotonic() + timeout
     for sampler in list(_live):
-        sampler.stop(timeout=2.0)
+        sampler.stop(timeout=max(0.0, deadline - time.monotonic()))
 
 
 __all__ = [

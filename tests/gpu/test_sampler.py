@@ -56,6 +56,20 @@ def test_start_sampler_next_to_configure_ships_where_configure_sends_metrics(otl
     assert not _threads()
 
 
+def test_inferprof_shutdown_stops_the_samplers_and_exports_what_they_hold(otlp_sink):
+    inferprof.configure(service_name="svc", endpoint=otlp_sink.endpoint)
+    # exports every 60 s: only the stop's final export can ship these readings
+    sampler = start_sampler("synthetic", interval=0.05, export_interval=60)
+    time.sleep(0.5)
+    assert sampler.running and sampler.stats().exported_samples == 0
+    inferprof.shutdown()
+    assert not sampler.running
+    assert not _threads()
+    stats = sampler.stats()
+    assert stats.exported_samples >= 5 and stats.buffered == 0
+    assert otlp_sink.wait_for(lambda s: _gpu_resources(s), timeout=5)
+
+
 def test_a_hung_endpoint_never_blocks_polling_buffer_stays_bounded_stop_is_bounded():
     # Accepts connections (the kernel's backlog) and never answers: each export waits for
     # the exporter's own timeout (10 s).
