@@ -60,4 +60,5 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(__all__)
+    # the subpackages too, so that completion offers ``inferprof.fastapi``, ``.gpu``...
+    return sorted({*__all__, *_SUBPACKAGES})

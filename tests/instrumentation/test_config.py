@@ -326,6 +326,10 @@ def test_subpackages_are_reachable_after_import_inferprof_alone_and_loaded_on_fi
         "assert inferprof.instrumentation.stats() is None  # unconfigured\n"
         "assert not inferprof.batching.current_batch()\n"
         "assert inferprof.collector.__name__ == 'inferprof.collector'\n"
+        "assert {'fastapi', 'gpu', 'triton', 'configure'} <= set(dir(inferprof))\n"
+        "assert inferprof.gpu.__name__ == 'inferprof.gpu'\n"
+        "assert inferprof.triton.__name__ == 'inferprof.triton'\n"
+        "assert 'tritonclient' not in sys.modules and 'pynvml' not in sys.modules\n"
         "print('OK')\n"
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
