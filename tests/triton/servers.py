@@ -301,6 +301,11 @@ class PyTritonServer:
                 proc.wait(5)
         finally:
             self._dir.cleanup()
+            # pytriton names its shared-memory blocks after the server process's pid; one
+            # whose owner died before freeing it would outlive the tests.
+            for leftover in Path("/dev/shm").glob(f"pytrtion{proc.pid}-*"):
+                with contextlib.suppress(OSError):
+                    leftover.unlink()
 
 
 def _wait_group(pgid: int, timeout: float) -> bool:
