@@ -197,3 +197,24 @@ def test_progress_bar_on_stderr_and_same_spans_in_two_files_count_once(files):
     assert "reading" in result.stderr  # tqdm, on stderr only
     doc = json.loads(result.stdout)
     assert doc["requests"] == 150  # the second file repeats the first's spans: duplicates
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "pb"])
+def test_tritons_own_spans_give_the_triton_service_its_stages_offline(tmp_path, fmt):
+    # The spans Triton exports itself (scope triton-server), as a capture holds them.
+    triton = TraceBuilder("triton", scope="triton-server")
+    for i in range(120):  # past the verdict's 100-request minimum
+        t = i * 0.1
+        triton.triton_request(None, t, t + 0.050, queue_start=t + 0.001,
+                              compute=(t + 0.031, t + 0.033, t + 0.043, t + 0.044))
+    path = tmp_path / f"triton.{fmt}"
+    (write_json_lines if fmt == "jsonl" else write_pb)(path, [triton.export()])
+    out = CliRunner().invoke(main, ["report", str(path), "--format", "json"])
+    assert out.exit_code == 0, out.output
+    doc = json.loads(out.output)
+    assert (doc["service"], doc["model"], doc["requests"]) == ("triton", "double", 120)
+    stages = {s["stage"]: s["p50"] for s in doc["stages"]}
+    assert {"queue", "h2d", "compute", "d2h"} <= set(stages)
+    assert math.isclose(stages["queue"], 0.030, rel_tol=0.011)
+    assert math.isclose(stages["compute"], 0.010, rel_tol=0.011)
+    assert doc["verdict"]["bottleneck"] == sc.VERDICT_BATCHING  # Triton's queue: 60% of it
