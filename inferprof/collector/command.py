@@ -7,12 +7,11 @@ which overrides the built-in default (see ``docs/collector.md``).
 from __future__ import annotations
 
 import logging
-import signal
-import threading
 from typing import Any
 
 import click
 
+from inferprof.cli.signals import until_signal
 from inferprof.collector import settings as _settings
 
 
@@ -121,28 +120,21 @@ def collect(config: str | None, log_level: str, **options: Any) -> None:
     from inferprof.collector.app import CollectorApp
 
     app = CollectorApp(settings)
-    done = threading.Event()
-
-    def on_signal(signum: int, frame: Any) -> None:
-        done.set()
-
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
+    with until_signal() as done:
         try:
-            app.start()
-        except (OSError, ValueError) as exc:
-            raise click.ClickException(f"cannot start the collector: {exc}") from None
-        click.echo(f"OTLP/gRPC  {app.otlp_grpc_endpoint}")
-        click.echo(f"OTLP/HTTP  {app.otlp_http_endpoint}")
-        click.echo(f"API        {app.api_url}  (/metrics, /api/v1/breakdown, /api/v1/services)")
-        click.echo("Ctrl-C to stop.")
-        while not done.wait(1.0):
-            pass
-        click.echo("stopping: flushing the engine and forwarding queues")
-    finally:
-        app.stop()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+            try:
+                app.start()
+            except (OSError, ValueError) as exc:
+                raise click.ClickException(f"cannot start the collector: {exc}") from None
+            click.echo(f"OTLP/gRPC  {app.otlp_grpc_endpoint}")
+            click.echo(f"OTLP/HTTP  {app.otlp_http_endpoint}")
+            click.echo(f"API        {app.api_url}  (/metrics, /api/v1/breakdown, /api/v1/services)")
+            click.echo("Ctrl-C to stop.")
+            while not done.wait(1.0):
+                pass
+            click.echo("stopping: flushing the engine and forwarding queues")
+        finally:
+            app.stop()
 
 
 __all__ = ["collect"]

@@ -82,11 +82,13 @@ _DEVICE_UUID = re.compile(
     r"(?:GPU|MIG)-[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"
 )
 
+_NIL_UUID = "00000000-0000-0000-0000-000000000000"
+
 
 def is_device_uuid(hw_id: str) -> bool:
     """Whether ``hw_id`` names one GPU in the world (joins across host names). The nil
     UUID is a placeholder (``inferprof.gpu.SyntheticSource``'s default), not a device."""
-    return _DEVICE_UUID.fullmatch(hw_id) is not None and hw_id.strip("GPUMI-0") != ""
+    return _DEVICE_UUID.fullmatch(hw_id) is not None and not hw_id.endswith(_NIL_UUID)
 
 
 def is_gpu_metric(name: str) -> bool:

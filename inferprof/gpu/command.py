@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
-import signal
 import sys
-import threading
 import time
 from typing import IO, Any
 
@@ -23,6 +21,7 @@ from click.core import ParameterSource
 
 from inferprof import _config
 from inferprof import semconv as sc
+from inferprof.cli.signals import until_signal
 from inferprof.gpu import sampler as _sampler
 from inferprof.gpu.records import METRICS, GpuSample, Source, SourceUnavailable
 
@@ -252,36 +251,29 @@ def gpu(source: str | None, once: bool, duration: float | None, log_level: str,
     if disabled_by is not None:
         click.echo(f"GPU sampling is disabled by {disabled_by}: nothing sampled or exported.")
         return
-    done = threading.Event()
-
-    def on_signal(signum: int, frame: Any) -> None:
-        done.set()
-
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
+    with until_signal() as done:
         try:
-            sampler.start()
-        except (SourceUnavailable, ImportError) as exc:
-            raise click.ClickException(f"cannot sample GPUs: {exc}") from None
-        except ValueError as exc:
-            raise click.UsageError(str(exc)) from None
-        st = sampler.settings
-        click.echo(f"source     {st.source}{_describe(src)}, every {st.interval:g} s")
-        click.echo(f"OTLP       {st.endpoint} ({st.protocol}), every {st.export_interval:g} s, "
-                   f"host.name={_host_used(src, st)}")
-        click.echo("Ctrl-C to stop.")
-        end = None if duration is None else time.monotonic() + duration
-        while not done.wait(0.2):
-            if sampler.exhausted:
-                click.echo("the recording has played (--no-loop)")
-                break
-            if end is not None and time.monotonic() >= end:
-                break
-        click.echo("stopping: exporting what is buffered")
-    finally:
-        sampler.stop()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+            try:
+                sampler.start()
+            except (SourceUnavailable, ImportError) as exc:
+                raise click.ClickException(f"cannot sample GPUs: {exc}") from None
+            except ValueError as exc:
+                raise click.UsageError(str(exc)) from None
+            st = sampler.settings
+            click.echo(f"source     {st.source}{_describe(src)}, every {st.interval:g} s")
+            click.echo(f"OTLP       {st.endpoint} ({st.protocol}), every "
+                       f"{st.export_interval:g} s, host.name={_host_used(src, st)}")
+            click.echo("Ctrl-C to stop.")
+            end = None if duration is None else time.monotonic() + duration
+            while not done.wait(0.2):
+                if sampler.exhausted:
+                    click.echo("the recording has played (--no-loop)")
+                    break
+                if end is not None and time.monotonic() >= end:
+                    break
+            click.echo("stopping: exporting what is buffered")
+        finally:
+            sampler.stop()
     s = sampler.stats()
     click.echo(f"polls {s.polls} ({s.poll_errors} failed), readings {s.samples}, exported "
                f"{s.exported_samples} ({s.exported_points} data points; "

@@ -101,3 +101,14 @@ def build(gpus: list[FakeGpu], *, init_error: type[real.NVMLError] | None = None
         setattr(mod, fn.__name__, fn)
     mod.state = state  # tests read whether NVML was shut down again
     return mod
+
+
+def real_nvml_works() -> bool:
+    """Whether the real NVML initialises here (an NVIDIA driver and GPU): the tests of the
+    no-GPU path run only where it does not."""
+    try:
+        real.nvmlInit()
+    except real.NVMLError:
+        return False
+    real.nvmlShutdown()
+    return True

@@ -10,10 +10,10 @@ import socket
 import subprocess
 import sys
 
-import pynvml
 import pytest
 
 from inferprof import semconv as sc
+from tests.gpu.fake_pynvml import real_nvml_works
 
 pytestmark = pytest.mark.integration
 
@@ -31,16 +31,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _nvml_works() -> bool:
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError:
-        return False
-    pynvml.nvmlShutdown()
-    return True
-
-
-@pytest.mark.skipif(_nvml_works(), reason="this machine has a working NVIDIA driver")
+@pytest.mark.skipif(real_nvml_works(), reason="this machine has a working NVIDIA driver")
 def test_no_gpu_exits_non_zero_with_one_line():
     proc = _run("--duration", "1")
     assert proc.returncode == 1

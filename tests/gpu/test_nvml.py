@@ -30,15 +30,6 @@ def fake_nvml(monkeypatch):
     return install
 
 
-def _real_nvml_works() -> bool:
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError:
-        return False
-    pynvml.nvmlShutdown()
-    return True
-
-
 def test_reads_every_gpu_in_the_contracts_units(fake_nvml):
     fake_nvml([
         FakeGpu(UUID_A, util=[(37, 12), (90, 40)], memory_total=80 * 2**30,
@@ -137,13 +128,13 @@ def test_a_missing_package_is_an_import_error_naming_the_extra_for_both_sources(
     assert isinstance(disabled, DisabledSampler) and "inferprof[gpu]" in disabled.reason
 
 
-@pytest.mark.skipif(_real_nvml_works(), reason="this machine has a working NVIDIA driver")
+@pytest.mark.skipif(fake_pynvml.real_nvml_works(), reason="this machine has a working NVIDIA driver")
 def test_real_nvml_without_a_driver_says_so():
     with pytest.raises(SourceUnavailable, match="libnvidia-ml.so.*not found"):
         NvmlSource().open()
 
 
-@pytest.mark.skipif(_real_nvml_works(), reason="this machine has a working NVIDIA driver")
+@pytest.mark.skipif(fake_pynvml.real_nvml_works(), reason="this machine has a working NVIDIA driver")
 def test_start_sampler_without_a_gpu_warns_once_and_returns_a_no_op(caplog, otlp_sink):
     before = {t.name for t in threading.enumerate()}
     with caplog.at_level(logging.DEBUG, logger="inferprof"):
