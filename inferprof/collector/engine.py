@@ -20,7 +20,9 @@ export that would exceed it raises ``Overloaded`` before anything of it is accep
 with nothing pending any one export is taken, so the bound is that plus one export, whose
 size ``--max-body-bytes`` limits),
 slices by the largest window, (service, model) series by ``max_series`` (the rest fold
-into ``service="__overflow__"``), stage names by ``attribution.MAX_STAGE_COLUMNS``.
+into ``service="__overflow__"``; at the cap, a new pair takes the slot of the series idle
+longest, once nothing of it is left in any retained slice), stage names by
+``attribution.MAX_STAGE_COLUMNS``.
 """
 
 from __future__ import annotations
@@ -205,8 +207,15 @@ class Engine:
         # Assembler stage number -> stage column (-1: not mapped yet).
         self._col_of = np.empty(0, np.int64)
         self._series: dict[tuple[str, str], int] = {}
-        self._series_keys: list[tuple[str, str]] = []
+        # Slot -> key; None: a slot reclaimed and not yet reused (never, in practice: a
+        # slot is reclaimed only to be reused at once).
+        self._series_keys: list[tuple[str, str] | None] = []
         self._series_requests: list[float] = []
+        #: collector-clock time each series was last folded into (reclaiming idle ones)
+        self._series_last: list[float] = []
+        #: no series becomes reclaimable before this time (a scan that found none)
+        self._reclaim_after = -math.inf
+        self._reclaimed = 0
         self._slices: dict[int, TimeSlice] = {}
         self._hist: dict[tuple[int, int], np.ndarray] = {}
         self._hist_sum: dict[tuple[int, int], float] = {}
@@ -299,11 +308,17 @@ class Engine:
                 del self._slices[idx]
             self._gpu.prune(now - self.retention_s)
 
-    def _series_id(self, service: str, model: str) -> int:
+    def _series_id(self, service: str, model: str, now: float) -> int:
         key = (service, model)
         sid = self._series.get(key)
         if sid is None:
             if len(self._series) >= self.max_series:
+                sid = self._reclaim(now)
+                if sid is not None:
+                    self._series[key] = sid
+                    self._series_keys[sid] = key
+                    self._series_last[sid] = now
+                    return sid
                 key = (sc.OVERFLOW_SERIES, "")
                 sid = self._series.get(key)
                 if sid is not None:
@@ -312,6 +327,36 @@ class Engine:
             self._series[key] = sid
             self._series_keys.append(key)
             self._series_requests.append(0.0)
+            self._series_last.append(now)
+        return sid
+
+    def _reclaim(self, now: float) -> int | None:
+        """Free the slot of the series idle longest, if it has been idle long enough that
+        no retained slice holds any of it (folded more than ``retention_s + slice_s``
+        ago); None when no series has. Its cumulative histograms leave ``/metrics`` with
+        it (a returning pair starts them again from zero: a counter reset to
+        Prometheus)."""
+        if now < self._reclaim_after or not math.isfinite(self.retention_s):
+            return None
+        horizon = self.retention_s + self.slice_s
+        overflow = self._series.get((sc.OVERFLOW_SERIES, ""))
+        last = self._series_last
+        sid = min(
+            (i for i, key in enumerate(self._series_keys) if key is not None and i != overflow),
+            key=last.__getitem__,
+            default=None,
+        )
+        if sid is None or last[sid] + horizon > now:
+            # Nothing reclaimable before the idlest series is: no scan until then.
+            self._reclaim_after = (last[sid] + horizon) if sid is not None else math.inf
+            return None
+        del self._series[self._series_keys[sid]]
+        self._series_keys[sid] = None
+        self._series_requests[sid] = 0.0
+        for hk in [hk for hk in self._hist if hk[0] == sid]:
+            del self._hist[hk]
+            del self._hist_sum[hk]
+        self._reclaimed += 1
         return sid
 
     def _stage_id(self, stage: str) -> int | None:
@@ -467,6 +512,7 @@ class Engine:
         series_id = self._series_id
         series_keys = self._series_keys
         series_requests = self._series_requests
+        series_last = self._series_last
         known = self._series.get
         # A model attribute that is not a string (or none at all) is "".
         models = [m if isinstance(m, str) else "" for m in fin.model]
@@ -474,9 +520,12 @@ class Engine:
         for key in zip(fin.service, models):
             sid = known(key)
             if sid is None:  # a new series, or one folded into the overflow series
-                sid = series_id(*key)
+                sid = series_id(*key, now)
                 if series_keys[sid] == overflow_key and key != overflow_key:
                     self._overflow += 1
+            # Now, not after the loop: a series folded here must not be reclaimed for a
+            # new one further down the same fold.
+            series_last[sid] = now
             series.append(sid)
         for sid, w in zip(series, fin.weight):
             series_requests[sid] += w
@@ -577,6 +626,7 @@ class Engine:
                 requests_finalised=self._finalised,
                 series_overflow=self._overflow,
                 series=len(self._series),
+                series_reclaimed=self._reclaimed,
                 gpu_samples_received=self._gpu.received,
                 gpu_samples_dropped=self._gpu.dropped,
                 pending_spans=asm.pending,
@@ -603,9 +653,10 @@ class Engine:
             return out
 
     def series(self) -> list[tuple[str, str]]:
-        """Every (service, model) seen, in order of first appearance."""
+        """Every (service, model) tracked, in slot order (first appearance, but for a
+        pair in a reclaimed slot)."""
         with self._lock:
-            return list(self._series_keys)
+            return [key for key in self._series_keys if key is not None]
 
     def histograms(self) -> list[tuple[str, str, str | None, np.ndarray, float]]:
         """Cumulative histograms: (service, model, stage or None for e2e, bucket counts, sum).

@@ -159,6 +159,12 @@ class EngineCollector:
             value=stats.series_overflow,
         )
         yield core.CounterMetricFamily(
+            sc.PROM_SERIES_RECLAIMED,
+            "(service, model) slots freed for a new pair at --max-series: the series idle "
+            "longest, once none of it was left in the retained window.",
+            value=stats.series_reclaimed,
+        )
+        yield core.CounterMetricFamily(
             sc.PROM_GPU_SAMPLES_RECEIVED,
             "GPU samples (contract section 4 data points) accepted, joined to spans or not.",
             value=stats.gpu_samples_received,

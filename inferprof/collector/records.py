@@ -44,6 +44,8 @@ class EngineStats:
     #: requests folded into the overflow series because of the (service, model) cap.
     series_overflow: int = 0
     series: int = 0
+    #: (service, model) slots freed for a new pair at the cap (idle longer than retention).
+    series_reclaimed: int = 0
     gpu_samples_received: int = 0
     gpu_samples_dropped: int = 0
     pending_spans: int = 0

@@ -446,6 +446,65 @@ def test_series_cap_folds_into_overflow():
     assert engine.stats.series_overflow == 2
 
 
+def _fold_models(engine, clock, models, dt=5.0):
+    """One export with a request per model, then let it settle."""
+    b = TraceBuilder()
+    for i, model in enumerate(models):
+        b.sequential(i * 0.01, [("compute", 0.01)], model=model)
+    engine.ingest_traces(b.export())
+    settle(engine, clock, dt)
+
+
+def test_series_idle_past_retention_gives_up_its_slot_at_the_cap():
+    # Retention 60 s, slices of 10 s: a series with no request for 70 s is in no window.
+    engine, clock = make_engine(max_series=2, windows_s=(60.0,), slice_s=10.0)
+    _fold_models(engine, clock, ["a"])
+    clock.tick(40.0)
+    _fold_models(engine, clock, ["b"])
+    clock.tick(40.0)  # a idle for 85 s, b for 45 s
+    _fold_models(engine, clock, ["c"])
+    assert set(engine.series()) == {("svc", "b"), ("svc", "c")}
+    assert engine.stats.series_reclaimed == 1 and engine.stats.series_overflow == 0
+    assert engine.breakdown("svc", model="c")["requests"] == 1
+    assert engine.breakdown("svc", model="a") is None
+    # a's cumulative histograms left with its slot; c's start from its own request.
+    hist = {(m, st): arr.sum() for _, m, st, arr, _ in engine.histograms()}
+    assert ("a", "compute") not in hist and hist[("c", "compute")] == 1
+    assert hist[("b", "compute")] == 1
+
+
+def test_series_seen_within_retention_keeps_its_slot_and_new_pairs_overflow():
+    engine, clock = make_engine(max_series=2, windows_s=(60.0,), slice_s=10.0)
+    _fold_models(engine, clock, ["a", "b"])
+    clock.tick(50.0)  # idle 55 s: still inside the 60 s window plus a slice
+    _fold_models(engine, clock, ["c"])
+    assert set(engine.series()) == {("svc", "a"), ("svc", "b"), (sc.OVERFLOW_SERIES, "")}
+    assert engine.stats.series_reclaimed == 0 and engine.stats.series_overflow == 1
+    clock.tick(30.0)  # now a and b are past it
+    _fold_models(engine, clock, ["c"])
+    assert ("svc", "c") in engine.series() and engine.stats.series_reclaimed == 1
+
+
+def test_series_folded_in_the_same_export_is_not_reclaimed_for_a_later_pair():
+    engine, clock = make_engine(max_series=2, windows_s=(60.0,), slice_s=10.0)
+    _fold_models(engine, clock, ["a", "b"])
+    clock.tick(100.0)
+    # a comes back in the same export as the new pair c: c must take b's slot, not a's.
+    _fold_models(engine, clock, ["a", "c"])
+    assert set(engine.series()) == {("svc", "a"), ("svc", "c")}
+    assert engine.breakdown("svc", model="a")["requests"] == 1
+    assert engine.breakdown("svc", model="c")["requests"] == 1
+
+
+def test_offline_engine_never_reclaims():
+    engine, clock = make_engine(max_series=1, retention_s=math.inf)
+    _fold_models(engine, clock, ["a"])
+    clock.tick(10_000.0)
+    _fold_models(engine, clock, ["b"])
+    assert set(engine.series()) == {("svc", "a"), (sc.OVERFLOW_SERIES, "")}
+    assert engine.stats.series_reclaimed == 0
+
+
 def test_overlapping_stages_partition_keeps_shares_summing_to_one():
     engine, clock = make_engine()
     b = TraceBuilder()

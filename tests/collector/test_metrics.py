@@ -91,6 +91,25 @@ def test_self_metrics(scraped):
     assert _samples(fam, partial, "_total")[0].value == 0
 
 
+def test_series_reclaimed_counted():
+    clock = FakeClock()
+    engine = Engine(clock=clock, max_series=1, windows_s=(60.0,), slice_s=10.0)
+    for model, idle in (("a", 100.0), ("b", 0.0)):
+        b = TraceBuilder()
+        b.sequential(0.0, [("compute", 0.01)], model=model)
+        engine.ingest_traces(b.export())
+        clock.tick(5.0)
+        engine.advance()  # folded now
+        clock.tick(idle)
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(engine, window_s=60))
+    fam = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
+    reclaimed = sc.PROM_SERIES_RECLAIMED.removesuffix("_total")
+    assert _samples(fam, reclaimed, "_total")[0].value == 1
+    models = {s.labels.get("model") for s in _samples(fam, sc.PROM_REQUEST_DURATION, "_count")}
+    assert models == {"b"}
+
+
 def test_gpu_samples_received_counted():
     engine = Engine(clock=FakeClock())
     engine.ingest_metrics(gpu_metrics([(0.0, 0.5), (0.1, 0.6), (0.2, float("nan"))]))
