@@ -88,6 +88,9 @@ def _windows(ctx: click.Context, param: click.Parameter, value: str | None) -> A
 @click.option("--slice-s", type=float, help="Granularity of the sliding windows.")
 @click.option("--relative-accuracy", type=float, help="Relative accuracy of the quantile sketches.")
 @click.option("--max-series", type=int, help="Most (service, model) series kept.")
+@click.option(
+    "--max-stages", type=int, help="Most distinct stage names tracked (the contract's included)."
+)
 @click.option("--max-spans-per-trace", type=int, help="Spans kept per trace.")
 @click.option("--max-pending-spans", type=int, help="Spans held unfolded before answering 429.")
 @click.option("--metrics-window-s", type=float, help="Window of the /metrics gauges.")

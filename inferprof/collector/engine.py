@@ -21,8 +21,8 @@ with nothing pending any one export is taken, so the bound is that plus one expo
 size ``--max-body-bytes`` limits),
 slices by the largest window, (service, model) series by ``max_series`` (the rest fold
 into ``service="__overflow__"``; at the cap, a new pair takes the slot of the series idle
-longest, once nothing of it is left in any retained slice), stage names by
-``attribution.MAX_STAGE_COLUMNS``.
+longest, once nothing of it is left in any retained slice), distinct stage names by
+``max_stages`` (at most ``attribution.MAX_STAGE_COLUMNS``).
 """
 
 from __future__ import annotations
@@ -93,7 +93,13 @@ _E2E = 0
 _UNATTRIBUTED = 1
 #: Compute windows kept per (slice, series) for the GPU join.
 _MAX_COMPUTE_WINDOWS = 5_000
-#: Temporary stage ids of stage names beyond MAX_STAGE_COLUMNS (dropped when folding).
+#: Distinct stage names tracked by default, the contract's nine and ``unattributed``
+#: included: every (service, model) series carries a quantile, share and histogram per
+#: stage on ``/metrics``, so the names multiply the exposition (docs/concepts.md).
+DEFAULT_MAX_STAGES = 64
+#: The fewest: the contract's stages and ``unattributed``.
+MIN_MAX_STAGES = len(sc.CANONICAL_STAGES) + 1
+#: Temporary stage ids of stage names beyond max_stages (dropped when folding).
 _NO_COLUMN = 1 << 20
 _NS = 1e-9
 _INT64_LIMIT = 1 << 63
@@ -164,6 +170,7 @@ class Engine:
         slice_s: float = 10.0,
         relative_accuracy: float = 0.005,
         max_series: int = 1000,
+        max_stages: int = DEFAULT_MAX_STAGES,
         max_spans_per_trace: int = 10_000,
         max_pending_spans: int = 1_000_000,
         retention_s: float | None = None,
@@ -188,6 +195,16 @@ class Engine:
         ):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if (
+            not isinstance(max_stages, int)
+            or isinstance(max_stages, bool)
+            or not MIN_MAX_STAGES <= max_stages <= MAX_STAGE_COLUMNS - 1
+        ):
+            raise ValueError(
+                f"max_stages must be an integer from {MIN_MAX_STAGES} (the contract's stages"
+                f" and unattributed) to {MAX_STAGE_COLUMNS - 1}, got {max_stages!r}"
+            )
+        self.max_stages = max_stages
         if not isinstance(triton_spans, bool):
             raise TypeError(f"triton_spans must be True or False, got {triton_spans!r}")
         self.max_series = max_series
@@ -362,7 +379,8 @@ class Engine:
     def _stage_id(self, stage: str) -> int | None:
         idx = self._stage_index.get(stage)
         if idx is None:
-            if len(self._stage_names) >= MAX_STAGE_COLUMNS:
+            # _stage_names[0] is "" (no stage): max_stages names take max_stages + 1.
+            if len(self._stage_names) > self.max_stages:
                 return None
             idx = len(self._stage_names)
             self._stage_names.append(stage)
@@ -373,7 +391,7 @@ class Engine:
         """Stage column of each assembler stage number (``Assembler.stage_names``).
 
         Names get a column on first fold, in order of first appearance among the spans
-        folded. Names beyond ``MAX_STAGE_COLUMNS`` map to ``_NO_COLUMN + number``
+        folded. Names beyond ``max_stages`` map to ``_NO_COLUMN + number``
         (distinct per name, so their time still counts as covered and their drop is
         counted once per (request, stage) like every other per-stage figure).
         """

@@ -20,6 +20,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from inferprof import semconv
+from inferprof.collector.attribution import MAX_STAGE_COLUMNS
 from inferprof.collector.sketch import RELATIVE_ACCURACY_MAX, RELATIVE_ACCURACY_MIN
 
 _log = logging.getLogger(__name__)
@@ -42,6 +44,7 @@ _DEFAULT_WINDOWS_S = (60.0, 300.0, 900.0)
 _DEFAULT_SLICE_S = 10.0
 _DEFAULT_RELATIVE_ACCURACY = 0.005
 _DEFAULT_MAX_SERIES = 1000
+_DEFAULT_MAX_STAGES = 64  # engine.DEFAULT_MAX_STAGES
 _DEFAULT_MAX_SPANS_PER_TRACE = 10_000
 _DEFAULT_MAX_PENDING_SPANS = 1_000_000
 _DEFAULT_METRICS_WINDOW_S = 300.0
@@ -76,6 +79,7 @@ ENV_WINDOWS_S = "INFERPROF_COLLECTOR_WINDOWS_S"  # comma-separated seconds
 ENV_SLICE_S = "INFERPROF_COLLECTOR_SLICE_S"
 ENV_RELATIVE_ACCURACY = "INFERPROF_COLLECTOR_RELATIVE_ACCURACY"
 ENV_MAX_SERIES = "INFERPROF_COLLECTOR_MAX_SERIES"
+ENV_MAX_STAGES = "INFERPROF_COLLECTOR_MAX_STAGES"
 ENV_MAX_SPANS_PER_TRACE = "INFERPROF_COLLECTOR_MAX_SPANS_PER_TRACE"
 ENV_MAX_PENDING_SPANS = "INFERPROF_COLLECTOR_MAX_PENDING_SPANS"
 ENV_METRICS_WINDOW_S = "INFERPROF_COLLECTOR_METRICS_WINDOW_S"
@@ -161,6 +165,7 @@ _ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
     "slice_s": (ENV_SLICE_S, _parse_float),
     "relative_accuracy": (ENV_RELATIVE_ACCURACY, _parse_float),
     "max_series": (ENV_MAX_SERIES, _parse_int),
+    "max_stages": (ENV_MAX_STAGES, _parse_int),
     "max_spans_per_trace": (ENV_MAX_SPANS_PER_TRACE, _parse_int),
     "max_pending_spans": (ENV_MAX_PENDING_SPANS, _parse_int),
     "metrics_window_s": (ENV_METRICS_WINDOW_S, _parse_float),
@@ -201,6 +206,7 @@ class CollectorSettings:
     slice_s: float = _DEFAULT_SLICE_S
     relative_accuracy: float = _DEFAULT_RELATIVE_ACCURACY
     max_series: int = _DEFAULT_MAX_SERIES
+    max_stages: int = _DEFAULT_MAX_STAGES
     max_spans_per_trace: int = _DEFAULT_MAX_SPANS_PER_TRACE
     max_pending_spans: int = _DEFAULT_MAX_PENDING_SPANS
     metrics_window_s: float = _DEFAULT_METRICS_WINDOW_S
@@ -255,6 +261,7 @@ class CollectorSettings:
             "slice_s": self.slice_s,
             "relative_accuracy": self.relative_accuracy,
             "max_series": self.max_series,
+            "max_stages": self.max_stages,
             "max_spans_per_trace": self.max_spans_per_trace,
             "max_pending_spans": self.max_pending_spans,
             "triton_spans": self.triton_spans,
@@ -391,6 +398,7 @@ _POSITIVE_INTS = (
     "grpc_workers",
     "forward_queue_size",
     "max_series",
+    "max_stages",
     "max_spans_per_trace",
     "max_pending_spans",
 )
@@ -463,6 +471,12 @@ def _validate(s: CollectorSettings) -> None:
         raise ValueError("tls_cert and tls_key must be given together")
     if s.auth_token is not None and s.auth_token_file is not None:
         raise ValueError("give auth_token or auth_token_file, not both")
+    fewest = len(semconv.CANONICAL_STAGES) + 1  # engine.MIN_MAX_STAGES
+    if not fewest <= s.max_stages < MAX_STAGE_COLUMNS:
+        raise ValueError(
+            f"max_stages must be from {fewest} (the contract's stages and unattributed) to"
+            f" {MAX_STAGE_COLUMNS - 1}, got {s.max_stages}"
+        )
 
 
 def validate_forward_url(url: str) -> str:

@@ -8,6 +8,7 @@ import math
 import random
 
 import numpy as np
+import pytest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue
 
 from inferprof import semconv as sc
@@ -148,7 +149,8 @@ def test_too_many_stage_names_count_one_drop_per_request_and_stage():
             b.stage(req, f"custom_{i}", i + 0.0, i + 0.05)
             b.stage(req, f"custom_{i}", i + 0.05, i + 0.06)  # same stage twice: one drop
 
-    engine = _fold(build, max_spans_per_trace=10)
+    # The most the column bits allow (the default, DEFAULT_MAX_STAGES, is far lower).
+    engine = _fold(build, max_spans_per_trace=10, max_stages=MAX_STAGE_COLUMNS - 1)
     stats = engine.stats
     dropped = stats.spans_dropped.get(sc.DROP_TOO_MANY_STAGES, 0)
     columns_left = MAX_STAGE_COLUMNS - 2 - len(sc.CANONICAL_STAGES)
@@ -182,3 +184,30 @@ def test_cyclic_gc_is_restored_after_ingest_and_left_off_if_the_app_turned_it_of
         else:
             gc.disable()
     assert engine.stats.requests_finalised == 2
+
+
+def test_stage_names_past_max_stages_are_dropped_and_counted():
+    from inferprof.collector.attribution import MAX_STAGE_COLUMNS
+    from inferprof.collector.engine import DEFAULT_MAX_STAGES, MIN_MAX_STAGES
+
+    n_custom = 5
+
+    def build(b):
+        for i in range(n_custom):
+            req = b.request(float(i), i + 0.1)
+            b.stage(req, "compute", i + 0.0, i + 0.05)
+            b.stage(req, f"custom_{i}", i + 0.05, i + 0.06)
+
+    # Room for two custom names beside the contract's stages and unattributed.
+    engine = _fold(build, max_stages=MIN_MAX_STAGES + 2)
+    assert engine.stats.spans_dropped.get(sc.DROP_TOO_MANY_STAGES, 0) == n_custom - 2
+    doc = engine.breakdown("svc", window_s=None)
+    names = {s["stage"] for s in doc["stages"]}
+    assert {"custom_0", "custom_1", "compute"} <= names and "custom_2" not in names
+    # The default leaves room for DEFAULT_MAX_STAGES - MIN_MAX_STAGES custom names.
+    engine = _fold(build)
+    assert DEFAULT_MAX_STAGES - MIN_MAX_STAGES >= n_custom
+    assert engine.stats.spans_dropped.get(sc.DROP_TOO_MANY_STAGES, 0) == 0
+    for bad in (MIN_MAX_STAGES - 1, MAX_STAGE_COLUMNS, True, 20.0):
+        with pytest.raises(ValueError, match="max_stages"):
+            Engine(max_stages=bad)

@@ -19,13 +19,16 @@ def test_defaults_bind_loopback_on_the_otlp_ports():
 
 def test_keyword_beats_environment_beats_file_beats_default(tmp_path):
     config = tmp_path / "c.toml"
-    config.write_text("grpc-port = 1111\nhttp_port = 2222\napi-port = 3333\nmax_series = 7\n")
+    config.write_text(
+        "grpc-port = 1111\nhttp_port = 2222\napi-port = 3333\nmax_series = 7\nmax_stages = 20\n"
+    )
     env = {st.ENV_HTTP_PORT: "5555", st.ENV_API_PORT: "6666"}
     s = CollectorSettings.from_env(config=config, environ=env, api_port=7777)
     assert s.grpc_port == 1111  # file
     assert s.http_port == 5555  # env over file
     assert s.api_port == 7777  # keyword over env
     assert s.max_series == 7
+    assert s.max_stages == 20 and s.engine_kwargs()["max_stages"] == 20
     assert s.max_body_bytes == st._DEFAULT_MAX_BODY_BYTES
 
 
