@@ -19,7 +19,16 @@ re-raised unchanged. The stage's W3C ``traceparent``/``tracestate`` go into the 
 HTTP headers or gRPC metadata through tritonclient's plugin mechanism, so a Triton server
 tracing in OpenTelemetry mode puts its own spans (request, queue, compute) under the
 ``network`` span of the same trace. With inferprof off or not configured a call costs one
-check. See ``docs/triton.md``.
+check.
+
+For calls the clients do not make (Triton's ``generate``/``generate_stream`` endpoints,
+its REST API through httpx or requests), ``call()`` records the same stage and gives the
+headers to send::
+
+    async with inferprof.triton.call("llm") as call:
+        r = await http.post(f"{url}/v2/models/llm/generate", json=body, headers=call.headers)
+
+See ``docs/triton.md``.
 """
 
 from __future__ import annotations
@@ -91,6 +100,38 @@ def uninstrument(client: C) -> C:
     return client
 
 
+def call(
+    model_name: str,
+    *,
+    model_version: str | int | None = None,
+    protocol: str = "http",
+    headers: Any = None,
+    propagate: bool | str = True,
+) -> Any:
+    """A ``network`` stage for one Triton request made without an instrumented client, and
+    the headers to send with it: ``with``/``async with inferprof.triton.call("llm") as c:``
+    then send ``c.headers``. Needs no tritonclient.
+
+    ``headers``: headers of your own, copied (never modified) into ``c.headers`` with the
+    stage's ``traceparent``/``tracestate`` added (replacing any of the same name in any
+    letter case), per ``propagate`` as in :func:`instrument`. ``c.add_bytes(sent=...,
+    received=...)`` counts bytes; an exception leaving the block is recorded on the stage
+    and propagates unchanged. Outside a request the stage is a span of its own; with
+    inferprof off or not configured nothing is recorded and ``c.headers`` is a copy of
+    ``headers``. ``ValueError`` for an empty model name, a protocol other than ``"http"`` or
+    ``"grpc"``, or another ``propagate``.
+    """
+    from inferprof.triton._manual import call as _call
+
+    return _call(
+        model_name,
+        model_version=model_version,
+        protocol=protocol,
+        headers=headers,
+        propagate=propagate,
+    )
+
+
 def is_instrumented(client: Any) -> bool:
     """Whether :func:`instrument` applies to ``client`` now."""
     from inferprof.triton._kinds import STATE_KEY
@@ -98,4 +139,4 @@ def is_instrumented(client: Any) -> bool:
     return STATE_KEY in getattr(client, "__dict__", ())
 
 
-__all__ = ["instrument", "is_instrumented", "uninstrument"]
+__all__ = ["call", "instrument", "is_instrumented", "uninstrument"]

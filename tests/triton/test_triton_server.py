@@ -41,10 +41,13 @@ def _first(span, suffixes: tuple[str, ...]) -> int:
     return min(e.time_unix_nano for e in span.events if e.name.endswith(suffixes))
 
 
-def assert_triton_continued(triton_traces, stages, protocol: str) -> None:
+def assert_triton_continued(
+    triton_traces, stages, protocol: str, answered: tuple[str, ...] = ("_SEND_START",)
+) -> None:
     """Triton's root span (``InferRequest``) of each call is a child of the call's network
-    stage, in the stage's trace, and Triton read the request and began its answer within the
-    stage (one host, one clock). Over gRPC, at least one of the calls (see GRPC_CALLS)."""
+    stage, in the stage's trace, and Triton read the request and began its answer (the
+    first event named with a suffix in ``answered``) within the stage (one host, one
+    clock). Over gRPC, at least one of the calls (see GRPC_CALLS)."""
     by_id = {s.context.span_id.to_bytes(8, "big"): s for s in stages}
     traces = {s.context.trace_id.to_bytes(16, "big") for s in stages}
 
@@ -69,7 +72,7 @@ def assert_triton_continued(triton_traces, stages, protocol: str) -> None:
         stage = by_id[server.parent_span_id]  # KeyError: parented on something else
         assert server.trace_id == stage.context.trace_id.to_bytes(16, "big")
         received = _first(server, ("_RECV_END", "_WAITREAD_END"))
-        answering = _first(server, ("_SEND_START",))
+        answering = _first(server, answered)
         assert stage.start_time <= received <= answering <= stage.end_time
     if protocol == "http":
         assert set(parents) == set(by_id)
