@@ -436,8 +436,15 @@ def iter_otlp_file(
             yield from _iter_collector_proto(first, fh, path, raw, on_bytes)
             return
         lineno = 0
-        buf = first + fh.readline()
-        while buf:
+        rest = first  # the sniffed bytes may hold a whole short line, and more
+        while True:
+            nl = rest.find(b"\n")
+            if nl >= 0:
+                buf, rest = rest[: nl + 1], rest[nl + 1 :]
+            else:
+                buf, rest = rest + fh.readline(), b""
+            if not buf:
+                return
             lineno += 1
             try:
                 req = parse_json_line(buf)
@@ -447,7 +454,6 @@ def iter_otlp_file(
                 yield req
             if on_bytes is not None:
                 on_bytes(raw.tell())
-            buf = fh.readline()
 
 
 def _decode_record(cls, payload: bytes, path, record: int) -> OtlpRequest:
@@ -479,44 +485,78 @@ def _iter_pb(fh, path, raw, on_bytes) -> Iterator[OtlpRequest]:
             on_bytes(raw.tell())
 
 
-def _plausible_traces(req: ExportTraceServiceRequest) -> bool:
-    spans = [sp for rs in req.resource_spans for ss in rs.scope_spans for sp in ss.spans]
-    return bool(spans) and all(len(sp.trace_id) == 16 and len(sp.span_id) == 8 for sp in spans)
+def _signal_of(payload: bytes) -> type | None:
+    """The export class a collector proto record is, when the record says: traces when it
+    decodes as spans (preferring traces with valid-length ids when it also decodes as
+    metrics), metrics when it decodes as metrics with data; None for a record that holds
+    neither (resources or scopes only), which decodes the same either way."""
+    try:
+        req = ExportTraceServiceRequest.FromString(payload)
+        spans = [sp for rs in req.resource_spans for ss in rs.scope_spans for sp in ss.spans]
+    except DecodeError:
+        spans = []
+    try:
+        mreq = ExportMetricsServiceRequest.FromString(payload)
+        metrics = [
+            m
+            for rm in mreq.resource_metrics
+            for sm in rm.scope_metrics
+            for m in sm.metrics
+            if m.WhichOneof("data") is not None
+        ]
+    except DecodeError:
+        metrics = []
+    if spans and metrics:
+        valid = all(len(sp.trace_id) == 16 and len(sp.span_id) == 8 for sp in spans)
+        return ExportTraceServiceRequest if valid else ExportMetricsServiceRequest
+    if spans:
+        return ExportTraceServiceRequest
+    if metrics:
+        return ExportMetricsServiceRequest
+    return None
 
 
 def _iter_collector_proto(first: bytes, fh, path, raw, on_bytes) -> Iterator[OtlpRequest]:
     """The collector file exporter's ``format: proto``: each message preceded by its
-    length as a 4-byte big-endian integer; one signal per file (recognised from the first
-    message: traces when it decodes as spans with valid-length ids, else metrics)."""
+    length as a 4-byte big-endian integer; one signal per file, recognised from the first
+    message that holds spans or metrics (records before it, with neither, are held until
+    then; a file with neither anywhere reads as traces)."""
     pending = first
     record = 0
     cls = None
+    held: list[tuple[int, bytes]] = []
     while True:
         head = pending + fh.read(4 - len(pending)) if len(pending) < 4 else pending[:4]
         rest = b"" if len(pending) < 4 else pending[4:]
         pending = b""
         if not head:
-            return
+            break
         record += 1
         if len(head) < 4:
             raise ValueError(f"{os.fspath(path)}: record {record} is truncated")
         size = int.from_bytes(head, "big")
-        payload = rest + fh.read(size - len(rest))
+        if len(rest) >= size:  # small records: the sniffed bytes hold more than this one
+            payload, pending = rest[:size], rest[size:]
+        else:
+            payload = rest + fh.read(size - len(rest))
         if len(payload) != size:
             raise ValueError(
                 f"{os.fspath(path)}: not OTLP JSON lines, an inferprof dump, or a complete "
                 f"collector proto file (record {record} is truncated)"
             )
         if cls is None:
-            cls = ExportMetricsServiceRequest
-            try:
-                if _plausible_traces(ExportTraceServiceRequest.FromString(payload)):
-                    cls = ExportTraceServiceRequest
-            except DecodeError:
-                pass
+            cls = _signal_of(payload)
+            if cls is None:
+                held.append((record, payload))
+                continue
+            for n, earlier in held:
+                yield _decode_record(cls, earlier, path, n)
+            held.clear()
         yield _decode_record(cls, payload, path, record)
         if on_bytes is not None:
             on_bytes(raw.tell())
+    for n, earlier in held:  # nothing said which signal: empty either way
+        yield _decode_record(ExportTraceServiceRequest, earlier, path, n)
 
 
 def to_json(request: OtlpRequest) -> dict:

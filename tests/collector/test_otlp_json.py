@@ -289,3 +289,39 @@ def test_collector_proto_files_traces_and_metrics(tmp_path):
     junk.write_text("hello, not telemetry")
     with pytest.raises(ValueError, match="not OTLP JSON lines"):
         list(iter_otlp_file(junk))
+
+
+def test_json_lines_whose_first_line_is_shorter_than_the_format_sniff(tmp_path):
+    # The format is sniffed from the first 20 bytes; a shorter first line must stay a line.
+    exports = _exports()
+    path = tmp_path / "short.jsonl"
+    write_json_lines(path, exports)
+    path.write_bytes(b'{"resourceLogs":[]}\n{}\n' + path.read_bytes())
+    assert list(iter_otlp_file(path)) == exports
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b"{}\n{}\n{not json\n")
+    with pytest.raises(ValueError, match="bad.jsonl:3"):
+        list(iter_otlp_file(bad))
+
+
+def test_collector_proto_signal_is_recognised_past_records_without_spans(tmp_path):
+    exports = _exports()
+    traces = [exports[0], exports[2]]
+    # A first export holding a resource and no spans, as a collector may write.
+    empty = ExportTraceServiceRequest()
+    empty.resource_spans.add().resource.attributes.add(key="service.name").value.string_value = "s"
+    _collector_proto(tmp_path / "traces.binpb", [empty, *traces])
+    got = list(iter_otlp_file(tmp_path / "traces.binpb"))
+    assert got == [empty, *traces] and all(isinstance(r, ExportTraceServiceRequest) for r in got)
+    # A span with a bad id is still a traces file (the engine rejects the span, counted).
+    bad_id = ExportTraceServiceRequest()
+    bad_id.CopyFrom(traces[0])
+    bad_id.resource_spans[0].scope_spans[0].spans[0].trace_id = b"short"
+    _collector_proto(tmp_path / "bad_id.binpb", [bad_id, traces[1]])
+    got = list(iter_otlp_file(tmp_path / "bad_id.binpb"))
+    assert got == [bad_id, traces[1]]
+    # Metrics after an empty first record.
+    metrics = [exports[1]]
+    _collector_proto(tmp_path / "metrics.binpb", [ExportMetricsServiceRequest(), *metrics])
+    got = list(iter_otlp_file(tmp_path / "metrics.binpb"))
+    assert got[1:] == metrics and isinstance(got[1], ExportMetricsServiceRequest)
