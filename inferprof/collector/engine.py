@@ -392,8 +392,8 @@ class Engine:
 
         Names get a column on first fold, in order of first appearance among the spans
         folded. Names beyond ``max_stages`` map to ``_NO_COLUMN + number``
-        (distinct per name, so their time still counts as covered and their drop is
-        counted once per (request, stage) like every other per-stage figure).
+        (distinct per name, so that their drop is counted once per (request, stage) like
+        every other per-stage figure; ``_fold`` moves their time to ``unattributed``).
         """
         names = self._asm.stage_names
         col_of = self._col_of
@@ -569,6 +569,9 @@ class Engine:
         if pair_stage.size and pair_stage.max() >= _NO_COLUMN:
             keep = pair_stage < _NO_COLUMN
             self._asm._drop(sc.DROP_TOO_MANY_STAGES, int(keep.size - keep.sum()))
+            # A dropped stage's exclusive time becomes its request's `unattributed`, so
+            # that every request's parts still sum to its e2e (and the shares to 1).
+            np.add.at(unattributed, pair_req[~keep], pair_excl[~keep])
             pair_req, pair_stage = pair_req[keep], pair_stage[keep]
             pair_time, pair_excl = pair_time[keep], pair_excl[keep]
         req_series = np.asarray(series, np.int64)

@@ -156,9 +156,12 @@ def test_too_many_stage_names_count_one_drop_per_request_and_stage():
     columns_left = MAX_STAGE_COLUMNS - 2 - len(sc.CANONICAL_STAGES)
     assert dropped == n_custom - columns_left
     doc = engine.breakdown("svc", window_s=None)
-    # A dropped stage's time still counts as covered: unattributed is 0.04 s everywhere.
+    # A dropped stage's time is its request's unattributed time: 0.04 s for the requests
+    # whose stage has a column (98.6%), all 0.1 s for the others; the shares sum to 1.
     unatt = next(s for s in doc["stages"] if s["stage"] == sc.STAGE_UNATTRIBUTED)
-    assert abs(unatt["p99"] - 0.04) <= REL * 0.04
+    assert abs(unatt["p50"] - 0.04) <= REL * 0.04
+    assert abs(unatt["p99"] - 0.1) <= REL * 0.1
+    assert abs(sum(s["share_of_p95"] for s in doc["stages"]) - 1.0) < 1e-9
 
 
 def test_cyclic_gc_is_restored_after_ingest_and_left_off_if_the_app_turned_it_off():
@@ -204,6 +207,8 @@ def test_stage_names_past_max_stages_are_dropped_and_counted():
     doc = engine.breakdown("svc", window_s=None)
     names = {s["stage"] for s in doc["stages"]}
     assert {"custom_0", "custom_1", "compute"} <= names and "custom_2" not in names
+    # The dropped stages' time went to unattributed: the shares still sum to 1.
+    assert abs(sum(s["share_of_p95"] for s in doc["stages"]) - 1.0) < 1e-9
     # The default leaves room for DEFAULT_MAX_STAGES - MIN_MAX_STAGES custom names.
     engine = _fold(build)
     assert DEFAULT_MAX_STAGES - MIN_MAX_STAGES >= n_custom
