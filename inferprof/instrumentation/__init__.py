@@ -10,7 +10,8 @@ from typing import Any
 
 
 def stats() -> Any:
-    """A :class:`~inferprof.instrumentation.accounting.StatsSnapshot`, or None when off."""
+    """A :class:`~inferprof.instrumentation.accounting.StatsSnapshot` (all zero with
+    ``mode="off"``), or None when inferprof is not configured."""
     from inferprof import _config
 
     rt = _config._runtime if _config._runtime is not None else _config.active_runtime()

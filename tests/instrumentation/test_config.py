@@ -384,3 +384,14 @@ def test_an_endpoint_on_the_other_protocols_port_is_warned_about(endpoint, proto
 ])
 def test_matching_or_unknown_ports_are_not_warned_about(endpoint, protocol):
     assert _config.protocol_port_mismatch(endpoint, protocol) is None
+
+
+def test_stats_with_mode_off_is_an_all_zero_snapshot():
+    # docs/instrumenting.md: all 0 with mode="off" (None only when not configured).
+    inferprof.configure(mode="off")
+    with inferprof.request(), inferprof.stage("tokenize"):
+        pass
+    snap = inferprof.instrumentation.stats()
+    assert snap is not None
+    assert (snap.spans_emitted, snap.traces_kept, snap.traces_discarded, snap.spans_dropped) == (
+        0, 0, 0, 0)
