@@ -298,11 +298,14 @@ class DynamicBatcher:
                 entry.future.set_result(result)
 
     def _open_batch(self, entries: list[_Entry]) -> Batch:
-        return batch(
+        # What batch() returns, its arguments checked once in __init__ rather than per batch.
+        return Batch(
             [e.handle for e in entries],
-            max_size=self.max_batch_size,
-            model=self.model_name,
-            batch_encoding=self.batch_encoding,
+            self.max_batch_size,
+            self.model_name,
+            self.batch_encoding,
+            {},
+            quiet=True,
         )
 
     def _assemble(self, b: Batch, entries: list[_Entry]) -> Any:

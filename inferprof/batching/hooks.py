@@ -29,10 +29,18 @@ from inferprof import semconv
 from inferprof._config import active_runtime, batch_encoding_setting
 from inferprof.instrumentation.records import SCOPE, BatchRecord, RequestRecord, StageRecord
 from inferprof.instrumentation.runtime import new_trace_id
-from inferprof.instrumentation.stage import Stage, _check_stage
+from inferprof.instrumentation.stage import Stage, _check_stage, _NoopStage
 
 _logger = logging.getLogger(__name__)
 _time_ns = time.time_ns
+_warned: set[str] = set()
+
+
+def _warn_once(kind: str, message: str) -> None:
+    """A misuse of the hooks, logged once per kind per process (they run per batch)."""
+    if kind not in _warned:
+        _warned.add(kind)
+        _logger.warning(message)
 
 
 class QueueHandle(StageRecord):
@@ -144,7 +152,9 @@ class _BoundStage(Stage):
 class Batch:
     """A batch being processed (what ``with inferprof.batch(...)`` yields)."""
 
-    __slots__ = ("handles", "max_size", "model", "encoding", "attrs", "record", "_token", "_rt")
+    __slots__ = (
+        "handles", "max_size", "model", "encoding", "attrs", "record", "quiet", "_token", "_rt"
+    )
 
     def __init__(
         self,
@@ -153,8 +163,12 @@ class Batch:
         model: str | None,
         encoding: str | None,
         attrs: dict,
+        quiet: bool = False,
     ) -> None:
         self.handles = handles
+        #: DynamicBatcher's own batches: a request that ended between being taken for the
+        #: batch and the batch forming (cancelled) is a race there, not a misuse to report.
+        self.quiet = quiet
         self.max_size = max_size
         self.model = model
         self.encoding = encoding
@@ -176,6 +190,13 @@ class Batch:
         _check_stage(name)
         if self.record is None:
             return Stage(name, device, attributes)  # off: no batch scope, a no-op stage
+        if self.record.closed:
+            _warn_once(
+                "closed",
+                "inferprof: Batch.stage() after its `with inferprof.batch(...)` block ended "
+                "records nothing; record the batch's stages inside the block",
+            )
+            return _NoopStage(name)  # type: ignore[return-value]
         return _BoundStage(self.record, name, device, attributes)
 
     def set_tokens(self, *, effective: int | None = None, padded: int | None = None) -> None:
@@ -194,8 +215,28 @@ class Batch:
             if request is not None:
                 if h.end is None:
                     h.end = now
-                members.append(request)
                 h.request = None  # (class docstring: no cycle through the stage list)
+                if request.finished:
+                    # Its spans are built: the batch could add nothing to them, and as a
+                    # member it would hold a `links` batch back forever.
+                    if not self.quiet:
+                        _warn_once(
+                            "finished",
+                            "inferprof.batch(): a handle's request had already ended; the "
+                            "batch is not recorded for it (form the batch before the request "
+                            "returns)",
+                        )
+                    continue
+                members.append(request)
+            elif h.start and not self.quiet:  # a recording handle, batched or cancelled before
+                _warn_once(
+                    "reused",
+                    "inferprof.batch(): a handle already passed to an earlier batch() (or "
+                    "cancelled) records nothing in this one; pass each enqueue() handle to "
+                    "one batch",
+                )
+        if not self.handles:
+            _warn_once("empty", "inferprof.batch() got no handles: its stages belong to no request")
         rt = members[0].runtime if members else active_runtime()
         if rt is None:
             return self

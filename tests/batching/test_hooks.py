@@ -158,3 +158,65 @@ def test_stages_of_a_discarded_request_draw_no_span_id():
         assert all(st.span_id != 0 for r in kept for st in r.stages)
         span_ids = {s.context.span_id for s in cap.stages("tokenize")}
         assert span_ids == {st.span_id for r in kept for st in r.stages}
+
+
+def _reset_warnings():
+    from inferprof.batching import hooks
+
+    hooks._warned.clear()
+
+
+def test_a_handle_used_in_two_batches_records_only_in_the_first_and_says_so(cap, caplog):
+    _reset_warnings()
+    with inferprof.request():
+        handle = inferprof.enqueue()
+        with inferprof.batch([handle]), inferprof.stage("compute"):
+            pass
+        with caplog.at_level("WARNING", logger="inferprof.batching.hooks"):
+            with inferprof.batch([handle]), inferprof.stage("decode"):
+                pass
+            with inferprof.batch([handle]):  # once per process, not per batch
+                pass
+    assert [s.attributes[semconv.ATTR_STAGE] for s in cap.stages()].count("compute") == 1
+    assert not cap.stages("decode")
+    assert caplog.text.count("already passed to an earlier batch()") == 1
+
+
+def test_a_batch_formed_after_its_request_ended_is_skipped_and_links_batches_still_emit(
+    cap, caplog
+):
+    _reset_warnings()
+    with inferprof.request():
+        late = inferprof.enqueue()
+    with inferprof.request():
+        live = inferprof.enqueue()
+        with caplog.at_level("WARNING", logger="inferprof.batching.hooks"):
+            with inferprof.batch([late, live], batch_encoding="links"):
+                with inferprof.stage("compute"):
+                    pass
+    assert "request had already ended" in caplog.text
+    # The batch waited for its members to end; the ended request was never one: the
+    # links-encoded batch span is emitted, linked to the live request only.
+    (compute,) = cap.stages("compute")
+    live_req = cap.requests()[-1]
+    assert [link.context.span_id for link in compute.links] == [live_req.context.span_id]
+
+
+def test_b_stage_after_the_batch_block_records_nothing_and_says_so(cap, caplog):
+    _reset_warnings()
+    with inferprof.request():
+        handle = inferprof.enqueue()
+        with inferprof.batch([handle]) as b:
+            pass
+        with caplog.at_level("WARNING", logger="inferprof.batching.hooks"):
+            with b.stage("compute"):
+                pass
+    assert not cap.stages("compute")
+    assert "after its `with inferprof.batch(...)` block ended" in caplog.text
+
+
+def test_an_empty_batch_says_its_stages_belong_to_no_request(cap, caplog):
+    _reset_warnings()
+    with caplog.at_level("WARNING", logger="inferprof.batching.hooks"), inferprof.batch([]):
+        pass
+    assert "got no handles" in caplog.text

@@ -184,6 +184,20 @@ async def test_default_excluded_paths_follow_configure(cap):
     assert [s.name for s in cap.requests()] == ["GET /healthz"]
 
 
+def test_excluded_paths_without_a_leading_slash_are_refused_or_ignored(monkeypatch, caplog):
+    # Request paths start with "/": "healthz" would never match, silently.
+    with pytest.raises(ValueError, match="must start with '/'"):
+        inferprof.configure(mode="off", excluded_paths=["/ok", "healthz"])
+    with pytest.raises(ValueError, match="must start with '/'"):
+        inferprof.fastapi.InferprofMiddleware(FastAPI(), excluded_paths=["metrics"])
+    monkeypatch.setenv("INFERPROF_EXCLUDED_PATHS", "/healthz, metrics ,/internal/*")
+    from inferprof._config import excluded_paths_setting
+
+    with caplog.at_level("WARNING", logger="inferprof._config"):
+        assert excluded_paths_setting(None) == ("/healthz", "/internal/*")
+    assert "INFERPROF_EXCLUDED_PATHS" in caplog.text and "metrics" in caplog.text
+
+
 async def test_handler_exception_marks_the_request_failed(cap):
     app = make_app()
     async with client(app) as c:
