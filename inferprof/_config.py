@@ -411,6 +411,24 @@ def metrics_endpoint(config: Config) -> tuple[str, str | None]:
                                  "/v1/metrics")
 
 
+def _span_schedule_delay_ms() -> int | None:
+    """inferprof's 1 s export delay unless ``OTEL_BSP_SCHEDULE_DELAY`` sets one (None: the
+    SDK reads it); a value that is not a non-negative integer is logged like inferprof's own
+    bad settings, and the default kept (the SDK would log a traceback and use 5 s)."""
+    raw = _env("OTEL_BSP_SCHEDULE_DELAY")
+    if not raw:
+        return _DEFAULT_SPAN_SCHEDULE_DELAY_MS
+    try:
+        if int(raw) >= 0:
+            return None
+    except ValueError:
+        pass
+    _logger.warning(
+        "ignoring OTEL_BSP_SCHEDULE_DELAY=%r: not a non-negative integer (milliseconds); "
+        "using %d", raw, _DEFAULT_SPAN_SCHEDULE_DELAY_MS)
+    return _DEFAULT_SPAN_SCHEDULE_DELAY_MS
+
+
 def _span_exporter(config: Config):
     # The SDK's exporters with inferprof's wire encoder (same bytes, a quarter of the CPU
     # per span; see inferprof/instrumentation/otlp_encode.py and docs/overhead.md).
@@ -533,7 +551,7 @@ def configure(
             _logger.warning("%s", mismatch)
         exporter = span_exporter if span_exporter is not None else _span_exporter(config)
         counted = CountingSpanExporter(exporter, stats)
-        delay = None if _env("OTEL_BSP_SCHEDULE_DELAY") else _DEFAULT_SPAN_SCHEDULE_DELAY_MS
+        delay = _span_schedule_delay_ms()
         try:
             processor = CountingBatchSpanProcessor(counted, stats, schedule_delay_millis=delay)
         except ValueError as exc:  # inconsistent OTEL_BSP_* values: log and default them

@@ -291,6 +291,7 @@ class InferprofMiddleware:
         record_content: bool | None = None,
         content_max_bytes: int | None = None,
         span_name: Callable[[Scope], str] | None = None,
+        _fastapi_tracing: bool = False,
     ) -> None:
         if model_name is not None and not isinstance(model_name, str):
             raise ValueError(f"model_name must be a string, got {model_name!r}")
@@ -315,6 +316,8 @@ class InferprofMiddleware:
             raise ValueError(f"content_max_bytes must be a positive int, got {content_max_bytes!r}")
         self._span_name = span_name
         self._warned_foreign_span = False
+        #: instrument(app, fastapi_tracing=True): FastAPI's spans were kept on purpose
+        self._fastapi_tracing = _fastapi_tracing
         self._runtime: Runtime | None = None
         #: (runtime, _content_limit_for(runtime)), worked out once per runtime
         self._content_limit: tuple[Runtime, int] | None = None
@@ -425,7 +428,8 @@ class InferprofMiddleware:
         self._warned_foreign_span = True
         scope = getattr(getattr(span, "instrumentation_scope", None), "name", None) or "?"
         hint = (" Turn FastAPI's own tracing off: inferprof.fastapi.instrument(app) does, or"
-                " FastAPI(telemetry={'tracing': False})." if scope == "fastapi" else "")
+                " FastAPI(telemetry={'tracing': False})."
+                if scope == "fastapi" and not self._fastapi_tracing else "")
         _logger.warning(
             "inferprof production mode: the request span is made by another instrumentation "
             "(%s), so its sampler, not inferprof's tail sampler, decides which traces are "
@@ -486,8 +490,10 @@ def instrument(app: Any, *, fastapi_tracing: bool = False, **options: Any) -> An
         raise ValueError(f"instrument() needs a Starlette/FastAPI app, got {app!r}")
     if not isinstance(fastapi_tracing, bool):
         raise ValueError(f"fastapi_tracing must be a bool, got {fastapi_tracing!r}")
-    app.add_middleware(InferprofMiddleware, **options)
-    if not fastapi_tracing:
+    if fastapi_tracing:
+        app.add_middleware(InferprofMiddleware, _fastapi_tracing=True, **options)
+    else:
+        app.add_middleware(InferprofMiddleware, **options)
         _native_tracing_off(app)
     return app
 

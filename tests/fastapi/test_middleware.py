@@ -569,6 +569,27 @@ async def test_fastapi_tracing_kept_on_request_is_enriched_and_production_mode_w
     assert {s.instrumentation_scope.name for s in servers} == {"fastapi"}
     assert all(s.attributes[semconv.ATTR_MODEL_NAME] == "llm" for s in servers)
     warnings = [r for r in caplog.records if "another instrumentation" in r.getMessage()]
+    # ... without telling the user to undo what they chose
+    assert len(warnings) == 1 and "FastAPI(telemetry=" not in warnings[0].getMessage()
+
+
+async def test_add_middleware_under_fastapi_tracing_warns_with_the_way_to_turn_it_off(caplog):
+    import logging
+
+    with captured(mode="production", sample_rate=0.001, tail_quantile=0.9) as cap:
+        app = FastAPI(telemetry={"tracer_provider": cap.provider, "metrics": False,
+                                 "logs": False})
+
+        @app.get("/v1/ping")
+        async def ping():
+            return {}
+
+        app.add_middleware(inferprof.fastapi.InferprofMiddleware)
+        with caplog.at_level(logging.WARNING, logger="inferprof"):
+            async with client(app) as c:
+                for _ in range(3):
+                    await c.get("/v1/ping")
+    warnings = [r for r in caplog.records if "another instrumentation" in r.getMessage()]
     assert len(warnings) == 1 and "FastAPI(telemetry=" in warnings[0].getMessage()
 
 

@@ -264,6 +264,20 @@ def test_kept_traces_leave_within_a_second_unless_the_env_sets_the_delay(monkeyp
     assert len(exporter.get_finished_spans()) == 1
 
 
+def test_a_bad_schedule_delay_in_the_env_is_logged_and_the_one_second_default_kept(
+    monkeypatch, caplog
+):
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "abc")
+    with caplog.at_level("WARNING"):
+        exporter = _configure(mode="full")
+    assert "ignoring OTEL_BSP_SCHEDULE_DELAY='abc'" in caplog.text
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]  # no SDK traceback
+    with inferprof.request(model="m"):
+        pass
+    assert _exported_within(exporter, 3.0)  # 1 s, not the SDK's 5 s fallback
+    inferprof.shutdown()
+
+
 def test_what_the_application_does_after_the_request_ended_is_not_in_its_trace():
     _configure(mode="full")
     rt = _config._runtime
