@@ -27,6 +27,8 @@ class OtlpSink(
         self._changed = threading.Condition(self._lock)
         self.trace_requests: list[trace_service_pb2.ExportTraceServiceRequest] = []
         self.metric_requests: list[metrics_service_pb2.ExportMetricsServiceRequest] = []
+        #: the gRPC metadata of every export, in arrival order
+        self.metadata: list[dict[str, str]] = []
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self._server)
         metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(self, self._server)
@@ -36,6 +38,7 @@ class OtlpSink(
     # --- OTLP services ---------------------------------------------------------
     def Export(self, request, context):  # noqa: N802 - grpc naming
         with self._changed:
+            self.metadata.append(dict(context.invocation_metadata()))
             if isinstance(request, trace_service_pb2.ExportTraceServiceRequest):
                 self.trace_requests.append(request)
                 self._changed.notify_all()

@@ -104,7 +104,7 @@ def decompress(body: bytes, content_encoding: str | None, max_bytes: int) -> byt
     else:
         raise BodyError(
             STATUS_UNSUPPORTED,
-            f"unsupported content encoding {content_encoding!r}: use gzip or identity",
+            f"unsupported content encoding {content_encoding!r}: use gzip, deflate or identity",
             semconv.OUTCOME_UNSUPPORTED,
         )
     out = bytearray()
@@ -151,7 +151,9 @@ def parse_request(data: bytes, fmt: Format, signal: str) -> Message:
     except RecursionError:
         reason = "body is nested too deeply"
     except Exception as exc:  # DecodeError, JSONDecodeError, UnicodeDecodeError, ValueError, ...
-        reason = f"{type(exc).__name__}: {exc}"
+        # Our own checks raise plain ValueErrors whose message is the reason; other
+        # errors (the JSON and protobuf parsers') keep their type's name.
+        reason = str(exc) if type(exc) is ValueError else f"{type(exc).__name__}: {exc}"
     raise BodyError(
         STATUS_BAD_REQUEST,
         f"malformed OTLP {fmt} {signal} request: {_clip(reason)}",

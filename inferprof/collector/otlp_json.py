@@ -81,18 +81,20 @@ def _fix_ids(obj: dict, where: str) -> None:
 def _items(obj: dict, names: tuple[str, ...], where: str) -> list[dict]:
     """The object list under the first of ``names`` in ``obj``, as shallow copies stored
     back into ``obj``: ids are rewritten in the copies, never in the caller's document,
-    at the cost of one small dict copy per object instead of a deep copy of everything."""
+    at the cost of one small dict copy per object instead of a deep copy of everything.
+    ``where``: the path of ``obj`` in the document ("" for the document itself)."""
     for name in names:
         if name in obj:
             value = obj[name]
+            path = f"{where}.{name}" if where else name
             if value is None:
                 return []
             if not isinstance(value, list):
-                raise ValueError(f"{where}.{name}: expected a list")
+                raise ValueError(f"{path}: expected a list")
             copies = []
             for i, item in enumerate(value):
                 if not isinstance(item, dict):
-                    raise ValueError(f"{where}.{name}[{i}]: expected an object")  # noqa: TRY004 - malformed input is a ValueError (module contract)
+                    raise ValueError(f"{path}[{i}]: expected an object")  # noqa: TRY004 - malformed input is a ValueError (module contract)
                 copies.append(dict(item))
             obj[name] = copies
             return copies
@@ -104,6 +106,8 @@ def _load(data: bytes | str | dict) -> dict:
         return dict(data)  # shallow: see _items
     if isinstance(data, (bytes, bytearray, memoryview)):
         data = bytes(data).decode("utf-8")
+    if isinstance(data, (list, int, float, bool)) or data is None:  # JSON, parsed already
+        raise ValueError("OTLP/JSON: the document must be a JSON object")
     if not isinstance(data, str):
         raise ValueError(f"OTLP/JSON: expected bytes, str or dict, got {type(data).__name__}")  # noqa: TRY004 - malformed input is a ValueError (module contract)
     try:
@@ -338,7 +342,7 @@ def parse_trace_request_json(data: bytes | str | dict) -> ExportTraceServiceRequ
         return _fast_trace_request(doc)
     except Exception:  # noqa: BLE001, S110 - anything unexpected: the exact, slower path decides
         pass
-    for i, rs in enumerate(_items(doc, ("resourceSpans", "resource_spans"), "$")):
+    for i, rs in enumerate(_items(doc, ("resourceSpans", "resource_spans"), "")):
         for j, ss in enumerate(_items(rs, ("scopeSpans", "scope_spans"), f"resourceSpans[{i}]")):
             where = f"resourceSpans[{i}].scopeSpans[{j}]"
             for k, span in enumerate(_items(ss, ("spans",), where)):
@@ -361,7 +365,7 @@ _POINT_KINDS = (
 def parse_metrics_request_json(data: bytes | str | dict) -> ExportMetricsServiceRequest:
     """Decode an OTLP/JSON ``ExportMetricsServiceRequest``; ``ValueError`` if malformed."""
     doc = _load(data)
-    for i, rm in enumerate(_items(doc, ("resourceMetrics", "resource_metrics"), "$")):
+    for i, rm in enumerate(_items(doc, ("resourceMetrics", "resource_metrics"), "")):
         for j, sm in enumerate(
             _items(rm, ("scopeMetrics", "scope_metrics"), f"resourceMetrics[{i}]")
         ):

@@ -246,7 +246,14 @@ class CollectorSettings:
         if self.auth_token:
             return self.auth_token
         if self.auth_token_file:
-            token = pathlib.Path(self.auth_token_file).read_text().strip()
+            try:
+                token = pathlib.Path(self.auth_token_file).read_text().strip()
+            except (OSError, UnicodeDecodeError) as exc:
+                why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+                raise ValueError(
+                    f"cannot read the auth token file {self.auth_token_file!r} "
+                    f"(--auth-token-file / {ENV_AUTH_TOKEN_FILE}): {why}"
+                ) from None
             if not token:
                 raise ValueError(f"auth token file {self.auth_token_file!r} is empty")
             return token

@@ -37,6 +37,12 @@ SERVICE_NAME = "inferprof-demo"
 _DRAIN_TIMEOUT_S = 10.0
 
 
+def _header(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> Any:
+    from inferprof.collector.command import _header as collector_header  # as collect's
+
+    return collector_header(ctx, param, values)
+
+
 def _echo(message: str, quiet: bool) -> None:
     if not quiet:
         click.echo(message, err=True)
@@ -62,19 +68,32 @@ def _echo(message: str, quiet: bool) -> None:
 @click.option("--forward", "forward", multiple=True, metavar="URL",
               help="Also re-export every span to this OTLP endpoint, e.g. Jaeger's "
                    "otlp-grpc://127.0.0.1:4317 (repeatable).")
+@click.option("--forward-header", "forward_headers", multiple=True, metavar="KEY=VALUE",
+              callback=_header,
+              help="Header/metadata sent with forwarded exports, e.g. "
+                   "'authorization=Bearer TOKEN' for a collector with a token (repeatable).")
+@click.option("--service-name", default=SERVICE_NAME, show_default=True,
+              help="service.name of the demo service.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document instead of tables.")
 def demo(duration: float, concurrency: int | None, rate: float | None, burst: int, mode: str,
          model_size: str, max_batch_size: int, max_delay_ms: float, forward: tuple[str, ...],
+         forward_headers: tuple[tuple[str, str], ...] | None, service_name: str,
          as_json: bool) -> None:
     """Run the demo service under load and print where its requests' time goes."""
     if concurrency is not None and rate is not None:
         raise click.UsageError("choose --concurrency (closed loop) or --rate (open loop), not both")
     if rate is None and concurrency is None:
         concurrency = DEFAULT_CONCURRENCY
+    if forward_headers and not forward:
+        raise click.UsageError("--forward-header needs --forward")
+    if not service_name.strip():
+        raise click.BadParameter("must not be empty", param_hint="--service-name")
     try:
         result = run_demo(duration_s=duration, concurrency=concurrency, rate=rate, burst=burst,
                           mode=mode, model_size=model_size, max_batch_size=max_batch_size,
-                          max_delay_ms=max_delay_ms, forward=forward, quiet=as_json)
+                          max_delay_ms=max_delay_ms, forward=forward,
+                          forward_headers=forward_headers or (),
+                          service_name=service_name.strip(), quiet=as_json)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--forward") from exc
     except (RuntimeError, OSError) as exc:  # a child failed to start, a port was refused...
@@ -89,7 +108,9 @@ def run_demo(*, duration_s: float = DEFAULT_DURATION_S,
              concurrency: int | None = DEFAULT_CONCURRENCY,
              rate: float | None = None, burst: int = 1, mode: str = semconv.MODE_FULL,
              model_size: str = "small", max_batch_size: int = 16, max_delay_ms: float = 5.0,
-             forward: tuple[str, ...] = (), quiet: bool = True) -> dict[str, Any]:
+             forward: tuple[str, ...] = (),
+             forward_headers: tuple[tuple[str, str], ...] = (),
+             service_name: str = SERVICE_NAME, quiet: bool = True) -> dict[str, Any]:
     """Run the demo end to end; return ``{"settings", "client", "breakdown"}``.
 
     ``breakdown`` is the collector's contract §5 document (None for modes that emit no
@@ -103,12 +124,13 @@ def run_demo(*, duration_s: float = DEFAULT_DURATION_S,
     traced = mode in (semconv.MODE_FULL, semconv.MODE_PRODUCTION)
     # ValueError for a bad forward URL, before anything starts.
     collector_settings = CollectorSettings(grpc_port=0, http_port=0, api_port=0,
-                                           forward=tuple(forward))
+                                           forward=tuple(forward),
+                                           forward_headers=tuple(forward_headers))
     collector = CollectorApp(collector_settings).start()
     try:
         settings = DemoSettings(
             instrumentation=mode, model_size=model_size, max_batch_size=max_batch_size,
-            max_delay_ms=max_delay_ms, service_name=SERVICE_NAME,
+            max_delay_ms=max_delay_ms, service_name=service_name,
             endpoint=collector.otlp_grpc_endpoint,
         )
         _echo(f"collector: OTLP/gRPC {collector.otlp_grpc_endpoint}, API {collector.api_url}"
@@ -128,7 +150,7 @@ def run_demo(*, duration_s: float = DEFAULT_DURATION_S,
             service.close()  # SIGTERM: the service flushes its spans on the way out
         breakdown = None
         if traced:
-            breakdown = _collect(collector, client["requests"])
+            breakdown = _collect(collector, client["requests"], service_name)
     finally:
         collector.stop()
     return {
@@ -140,7 +162,7 @@ def run_demo(*, duration_s: float = DEFAULT_DURATION_S,
     }
 
 
-def _collect(collector: Any, expected: int) -> dict[str, Any] | None:
+def _collect(collector: Any, expected: int, service_name: str) -> dict[str, Any] | None:
     """The collector's breakdown once it has folded every request it was sent.
 
     The service has exited (and flushed) by now, so every span has been received; a
@@ -152,7 +174,7 @@ def _collect(collector: Any, expected: int) -> dict[str, Any] | None:
     while time.monotonic() < deadline:
         collector.engine.flush()
         # model=None: every model of the service.
-        doc = collector.engine.breakdown(SERVICE_NAME, None, window_s=None)
+        doc = collector.engine.breakdown(service_name, None, window_s=None)
         count = None if doc is None else doc.get("requests")
         if count is not None and (count >= expected or count == previous):
             break

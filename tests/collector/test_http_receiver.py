@@ -163,6 +163,27 @@ def test_bad_bodies_get_a_clear_status_and_reason(app, body, headers, status):
         assert resp.json()["message"] and resp.json()["code"] == code
 
 
+@pytest.mark.parametrize(
+    "body, headers, reason",
+    [
+        (b"[1, 2]", {"content-type": "application/json"},
+         "malformed OTLP json traces request: OTLP/JSON: the document must be a JSON object"),
+        (b'{"resourceSpans": 5}', {"content-type": "application/json"},
+         "malformed OTLP json traces request: resourceSpans: expected a list"),
+        (b"x", {**PB, "content-encoding": "br"},
+         "unsupported content encoding 'br': use gzip, deflate or identity"),
+    ],
+)
+def test_bad_body_reasons_name_the_problem_in_the_documents_terms(app, body, headers, reason):
+    resp = httpx.post(f"{app.otlp_http_endpoint}/v1/traces", content=body, headers=headers)
+    message = (
+        status_pb2.Status.FromString(resp.content).message
+        if headers.get("content-type") == PB["content-type"]
+        else resp.json()["message"]
+    )
+    assert message == reason
+
+
 def test_oversized_bodies_and_gzip_bombs_get_413(app):
     limit = app.settings.max_body_bytes
     url = f"{app.otlp_http_endpoint}/v1/traces"

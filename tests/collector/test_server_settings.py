@@ -146,6 +146,9 @@ def test_token_keyword_beats_a_token_file_from_the_environment(tmp_path):
     empty.write_text("\n")
     with pytest.raises(ValueError, match="empty"):
         CollectorSettings(auth_token_file=str(empty)).resolved_auth_token()
+    missing = tmp_path / "missing"
+    with pytest.raises(ValueError, match=r"auth token file .*INFERPROF_AUTH_TOKEN_FILE.*No such"):
+        CollectorSettings(auth_token_file=str(missing)).resolved_auth_token()
 
 
 def test_token_is_not_in_the_repr():

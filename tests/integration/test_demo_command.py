@@ -58,15 +58,22 @@ def test_demo_rejects_both_loops():
 
 
 def test_demo_forwards_every_span_to_another_otlp_backend(otlp_sink):
-    # What a user does to see the demo's traces in Jaeger: --forward otlp-grpc://jaeger:4317.
+    # What a user does to see the demo's traces in Jaeger: --forward otlp-grpc://jaeger:4317
+    # (with a header, as a collector that wants a token needs; and a service name of theirs).
     result = CliRunner().invoke(main, ["demo", "--duration", "1", "--concurrency", "4",
                                        "--model-size", "tiny", "--json",
-                                       "--forward", f"otlp-grpc://127.0.0.1:{otlp_sink.port}"],
+                                       "--forward", f"otlp-grpc://127.0.0.1:{otlp_sink.port}",
+                                       "--forward-header", "authorization=Bearer t0ken",
+                                       "--service-name", "my-demo"],
                                 catch_exceptions=False)
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout[result.stdout.index("{"):])
+    assert doc["breakdown"]["service"] == "my-demo"
     requests = doc["breakdown"]["requests"]  # what the collector received
     assert requests > 0
+    assert otlp_sink.metadata and all(
+        m.get("authorization") == "Bearer t0ken" for m in otlp_sink.metadata)
+    assert {r.get("service.name") for r, _ in otlp_sink.spans()} == {"my-demo"}
 
     def stage_spans(sink):
         return [s for _, s in sink.spans()
@@ -74,6 +81,13 @@ def test_demo_forwards_every_span_to_another_otlp_backend(otlp_sink):
 
     # Everything the collector received was forwarded: every stage of each of those requests.
     assert otlp_sink.wait_for(lambda s: len(stage_spans(s)) >= 9 * requests, timeout=15)
+
+
+def test_demo_rejects_a_forward_header_without_forward_and_an_empty_service_name():
+    result = CliRunner().invoke(main, ["demo", "--forward-header", "a=b"])
+    assert result.exit_code != 0 and "--forward-header needs --forward" in result.output
+    result = CliRunner().invoke(main, ["demo", "--service-name", " "])
+    assert result.exit_code != 0 and "--service-name" in result.output
 
 
 def test_demo_rejects_a_bad_forward_url():
