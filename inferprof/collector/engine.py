@@ -799,7 +799,11 @@ class Engine:
         doc = {
             "service": service,
             "model": model,
-            "window_s": window_s,
+            # What the document covers: a window longer than the retention covers only
+            # what is retained (None: everything retained, the offline report's case).
+            "window_s": (
+                None if window_s is None else float(min(window_s, self.retention_s))
+            ),
             "requests": round(requests),
             "traced_requests": int(traced),
             "latency": latency,

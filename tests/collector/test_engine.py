@@ -685,3 +685,13 @@ def test_weight_k_is_the_same_as_k_copies():
     ]
     for sa, sb in zip(a["stages"], b["stages"]):
         assert sa["share_of_p95"] == pytest.approx(sb["share_of_p95"], rel=1e-9, abs=1e-12)
+
+
+def test_window_s_says_what_the_document_covers():
+    engine, clock = make_engine(windows_s=(60.0, 900.0))
+    _fold_models(engine, clock, ["m"])
+    assert engine.breakdown("svc", window_s=60)["window_s"] == 60.0
+    assert isinstance(engine.breakdown("svc", window_s=60)["window_s"], float)
+    # longer than the retention: the retention is what it covers
+    assert engine.breakdown("svc", window_s=100_000)["window_s"] == 900.0
+    assert engine.breakdown("svc", window_s=None)["window_s"] is None
