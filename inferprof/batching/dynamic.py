@@ -36,7 +36,7 @@ from typing import Any
 
 from inferprof import semconv
 from inferprof._config import batch_encoding_setting
-from inferprof.batching.hooks import Batch, QueueHandle, _enqueue, batch
+from inferprof.batching.hooks import Batch, QueueHandle, _enqueue
 
 _logger = logging.getLogger(__name__)
 

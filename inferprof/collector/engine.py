@@ -93,7 +93,7 @@ _E2E = 0
 _UNATTRIBUTED = 1
 #: Compute windows kept per (slice, series) for the GPU join.
 _MAX_COMPUTE_WINDOWS = 5_000
-#: Distinct stage names tracked by default, the contract's nine and ``unattributed``
+#: Distinct stage names tracked by default, the contract's stages and ``unattributed``
 #: included: every (service, model) series carries a quantile, share and histogram per
 #: stage on ``/metrics``, so the names multiply the exposition (docs/concepts.md).
 DEFAULT_MAX_STAGES = 64
