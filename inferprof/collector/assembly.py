@@ -377,9 +377,15 @@ class Assembler:
                                 )
                                 continue
                             record = (sidx, start, end, resource, extra, ident)
-                            link_refs[ident] = len(span_links)
-                            for link in span_links:
-                                lk = (link.trace_id, link.span_id)
+                            # One member request linked twice (a sender linking once per
+                            # item) is still one member: its stage counts once.
+                            targets = (
+                                dict.fromkeys((ln.trace_id, ln.span_id) for ln in span_links)
+                                if len(span_links) > 1
+                                else ((span_links[0].trace_id, span_links[0].span_id),)
+                            )
+                            link_refs[ident] = len(targets)
+                            for lk in targets:
                                 lst = links.get(lk)
                                 if lst is None:
                                     links[lk] = [record]

@@ -695,3 +695,17 @@ def test_window_s_says_what_the_document_covers():
     # longer than the retention: the retention is what it covers
     assert engine.breakdown("svc", window_s=100_000)["window_s"] == 900.0
     assert engine.breakdown("svc", window_s=None)["window_s"] is None
+
+
+def test_a_request_linked_twice_from_one_batch_span_counts_its_stage_once():
+    engine, clock = make_engine()
+    b = TraceBuilder()
+    for i in range(10):
+        reqs = [b.request(i + 0.0, i + 0.1) for _ in range(4)]
+        # a sender linking once per item: the first request had two items in the batch
+        b.stage(None, "compute", i + 0.02, i + 0.07, links=[*reqs, reqs[0]])
+    engine.ingest_traces(b.export())
+    settle(engine, clock)
+    compute = stage_of(engine.breakdown("svc"), "compute")
+    assert compute["count"] == 40
+    assert close(compute["p99"], 0.05)  # 0.1 when the doubled link was added twice
