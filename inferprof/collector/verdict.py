@@ -13,6 +13,12 @@ occupancy below ``LOW_SM_OCCUPANCY`` (DCGM profiling) -> ``kernel``; both receiv
 high -> ``hardware``; either missing (NVML only) -> ``kernel``, naming the missing
 evidence: ``hardware`` is never said without both figures.
 
+Two readings beyond the contract's words: the batching group wins only while the GPU is
+not busy (median utilisation during compute below ``BUSY_UTILIZATION``; §6 says "GPU
+mostly idle"), else the queue waits for the GPU and the compute rules past ``runtime``
+decide; and without utilisation samples, SM activity of at least ``LOW_UTILIZATION``
+stands for a busy GPU (lower cannot tell ``runtime`` from ``kernel``: ``unknown``).
+
 ``confidence`` (0..1) is the product of
 * a sample-size factor ``min(1, tail_requests / FULL_CONFIDENCE_TAIL)`` — how many
   traced requests the tail (>= p95) rests on;
@@ -49,6 +55,9 @@ MIN_TRACED_REQUESTS = 100
 FULL_CONFIDENCE_TAIL = 20
 FULL_CONFIDENCE_SAMPLES = 10
 LOW_UTILIZATION = 0.5
+#: A queue-dominated tail is ``batching`` only while the GPU is mostly idle (§6); at or above
+#: this median utilisation during compute the queue waits for the GPU instead.
+BUSY_UTILIZATION = 0.9
 LOW_SM_ACTIVE = 0.5
 LOW_SM_OCCUPANCY = 0.25
 #: GPU samples kept per (GPU, metric) at most; the oldest go first.
@@ -212,9 +221,12 @@ def gpu_evidence(
         ("sm_active_during_compute", sc.METRIC_DCGM_SM_ACTIVE),
         ("sm_occupancy_during_compute", sc.METRIC_DCGM_SM_OCCUPANCY),
     ):
-        summary = _summary(samples.during(metric, intervals))
+        values = samples.during(metric, intervals)
+        summary = _summary(values)
         if summary is not None:
             section[name] = summary
+            if name == "sm_active_during_compute":
+                section["profiling_samples"] = int(values.size)
     return section
 
 
@@ -269,6 +281,21 @@ def decide(shares: Mapping[str, float], traced: int, tail_traced: int, gpu: Mapp
         if util
         else None
     )
+    sm = gpu.get("sm_active_during_compute")
+    occ = gpu.get("sm_occupancy_during_compute")
+    if top == sc.VERDICT_BATCHING and util and util["p50"] >= BUSY_UTILIZATION:
+        # §6's batching verdict is for a GPU mostly idle while requests wait. Busy nearly
+        # all the time, the GPU is what they wait for: the compute rules say why.
+        gpu_factor = min(1.0, gpu.get("samples", 0) / FULL_CONFIDENCE_SAMPLES)
+        evidence = [
+            headline,
+            util_words,
+            (
+                f"the GPU is busy during compute (utilisation at or above "
+                f"{_pct(BUSY_UTILIZATION)}): requests queue for the GPU, not for the batcher"
+            ),
+        ]
+        return _gpu_limit(evidence, confidence * gpu_factor, sm, occ, rest)
     if top != "compute":
         evidence = [headline, *rest]
         if util_words:
@@ -277,7 +304,32 @@ def decide(shares: Mapping[str, float], traced: int, tail_traced: int, gpu: Mapp
 
     if not util:
         received = gpu.get("samples_received", 0)
-        if not received:
+        if sm is not None and sm["p50"] >= LOW_UTILIZATION:
+            # No utilisation samples (a DCGM profiling-only field set), but SMs this
+            # active mean a busy GPU: utilisation is at least as high.
+            gpu_factor = min(1.0, gpu.get("profiling_samples", 0) / FULL_CONFIDENCE_SAMPLES)
+            evidence = [
+                headline,
+                (
+                    f"no {sc.METRIC_GPU_UTILIZATION} samples joined, but SM activity during "
+                    f"compute (median {_pct(sm['p50'])}) means the GPU was busy"
+                ),
+            ]
+            return _gpu_limit(evidence, confidence * gpu_factor, sm, occ, rest, said_sm=True)
+        if sm is not None or occ is not None:
+            figures = ", ".join(
+                f"{name} median {_pct(v['p50'])}"
+                for name, v in (("SM activity", sm), ("SM occupancy", occ))
+                if v is not None
+            )
+            why = (
+                f"compute holds {_pct(top_share)} of p95; DCGM profiling samples joined its "
+                f"compute spans ({figures}) but no {sc.METRIC_GPU_UTILIZATION} samples did, "
+                "and without them an idle GPU (runtime) cannot be told apart from a busy, "
+                "poorly used one (kernel): export GPU utilisation too "
+                "(DCGM_FI_DEV_GPU_UTIL, or NVML)"
+            )
+        elif not received:
             why = f"compute holds {_pct(top_share)} of p95 but no GPU samples were received"
         elif not gpu.get("compute_spans_with_gpu_id", 1):
             why = (
@@ -300,17 +352,30 @@ def decide(shares: Mapping[str, float], traced: int, tail_traced: int, gpu: Mapp
             "launches (look at fusion, CUDA graphs, host synchronisation)"
         )
         return _verdict(sc.VERDICT_RUNTIME, confidence * gpu_factor, evidence + rest)
-    sm = gpu.get("sm_active_during_compute")
-    occ = gpu.get("sm_occupancy_during_compute")
+    return _gpu_limit(evidence, confidence * gpu_factor, sm, occ, rest)
+
+
+def _gpu_limit(
+    evidence: list[str],
+    confidence: float,
+    sm: Mapping | None,
+    occ: Mapping | None,
+    rest: list[str],
+    said_sm: bool = False,
+) -> dict:
+    """``kernel`` or ``hardware`` for a GPU that is busy (§6's compute rules past
+    ``runtime``), from SM activity and occupancy; ``said_sm``: the evidence quotes SM
+    activity already."""
     if sm is None and occ is None:
         evidence.append(
             "no SM activity or occupancy figures (DCGM profiling) were received, so a "
             "hardware limit cannot be told apart from inefficient kernels"
         )
-        return _verdict(sc.VERDICT_KERNEL, confidence * gpu_factor * 0.7, evidence + rest)
+        return _verdict(sc.VERDICT_KERNEL, confidence * 0.7, evidence + rest)
     low = []
     if sm is not None:
-        evidence.append(f"SM activity during compute: median {_pct(sm['p50'])}")
+        if not said_sm:
+            evidence.append(f"SM activity during compute: median {_pct(sm['p50'])}")
         if sm["p50"] < LOW_SM_ACTIVE:
             low.append("SM activity")
     if occ is not None:
@@ -321,16 +386,16 @@ def decide(shares: Mapping[str, float], traced: int, tail_traced: int, gpu: Mapp
         evidence.append(
             f"the GPU is busy but with low {' and '.join(low)}: the kernels use it poorly"
         )
-        return _verdict(sc.VERDICT_KERNEL, confidence * gpu_factor, evidence + rest)
+        return _verdict(sc.VERDICT_KERNEL, confidence, evidence + rest)
     if sm is None or occ is None:
         missing = "SM activity" if sm is None else "SM occupancy"
         evidence.append(
             f"no {missing} figures (DCGM profiling) were received, so a hardware limit "
             "cannot be told apart from inefficient kernels"
         )
-        return _verdict(sc.VERDICT_KERNEL, confidence * gpu_factor * 0.7, evidence + rest)
+        return _verdict(sc.VERDICT_KERNEL, confidence * 0.7, evidence + rest)
     evidence.append("high utilisation, SM activity and occupancy: the GPU itself is the limit")
-    return _verdict(sc.VERDICT_HARDWARE, confidence * gpu_factor, evidence + rest)
+    return _verdict(sc.VERDICT_HARDWARE, confidence, evidence + rest)
 
 
 def _verdict(bottleneck: str, confidence: float, evidence: list[str]) -> dict:

@@ -136,6 +136,46 @@ def _compute_bound_engine(
     return engine.breakdown("svc", window_s=None)
 
 
+_BUSY = {
+    "utilization_during_compute": {"p50": 0.98, "mean": 0.97},
+    "samples": 900,
+    "sm_active_during_compute": {"p50": 0.9, "mean": 0.9},
+    "sm_occupancy_during_compute": {"p50": 0.7, "mean": 0.7},
+}
+
+
+def test_a_queue_dominated_tail_behind_a_busy_gpu_is_not_batching():
+    # §6: batching is the verdict while the GPU is mostly idle. Busy 98% of the time with
+    # high SM activity and occupancy, the queue waits for the GPU: hardware.
+    verdict = decide({"queue": 0.6, "compute": 0.3, "unattributed": 0.1}, ENOUGH, 20, _BUSY)
+    assert verdict["bottleneck"] == sc.VERDICT_HARDWARE
+    text = " | ".join(verdict["evidence"])
+    assert "60% of p95 latency is spent in pre-batch queuing" in text
+    assert "requests queue for the GPU, not for the batcher" in text
+    poor = {**_BUSY, "sm_occupancy_during_compute": {"p50": 0.1, "mean": 0.1}}
+    assert decide({"queue": 0.6, "compute": 0.4}, ENOUGH, 20, poor)["bottleneck"] == (
+        sc.VERDICT_KERNEL)
+    # a GPU that is only partly busy leaves the verdict to the batcher
+    partly = {**_BUSY, "utilization_during_compute": {"p50": 0.6, "mean": 0.6}}
+    verdict = decide({"queue": 0.6, "compute": 0.4}, ENOUGH, 20, partly)
+    assert verdict["bottleneck"] == sc.VERDICT_BATCHING
+    assert any("GPU utilisation during compute: median 60%" in e for e in verdict["evidence"])
+
+
+def test_profiling_samples_without_utilization_decide_when_they_can_and_say_why_not():
+    busy = {k: v for k, v in _BUSY.items() if k not in ("utilization_during_compute", "samples")}
+    busy.update(samples=0, samples_received=1200, profiling_samples=600)
+    verdict = decide({"compute": 0.83, "queue": 0.17}, ENOUGH, 20, busy)
+    assert verdict["bottleneck"] == sc.VERDICT_HARDWARE  # SMs 90% active: the GPU was busy
+    assert any("no hw.gpu.utilization samples joined" in e for e in verdict["evidence"])
+    idle = {**busy, "sm_active_during_compute": {"p50": 0.2, "mean": 0.2}}
+    verdict = decide({"compute": 0.83, "queue": 0.17}, ENOUGH, 20, idle)
+    assert verdict["bottleneck"] == sc.VERDICT_UNKNOWN
+    why = verdict["evidence"][0]
+    assert "SM activity median 20%" in why and "no hw.gpu.utilization samples did" in why
+    assert "overlaps" not in why  # the join works: it must not send the user after it
+
+
 def test_engine_joins_gpu_samples_to_compute_spans():
     doc = _compute_bound_engine(0.25)
     assert doc["gpu"]["utilization_during_compute"] == pytest.approx({"p50": 0.25, "mean": 0.25})
