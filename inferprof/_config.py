@@ -191,23 +191,29 @@ def excluded_paths_setting(arg: Any) -> tuple[str, ...]:
     if arg is not None:
         if isinstance(arg, str) or not all(isinstance(p, str) for p in arg):
             raise ValueError(f"excluded_paths must be a sequence of path strings, got {arg!r}")
-        relative = [p for p in arg if not p.startswith("/")]
+        relative = [p for p in arg if not _matchable_path(p)]
         if relative:
-            # ASGI paths start with "/": these would never match.
             raise ValueError(
-                f"excluded_paths must start with '/' (as request paths do), got {relative!r}"
+                "excluded_paths must start with '/' as request paths do (or be '*', every "
+                f"path), got {relative!r}"
             )
         return tuple(arg)
     raw = os.environ.get(ENV_EXCLUDED_PATHS)
     if raw is None:
         return _DEFAULT_EXCLUDED_PATHS
     paths = [p.strip() for p in raw.split(",") if p.strip()]
-    relative = [p for p in paths if not p.startswith("/")]
+    relative = [p for p in paths if not _matchable_path(p)]
     if relative:
         _logger.warning(
             "ignoring %s entries that do not start with '/' (they would never match): %s",
             ENV_EXCLUDED_PATHS, ", ".join(relative))
-    return tuple(p for p in paths if p.startswith("/"))
+    return tuple(p for p in paths if _matchable_path(p))
+
+
+def _matchable_path(entry: str) -> bool:
+    """Whether an excluded-paths entry can match an ASGI path (which starts with "/"):
+    a path or prefix from the root, or ``*`` (a prefix of every path)."""
+    return entry.startswith("/") or entry == "*"
 
 
 def batch_encoding_setting(arg: Any) -> str:

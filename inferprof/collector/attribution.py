@@ -35,6 +35,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from inferprof import semconv as sc
 from inferprof.collector.sketch import KEY_BITS, KEY_MASK
 
 #: Columns of a tail-table row (``COL_STAGE0 + stage index`` for each stage).
@@ -46,6 +47,15 @@ COL_BITS = 10
 COL_MASK = (1 << COL_BITS) - 1
 #: Maximum number of distinct stage names (canonical + custom) the engine tracks.
 MAX_STAGE_COLUMNS = COL_MASK + 1 - COL_STAGE0
+#: Distinct stage names a collector tracks by default, the contract's stages and
+#: ``unattributed`` included: every (service, model) series carries a quantile, share and
+#: histogram per stage on ``/metrics``, so the names multiply the exposition
+#: (docs/concepts.md). ``inferprof report`` has no ``/metrics`` and tracks the most.
+DEFAULT_MAX_STAGES = 64
+#: The fewest: the contract's stages and ``unattributed``.
+MIN_MAX_STAGES = len(sc.CANONICAL_STAGES) + 1
+#: The most the column bits allow (column 0 is "no stage").
+MAX_MAX_STAGES = MAX_STAGE_COLUMNS - 1
 
 _NS = 1e-9
 

@@ -45,7 +45,9 @@ from inferprof.collector.attribution import (
     COL_STAGE0,
     COL_TRACED,
     COL_WEIGHT,
-    MAX_STAGE_COLUMNS,
+    DEFAULT_MAX_STAGES,
+    MAX_MAX_STAGES,
+    MIN_MAX_STAGES,
     partition,
     tail_codes,
     tail_shares,
@@ -93,12 +95,6 @@ _E2E = 0
 _UNATTRIBUTED = 1
 #: Compute windows kept per (slice, series) for the GPU join.
 _MAX_COMPUTE_WINDOWS = 5_000
-#: Distinct stage names tracked by default, the contract's stages and ``unattributed``
-#: included: every (service, model) series carries a quantile, share and histogram per
-#: stage on ``/metrics``, so the names multiply the exposition (docs/concepts.md).
-DEFAULT_MAX_STAGES = 64
-#: The fewest: the contract's stages and ``unattributed``.
-MIN_MAX_STAGES = len(sc.CANONICAL_STAGES) + 1
 #: Temporary stage ids of stage names beyond max_stages (dropped when folding).
 _NO_COLUMN = 1 << 20
 _NS = 1e-9
@@ -198,11 +194,11 @@ class Engine:
         if (
             not isinstance(max_stages, int)
             or isinstance(max_stages, bool)
-            or not MIN_MAX_STAGES <= max_stages <= MAX_STAGE_COLUMNS - 1
+            or not MIN_MAX_STAGES <= max_stages <= MAX_MAX_STAGES
         ):
             raise ValueError(
                 f"max_stages must be an integer from {MIN_MAX_STAGES} (the contract's stages"
-                f" and unattributed) to {MAX_STAGE_COLUMNS - 1}, got {max_stages!r}"
+                f" and unattributed) to {MAX_MAX_STAGES}, got {max_stages!r}"
             )
         self.max_stages = max_stages
         if not isinstance(triton_spans, bool):

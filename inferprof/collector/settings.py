@@ -20,8 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from inferprof import semconv
-from inferprof.collector.attribution import MAX_STAGE_COLUMNS
+from inferprof.collector.attribution import DEFAULT_MAX_STAGES, MAX_MAX_STAGES, MIN_MAX_STAGES
 from inferprof.collector.sketch import RELATIVE_ACCURACY_MAX, RELATIVE_ACCURACY_MIN
 
 _log = logging.getLogger(__name__)
@@ -44,7 +43,7 @@ _DEFAULT_WINDOWS_S = (60.0, 300.0, 900.0)
 _DEFAULT_SLICE_S = 10.0
 _DEFAULT_RELATIVE_ACCURACY = 0.005
 _DEFAULT_MAX_SERIES = 1000
-_DEFAULT_MAX_STAGES = 64  # engine.DEFAULT_MAX_STAGES
+_DEFAULT_MAX_STAGES = DEFAULT_MAX_STAGES
 _DEFAULT_MAX_SPANS_PER_TRACE = 10_000
 _DEFAULT_MAX_PENDING_SPANS = 1_000_000
 _DEFAULT_METRICS_WINDOW_S = 300.0
@@ -478,11 +477,10 @@ def _validate(s: CollectorSettings) -> None:
         raise ValueError("tls_cert and tls_key must be given together")
     if s.auth_token is not None and s.auth_token_file is not None:
         raise ValueError("give auth_token or auth_token_file, not both")
-    fewest = len(semconv.CANONICAL_STAGES) + 1  # engine.MIN_MAX_STAGES
-    if not fewest <= s.max_stages < MAX_STAGE_COLUMNS:
+    if not MIN_MAX_STAGES <= s.max_stages <= MAX_MAX_STAGES:
         raise ValueError(
-            f"max_stages must be from {fewest} (the contract's stages and unattributed) to"
-            f" {MAX_STAGE_COLUMNS - 1}, got {s.max_stages}"
+            f"max_stages must be from {MIN_MAX_STAGES} (the contract's stages and "
+            f"unattributed) to {MAX_MAX_STAGES}, got {s.max_stages}"
         )
 
 

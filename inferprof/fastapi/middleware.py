@@ -490,6 +490,10 @@ def instrument(app: Any, *, fastapi_tracing: bool = False, **options: Any) -> An
         raise ValueError(f"instrument() needs a Starlette/FastAPI app, got {app!r}")
     if not isinstance(fastapi_tracing, bool):
         raise ValueError(f"fastapi_tracing must be a bool, got {fastapi_tracing!r}")
+    if options.get("excluded_paths") is not None:
+        # Starlette builds the middleware on the first request: a bad setting would only
+        # surface there, failing that request. Checked here, it fails at start-up.
+        _config.excluded_paths_setting(options["excluded_paths"])
     if fastapi_tracing:
         app.add_middleware(InferprofMiddleware, _fastapi_tracing=True, **options)
     else:

@@ -69,6 +69,7 @@ def build_documents(
 ) -> list[dict]:
     """Breakdown documents (contract §5, ``window_s`` null) of ``files``, one per
     (service, model), filtered by ``service``/``model``."""
+    from inferprof.collector.attribution import MAX_MAX_STAGES
     from inferprof.collector.engine import Engine
 
     engine = Engine(
@@ -76,6 +77,8 @@ def build_documents(
         trace_timeout_s=_OFFLINE_SETTLE_S,
         retention_s=math.inf,
         max_pending_spans=_OFFLINE_MAX_PENDING,
+        # No /metrics to keep small: every stage name the columns allow.
+        max_stages=MAX_MAX_STAGES,
     )
     _feed(engine, files, progress)
     docs = []

@@ -190,8 +190,11 @@ def test_cyclic_gc_is_restored_after_ingest_and_left_off_if_the_app_turned_it_of
 
 
 def test_stage_names_past_max_stages_are_dropped_and_counted():
-    from inferprof.collector.attribution import MAX_STAGE_COLUMNS
-    from inferprof.collector.engine import DEFAULT_MAX_STAGES, MIN_MAX_STAGES
+    from inferprof.collector.attribution import (
+        DEFAULT_MAX_STAGES,
+        MAX_STAGE_COLUMNS,
+        MIN_MAX_STAGES,
+    )
 
     n_custom = 5
 

@@ -190,11 +190,16 @@ def test_excluded_paths_without_a_leading_slash_are_refused_or_ignored(monkeypat
         inferprof.configure(mode="off", excluded_paths=["/ok", "healthz"])
     with pytest.raises(ValueError, match="must start with '/'"):
         inferprof.fastapi.InferprofMiddleware(FastAPI(), excluded_paths=["metrics"])
-    monkeypatch.setenv("INFERPROF_EXCLUDED_PATHS", "/healthz, metrics ,/internal/*")
+    # instrument() checks at once: Starlette would build the middleware on the first request
+    with pytest.raises(ValueError, match="must start with '/'"):
+        inferprof.fastapi.instrument(FastAPI(), excluded_paths=["/ok", "metrics"])
+    # "*" (every path) still is a valid entry
+    inferprof.fastapi.InferprofMiddleware(FastAPI(), excluded_paths=["*"])
+    monkeypatch.setenv("INFERPROF_EXCLUDED_PATHS", "/healthz, metrics ,/internal/*, *")
     from inferprof._config import excluded_paths_setting
 
     with caplog.at_level("WARNING", logger="inferprof._config"):
-        assert excluded_paths_setting(None) == ("/healthz", "/internal/*")
+        assert excluded_paths_setting(None) == ("/healthz", "/internal/*", "*")
     assert "INFERPROF_EXCLUDED_PATHS" in caplog.text and "metrics" in caplog.text
 
 

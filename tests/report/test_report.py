@@ -218,3 +218,21 @@ def test_tritons_own_spans_give_the_triton_service_its_stages_offline(tmp_path, 
     assert math.isclose(stages["queue"], 0.030, rel_tol=0.011)
     assert math.isclose(stages["compute"], 0.010, rel_tol=0.011)
     assert doc["verdict"]["bottleneck"] == sc.VERDICT_BATCHING  # Triton's queue: 60% of it
+
+
+def test_offline_report_keeps_stage_names_past_the_collectors_default_cap(tmp_path):
+    # The collector tracks 64 stage names by default to keep /metrics small; a report has no
+    # /metrics and keeps every name the columns allow.
+    from inferprof.collector.attribution import DEFAULT_MAX_STAGES
+    from inferprof.report.command import build_documents
+
+    b = TraceBuilder()
+    n = DEFAULT_MAX_STAGES + 16
+    for i in range(n):
+        req = b.request(float(i), i + 0.1)
+        b.stage(req, f"step_{i:02d}", i + 0.0, i + 0.09)
+    path = tmp_path / "many.jsonl"
+    write_json_lines(path, [b.export()])
+    (doc,) = build_documents([path])
+    custom = {s["stage"] for s in doc["stages"] if s["stage"].startswith("step_")}
+    assert len(custom) == n
