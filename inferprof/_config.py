@@ -419,18 +419,19 @@ def metrics_endpoint(config: Config) -> tuple[str, str | None]:
 
 def _span_schedule_delay_ms() -> int | None:
     """inferprof's 1 s export delay unless ``OTEL_BSP_SCHEDULE_DELAY`` sets one (None: the
-    SDK reads it); a value that is not a non-negative integer is logged like inferprof's own
-    bad settings, and the default kept (the SDK would log a traceback and use 5 s)."""
+    SDK reads it); a value that is not a positive integer is logged like inferprof's own
+    bad settings, and the default kept (the SDK would log a traceback and use 5 s, or, for
+    0, refuse every ``OTEL_BSP_*`` setting with it)."""
     raw = _env("OTEL_BSP_SCHEDULE_DELAY")
     if not raw:
         return _DEFAULT_SPAN_SCHEDULE_DELAY_MS
     try:
-        if int(raw) >= 0:
+        if int(raw) > 0:
             return None
     except ValueError:
         pass
     _logger.warning(
-        "ignoring OTEL_BSP_SCHEDULE_DELAY=%r: not a non-negative integer (milliseconds); "
+        "ignoring OTEL_BSP_SCHEDULE_DELAY=%r: not a positive integer (milliseconds); "
         "using %d", raw, _DEFAULT_SPAN_SCHEDULE_DELAY_MS)
     return _DEFAULT_SPAN_SCHEDULE_DELAY_MS
 

@@ -27,7 +27,14 @@ from typing import Any
 
 from inferprof import semconv
 from inferprof._config import active_runtime, batch_encoding_setting
-from inferprof.instrumentation.records import SCOPE, BatchRecord, RequestRecord, StageRecord
+from inferprof.instrumentation.records import (
+    MEMBERSHIP_LOCK,
+    NO_BATCHES,
+    SCOPE,
+    BatchRecord,
+    RequestRecord,
+    StageRecord,
+)
 from inferprof.instrumentation.runtime import new_trace_id
 from inferprof.instrumentation.stage import Stage, _check_stage, _NoopStage
 
@@ -104,6 +111,8 @@ def enqueue(*, depth: int | None = None, **attributes: Any) -> QueueHandle:
         attributes[semconv.ATTR_QUEUE_DEPTH] = depth
     handle = QueueHandle(rec, parent, _time_ns(), attributes)
     rec.stages.append(handle)
+    if rec.batches is NO_BATCHES:
+        rec.batches = []  # and it leaves its batches when it ends (Runtime._leave_batches)
     return handle
 
 
@@ -116,6 +125,8 @@ def _enqueue(depth: int) -> QueueHandle:
     rec, parent = scope
     handle = QueueHandle(rec, parent, _time_ns(), {_ATTR_QUEUE_DEPTH: depth})
     rec.stages.append(handle)
+    if rec.batches is NO_BATCHES:
+        rec.batches = []
     return handle
 
 
@@ -209,25 +220,14 @@ class Batch:
 
     def __enter__(self) -> Batch:
         now = _time_ns()
-        members = []
+        requests = []
         for h in self.handles:
             request = h.request
             if request is not None:
                 if h.end is None:
                     h.end = now
                 h.request = None  # (class docstring: no cycle through the stage list)
-                if request.finished:
-                    # Its spans are built: the batch could add nothing to them, and as a
-                    # member it would hold a `links` batch back forever.
-                    if not self.quiet:
-                        _warn_once(
-                            "finished",
-                            "inferprof.batch(): a handle's request had already ended; the "
-                            "batch is not recorded for it (form the batch before the request "
-                            "returns)",
-                        )
-                    continue
-                members.append(request)
+                requests.append(request)
             elif h.start and not self.quiet:  # a recording handle, batched or cancelled before
                 _warn_once(
                     "reused",
@@ -237,35 +237,53 @@ class Batch:
                 )
         if not self.handles:
             _warn_once("empty", "inferprof.batch() got no handles: its stages belong to no request")
-        rt = members[0].runtime if members else active_runtime()
+        rt = requests[0].runtime if requests else active_runtime()
         if rt is None:
             return self
         try:
-            model = self.model
-            if model is None and members:
-                model = members[0].model
-            attrs = {
-                semconv.ATTR_BATCH_SIZE: len(self.handles),
-            }
-            if self.max_size is not None:
-                attrs[semconv.ATTR_BATCH_MAX_SIZE] = self.max_size
-            if model is not None:
-                attrs[semconv.ATTR_MODEL_NAME] = model
-            attrs.update(self.attrs)
             encoding = self.encoding or rt.batch_encoding
-            record = BatchRecord(
-                rt, rt.new_batch_id(), attrs, members, encoding, trace_id=new_trace_id()
-            )
-            attrs[semconv.ATTR_BATCH_ID] = record.batch_id
-            for m in members:
-                m.batches.append(record)
+            # The check that a request has not ended and its joining the batch are one step
+            # against the request's leaving its batches (Runtime._leave_batches): a links
+            # batch waits for every member to end, and a member that ended in between
+            # would hold it back forever.
+            with MEMBERSHIP_LOCK:
+                record, late = self._open_record(rt, requests, encoding)
         except Exception:
             _logger.exception("inferprof could not open a batch")
             return self
+        if late and not self.quiet:
+            _warn_once(
+                "finished",
+                "inferprof.batch(): a handle's request had already ended; the batch is not "
+                "recorded for it (form the batch before the request returns)",
+            )
         self.record = record
         self._rt = rt
         self._token = SCOPE.set((record, None))
         return self
+
+    def _open_record(self, rt: Any, requests: list, encoding: str) -> tuple[BatchRecord, int]:
+        """The batch's record, its members joined to it; and how many requests had ended
+        (their spans are built: the batch could add nothing to them)."""
+        members = [r for r in requests if not r.finished]
+        model = self.model
+        if model is None and members:
+            model = members[0].model
+        attrs = {
+            semconv.ATTR_BATCH_SIZE: len(self.handles),
+        }
+        if self.max_size is not None:
+            attrs[semconv.ATTR_BATCH_MAX_SIZE] = self.max_size
+        if model is not None:
+            attrs[semconv.ATTR_MODEL_NAME] = model
+        attrs.update(self.attrs)
+        record = BatchRecord(
+            rt, rt.new_batch_id(), attrs, members, encoding, trace_id=new_trace_id()
+        )
+        attrs[semconv.ATTR_BATCH_ID] = record.batch_id
+        for m in members:
+            m.batches.append(record)
+        return record, len(requests) - len(members)
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         record = self.record

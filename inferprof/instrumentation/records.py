@@ -50,6 +50,14 @@ class StageRecord:
 
 
 _id_lock = threading.Lock()
+#: ``RequestRecord.batches`` of a request never enqueued for a batch (no list allocated).
+NO_BATCHES: tuple = ()
+
+#: Joining a ``links``-encoded batch (``inferprof.batch()``) and leaving one's batches when
+#: a request ends (``Runtime._leave_batches``) are atomic against each other: a request that
+#: ends while its batch forms either is a member and reports its end, or is not a member.
+#: Taken once per batch that is ``links``-encoded, and once per request that was enqueued.
+MEMBERSHIP_LOCK = threading.Lock()
 
 
 def span_id_of(st: StageRecord) -> int:
@@ -119,7 +127,8 @@ class RequestRecord:
         self.end: int | None = None
         self.attrs = attrs
         self.stages: list[StageRecord] = []
-        self.batches: list[BatchRecord] = []
+        #: the batches it is a member of; NO_BATCHES (shared) until it is enqueued for one
+        self.batches: list[BatchRecord] | tuple = NO_BATCHES
         self.error: BaseException | None = None
         #: head sampling decision (full mode: the OTel sampler's; production: the coin flip).
         self.head = head
@@ -311,6 +320,8 @@ __all__ = [
     "RequestSpan",
     "BatchRecord",
     "SCOPE",
+    "MEMBERSHIP_LOCK",
+    "NO_BATCHES",
     "current_owner",
     "span_id_of",
     "current_otel_context",

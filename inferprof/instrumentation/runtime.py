@@ -46,6 +46,8 @@ from inferprof.instrumentation.otlp_encode import (
     encode_trace_spans,
 )
 from inferprof.instrumentation.records import (
+    MEMBERSHIP_LOCK,
+    NO_BATCHES,
     BatchRecord,
     RequestRecord,
     StageRecord,
@@ -314,7 +316,7 @@ class Runtime:
                 )
                 if weight is None:  # production mode's usual case: a fast request, not kept
                     self.stats.discarded += 1
-                    if rec.batches:
+                    if rec.batches is not NO_BATCHES:  # it was enqueued for a batch
                         self._leave_batches(rec)
                     return
                 kept = True
@@ -325,10 +327,15 @@ class Runtime:
             _logger.exception("inferprof failed to emit the spans of a request")
 
     def _leave_batches(self, rec: RequestRecord) -> None:
-        for batch in rec.batches:
-            if batch.encoding == semconv.BATCH_ENCODING_LINKS:
-                self.member_done(batch, rec)
-        rec.batches.clear()
+        """The request has ended: report it to its ``links`` batches. Atomic against a
+        batch forming with it (records.MEMBERSHIP_LOCK): it is a member and reports here,
+        or it had ended and is not one. Taken once per request that was enqueued."""
+        with MEMBERSHIP_LOCK:
+            batches = rec.batches
+            for batch in batches:
+                if batch.encoding == semconv.BATCH_ENCODING_LINKS:
+                    self.member_done(batch, rec)
+            batches.clear()
 
     def _finish(self, rec: RequestRecord, kept: bool, weight: float | None) -> None:
         rec.kept = kept
@@ -359,7 +366,7 @@ class Runtime:
                 self._emit_spans(self._spans(*self._request_trace(rec, weight, batches)))
         else:
             self.stats.discarded += 1
-        if rec.batches:
+        if rec.batches is not NO_BATCHES:  # it was enqueued for a batch
             self._leave_batches(rec)
 
     def _request_trace(

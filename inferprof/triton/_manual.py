@@ -22,7 +22,8 @@ PROTOCOLS = ("http", "grpc")
 
 
 class TritonCall:
-    """One use of :func:`call`: ``with`` / ``async with`` it around the request.
+    """What :func:`call` returns: ``with`` / ``async with`` it around the request. Entered
+    again, it records another stage with headers of its own.
 
     ``headers``: what to send (set on entering): a copy of the headers given to
     :func:`call`, with the trace context in it when it is propagated.
@@ -57,6 +58,9 @@ class TritonCall:
 
     # --- context manager --------------------------------------------------------------
     def __enter__(self) -> TritonCall:
+        # Each use is a call of its own: nothing of an earlier one's (its stage, its
+        # traceparent) may carry over to this one.
+        self.headers = dict(self._given or {})
         call = self._call = begin(dict(self._attrs))
         if call is None or call.context is None or self._propagate is False:
             return self
@@ -102,7 +106,7 @@ def call(
         semconv.ATTR_TRITON_MODEL_NAME: model_name,
         semconv.ATTR_TRITON_PROTOCOL: protocol,
     }
-    if model_version is not None and model_version != "":
+    if model_version:  # as the wrapped clients: "" (and 0) mean Triton's default version
         attrs[semconv.ATTR_TRITON_MODEL_VERSION] = str(model_version)
     return TritonCall(attrs, headers, propagate)
 

@@ -220,3 +220,39 @@ def test_an_empty_batch_says_its_stages_belong_to_no_request(cap, caplog):
     with caplog.at_level("WARNING", logger="inferprof.batching.hooks"), inferprof.batch([]):
         pass
     assert "got no handles" in caplog.text
+
+
+def test_a_request_ending_while_its_links_batch_forms_never_holds_the_batch_back(
+    cap, monkeypatch
+):
+    # The request ends on another thread exactly while the batch is being formed (between
+    # the batch's check that it has not ended and its joining the batch): either way the
+    # links-encoded batch must be emitted once the batch closes.
+    import time
+
+    from inferprof.batching import hooks
+
+    rt = inferprof._config.active_runtime()
+    with inferprof.request() as req:
+        handle = inferprof.enqueue()
+    rec = req  # the request's record; reopened below as if it were still waiting
+    rec.finished = False
+    rec.kept = False
+    rec.batches = []
+    handle.request, handle.end = rec, None
+    ender = []
+
+    def new_trace_id_then_end_the_request():
+        t = threading.Thread(target=rt.finish_request, args=(rec,))
+        t.start()
+        ender.append(t)
+        time.sleep(0.05)  # give it the chance to run in the window
+        return 0xABC
+
+    monkeypatch.setattr(hooks, "new_trace_id", new_trace_id_then_end_the_request)
+    with inferprof.batch([handle], batch_encoding="links") as b, inferprof.stage("compute"):
+        pass
+    ender[0].join(5)
+    assert b.record.pending == 0  # the member reported its end
+    (compute,) = cap.stages("compute")
+    assert [link.context.span_id for link in compute.links] == [rec.span_id]

@@ -709,3 +709,25 @@ def test_a_request_linked_twice_from_one_batch_span_counts_its_stage_once():
     compute = stage_of(engine.breakdown("svc"), "compute")
     assert compute["count"] == 40
     assert close(compute["p99"], 0.05)  # 0.1 when the doubled link was added twice
+
+
+def test_reclaim_waits_for_the_retention_plus_one_slice_exactly():
+    # Retention 60 s, slices of 10 s: a pair last folded at t0 can sit in a slice that is
+    # kept until t0 + 70 s; reclaimed any sooner, its slot's new pair would inherit it.
+    engine, clock = make_engine(max_series=1, windows_s=(60.0,), slice_s=10.0, settle_s=0.0)
+    t0 = clock.t = 1_800_000_005.0  # mid-slice
+
+    def fold(model, at):
+        clock.t = at
+        b = TraceBuilder()
+        b.sequential(0.0, [("compute", 0.01)], model=model)
+        engine.ingest_traces(b.export())
+        engine.advance()
+
+    fold("a", t0)
+    fold("c", t0 + 69.0)  # idle 69 s: past the retention, not past the slice after it
+    assert engine.stats.series_reclaimed == 0 and ("svc", "a") in engine.series()
+    fold("c", t0 + 70.0)  # idle 70 s: reclaimed
+    assert engine.stats.series_reclaimed == 1 and ("svc", "c") in engine.series()
+    # the new pair holds only its own request: nothing of a's, nor the overflowed one
+    assert engine.breakdown("svc", model="c", window_s=None)["requests"] == 1

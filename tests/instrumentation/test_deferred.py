@@ -276,6 +276,16 @@ def test_a_bad_schedule_delay_in_the_env_is_logged_and_the_one_second_default_ke
         pass
     assert _exported_within(exporter, 3.0)  # 1 s, not the SDK's 5 s fallback
     inferprof.shutdown()
+    # 0: the SDK refuses it, and with it every OTEL_BSP_* setting; only it is ignored here
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "0")
+    monkeypatch.setenv("OTEL_BSP_MAX_QUEUE_SIZE", "4096")
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        _configure(mode="full")
+    assert "ignoring OTEL_BSP_SCHEDULE_DELAY='0'" in caplog.text
+    assert "ignoring OTEL_BSP_* settings" not in caplog.text
+    assert _config._runtime.owned_processor._max == 4096  # the queue size was kept
+    inferprof.shutdown()
 
 
 def test_what_the_application_does_after_the_request_ended_is_not_in_its_trace():

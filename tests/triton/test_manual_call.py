@@ -80,6 +80,17 @@ def test_outside_a_request_the_stage_is_a_span_of_its_own_and_its_context_is_sen
     assert int(flags, 16) & 1  # sampled (the SDK may also set W3C's random-id flag)
 
 
+def test_entered_again_a_call_sends_nothing_of_its_earlier_use(cap):
+    call = inferprof.triton.call("llm", propagate="sampled")
+    sampled = {"traceparent": f"00-{UPSTREAM_TRACE:032x}-00f067aa0ba902b7-01"}
+    unsampled = {"traceparent": f"00-{UPSTREAM_TRACE + 1:032x}-00f067aa0ba902b7-00"}
+    with inferprof.request(carrier=sampled), call:
+        first = dict(call.headers)
+    with inferprof.request(carrier=unsampled), call:
+        second = dict(call.headers)
+    assert "traceparent" in first and second == {}
+
+
 def test_propagate_false_records_the_stage_and_sends_no_trace_context(cap):
     with inferprof.request(), inferprof.triton.call("llm", propagate=False) as call:
         headers = call.headers
