@@ -32,7 +32,9 @@ GPU samples (contract §4) are kept per GPU (``hw.id``) and metric with their ti
 A utilisation sample taken at ``t`` describes the sampling period before it, so it is
 joined to a compute span ``[s, e]`` when ``s < t < e + period`` (``period`` = the median
 gap between that GPU's samples): compute spans are often shorter than the sampling
-period and a strict "inside" rule would match nothing.
+period and a strict "inside" rule would match nothing. Each joined sample weighs by that period
+(the GPU time it stands for) in the medians and means, so GPUs weigh by their compute time
+whatever their samplers' rates.
 
 Samples join on (``host.name``, ``hw.id``) as §4 says, with one allowance: an ``hw.id``
 that is an NVIDIA GPU or MIG UUID names one device in the world, so it joins whatever
@@ -168,12 +170,20 @@ class GpuSamples:
             total += t.size - int(np.searchsorted(t, since, side="left"))
         return total
 
-    def during(self, metric: str, intervals: Iterable[tuple[str, str, float, float]]) -> np.ndarray:
-        """Values of ``metric`` joined to compute ``intervals`` (host, gpu, start, end)."""
+    def during(
+        self, metric: str, intervals: Iterable[tuple[str, str, float, float]]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Values of ``metric`` joined to compute ``intervals`` (host, gpu, start, end),
+        and each value's weight: the sampling period of its series, the GPU time one
+        sample stands for. A GPU sampled every 100 ms beside one sampled every 10 ms then
+        weighs by its compute time, not by how often its sampler reads it. A series of
+        one sample has no period: it gets the median period of the others (1 s if none).
+        """
         by_gpu: dict[tuple[str, str], list[tuple[float, float]]] = defaultdict(list)
         for host, gpu, s, e in intervals:
             by_gpu[(host, gpu)].append((s, e))
-        out = []
+        values: list[np.ndarray] = []
+        periods: list[float] = []
         for (host, gpu), spans in by_gpu.items():
             any_host = is_device_uuid(gpu)
             for key in self._data:
@@ -191,27 +201,40 @@ class GpuSamples:
                 np.add.at(diff, lo, 1)
                 np.add.at(diff, hi, -1)
                 mask = np.cumsum(diff[:-1]) > 0
-                out.append(v[mask])
-        return np.concatenate(out) if out else np.empty(0)
+                values.append(v[mask])
+                periods.append(period)
+        if not values:
+            return np.empty(0), np.empty(0)
+        known = [p for p in periods if p > 0]
+        fallback = float(np.median(known)) if known else 1.0
+        weights = [
+            np.full(vals.size, p if p > 0 else fallback) for vals, p in zip(values, periods)
+        ]
+        return np.concatenate(values), np.concatenate(weights)
 
 
 def _pct(x: float) -> str:
     return f"{100 * x:.0f}%"
 
 
-def _summary(values: np.ndarray) -> dict | None:
+def _summary(values: np.ndarray, weights: np.ndarray) -> dict | None:
+    """Median and mean of ``values``, each weighted by the GPU time it stands for."""
     if values.size == 0:
         return None
-    return {"p50": float(np.median(values)), "mean": float(values.mean())}
+    order = np.argsort(values, kind="stable")
+    v, w = values[order], weights[order]
+    cum = np.cumsum(w)
+    median = float(v[int(np.searchsorted(cum, 0.5 * cum[-1], side="left"))])
+    return {"p50": median, "mean": float(np.average(v, weights=w))}
 
 
 def gpu_evidence(
     samples: GpuSamples, intervals: list[tuple[str, str, float, float]], since: float | None
 ) -> dict:
     """The breakdown's ``gpu`` section."""
-    util = samples.during(sc.METRIC_GPU_UTILIZATION, intervals)
+    util, util_w = samples.during(sc.METRIC_GPU_UTILIZATION, intervals)
     section: dict = {
-        "utilization_during_compute": _summary(util),
+        "utilization_during_compute": _summary(util, util_w),
         "samples": int(util.size),
         "samples_received": samples.count(since),
         # compute spans (batch spans once) naming their GPU: none, and no sample can join
@@ -221,8 +244,8 @@ def gpu_evidence(
         ("sm_active_during_compute", sc.METRIC_DCGM_SM_ACTIVE),
         ("sm_occupancy_during_compute", sc.METRIC_DCGM_SM_OCCUPANCY),
     ):
-        values = samples.during(metric, intervals)
-        summary = _summary(values)
+        values, weights = samples.during(metric, intervals)
+        summary = _summary(values, weights)
         if summary is not None:
             section[name] = summary
             if name == "sm_active_during_compute":

@@ -225,3 +225,28 @@ def test_gpu_samples_without_hw_id_or_finite_value_rejected():
     ignored = engine.ingest_metrics(gpu_metrics([(0.3, 1.0)], metric="process.cpu.time"))
     assert (ignored.accepted_spans, ignored.rejected_spans) == (0, 0)
     assert engine.stats.gpu_samples_received == 1
+
+
+@pytest.mark.parametrize("fast", ["GPU-A", "GPU-B"])
+def test_gpus_weigh_by_their_compute_time_not_by_their_samplers_rates(fast):
+    # Two GPUs run the same compute time, one at 90% utilisation, one at 30%; one sampler
+    # reads every 10 ms, the other every 100 ms. Pooled sample by sample, the verdict
+    # followed whichever sampler was faster; weighted by the time each sample stands for,
+    # it does not depend on the samplers.
+    engine = Engine(clock=FakeClock(), settle_s=0.0)
+    b = TraceBuilder()
+    for i in range(200):
+        gpu = "GPU-A" if i % 2 == 0 else "GPU-B"
+        req = b.request(i * 0.1, i * 0.1 + 0.09)
+        b.stage(req, "compute", i * 0.1, i * 0.1 + 0.09, gpu_id=gpu)
+    engine.ingest_traces(b.export())
+    for gpu, util in (("GPU-A", 0.9), ("GPU-B", 0.3)):
+        period = 0.01 if gpu == fast else 0.1
+        n = round(20.0 / period)
+        engine.ingest_metrics(
+            gpu_metrics([(k * period, util) for k in range(n)], hw_id=gpu)
+        )
+    engine.clock.tick(5.0)
+    engine.advance()
+    util = engine.breakdown("svc")["gpu"]["utilization_during_compute"]
+    assert util["mean"] == pytest.approx(0.6, abs=0.02)  # equal compute time each
