@@ -196,6 +196,9 @@ DROP_TOO_MANY_STAGES: Final = "too_many_stages"
 DROP_LATE: Final = "late"
 DROP_ORPHAN_STAGE: Final = "orphan_stage"
 DROP_INCOMPLETE_TRACE: Final = "incomplete_trace"
+#: a stage span lying wholly outside its request's time (clock skew between processes, a
+#: stage recorded after the request ended): the stage is absent from that request (§6)
+DROP_OUTSIDE_REQUEST: Final = "outside_request"
 #: Service label of the series that (service, model) pairs beyond the cardinality cap fold into.
 OVERFLOW_SERIES: Final = "__overflow__"
 

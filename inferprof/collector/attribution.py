@@ -66,19 +66,22 @@ def partition(
     """Stage times, exclusive times and unattributed time of one request (seconds).
 
     ``spans`` are ``(stage, start_ns, end_ns)`` of the stage spans attributed to the
-    request. Stages whose spans lie entirely outside the request still appear, with 0.
+    request, clipped to it. A stage whose spans all lie wholly outside the request is
+    absent (§6: "a request that never entered the stage counts as absent, not as zero"), a
+    span only touching its start or end included; a zero-length span inside it appears
+    with 0.
     """
     clipped: list[tuple[int, int, str]] = []
     stage_ns: dict[str, int] = {}
-    for stage, s, e in spans:
-        s = max(s, req_start)
-        e = min(e, req_end)
+    for stage, start, end in spans:
+        s = max(start, req_start)
+        e = min(end, req_end)
         d = e - s
         if d > 0:
             clipped.append((s, e, stage))
             stage_ns[stage] = stage_ns.get(stage, 0) + d
-        elif stage not in stage_ns:
-            stage_ns[stage] = 0
+        elif start == end and req_start <= start <= req_end and stage not in stage_ns:
+            stage_ns[stage] = 0  # a zero-length stage inside the request: entered, 0 s
     e2e_ns = req_end - req_start
     stage_time = {k: v * _NS for k, v in stage_ns.items()}
 

@@ -451,6 +451,17 @@ class Engine:
             first = np.flatnonzero(np.concatenate(([True], sorted_code[1:] != sorted_code[:-1])))
             pair_code = sorted_code[first]
             pair_ns = np.add.reduceat(dn[order], first)
+            # A (request, stage) none of whose spans overlaps the request is absent (§6);
+            # a zero-length span inside it was entered, for 0 s.
+            met = (d > 0) | (
+                (span_start == span_end)
+                & (span_start >= req_start[span_req])
+                & (span_start <= req_end[span_req])
+            )
+            inside = np.maximum.reduceat(met[order].astype(np.int8), first) > 0
+            if not inside.all():
+                self._asm._drop(sc.DROP_OUTSIDE_REQUEST, int(inside.size - inside.sum()))
+                pair_code, pair_ns = pair_code[inside], pair_ns[inside]
         else:
             pair_code = pair_ns = np.empty(0, np.int64)
         pair_req = pair_code // n_ids
@@ -498,6 +509,9 @@ class Engine:
         e2e, unatt, pr, ps, pt, pe = [], [], [], [], [], []
         for i in range(n):
             stage_time, exclusive, u = partition(fin.start[i], fin.end[i], per_req[i])
+            absent = {name for name, _, _ in per_req[i]} - stage_time.keys()
+            if absent:
+                self._asm._drop(sc.DROP_OUTSIDE_REQUEST, len(absent))
             e2e.append((fin.end[i] - fin.start[i]) * _NS)
             unatt.append(u)
             for name in sorted(stage_time, key=col_of.__getitem__):

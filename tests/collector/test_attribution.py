@@ -25,13 +25,15 @@ def test_partition_sequential_stages():
     assert unattributed == pytest.approx(0.01)
 
 
-def test_partition_clips_to_request_and_keeps_empty_stages():
+def test_partition_clips_to_request_keeps_empty_stages_and_drops_outside_ones():
     stage_time, _, unattributed = partition(
         10 * MS,
         110 * MS,
         [("compute", 0, 50 * MS), ("d2h", 200 * MS, 210 * MS), ("queue", 50 * MS, 50 * MS)],
     )
-    assert stage_time == pytest.approx({"compute": 0.04, "d2h": 0.0, "queue": 0.0})
+    # queue: zero length inside the request, present with 0; d2h: wholly after it, absent
+    # (§6: a request that never entered the stage counts as absent, not as zero)
+    assert stage_time == pytest.approx({"compute": 0.04, "queue": 0.0})
     assert unattributed == pytest.approx(0.06)
 
 

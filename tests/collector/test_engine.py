@@ -549,16 +549,22 @@ def test_spans_from_the_opentelemetry_sdk_encoded_by_its_otlp_encoder():
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     tracer = provider.get_tracer("test")
     members = []
+    requests = []
     for _ in range(3):
         with tracer.start_as_current_span("POST /infer", kind=trace.SpanKind.SERVER) as req:
             req.set_attribute(sc.ATTR_MODEL_NAME, "bert")
             with tracer.start_as_current_span(sc.span_name("queue")) as q:
                 q.set_attribute(sc.ATTR_STAGE, "queue")
             members.append(req.get_span_context())
+            requests.append(req)
     links = [trace.Link(ctx) for ctx in members]
-    with tracer.start_as_current_span(sc.span_name("compute"), links=links, context=None) as c:
-        c.set_attribute(sc.ATTR_STAGE, "compute")
-        c.set_attribute(sc.ATTR_BATCH_ID, "b1")
+    # the batch ran while its members waited: from the first one's start to the last's end
+    c = tracer.start_span(
+        sc.span_name("compute"), links=links, context=None, start_time=requests[0].start_time
+    )
+    c.set_attribute(sc.ATTR_STAGE, "compute")
+    c.set_attribute(sc.ATTR_BATCH_ID, "b1")
+    c.end(end_time=requests[-1].end_time)
     provider.shutdown()
     engine, clock = make_engine()
     result = engine.ingest_traces(encode_spans(exporter.get_finished_spans()))
@@ -731,3 +737,23 @@ def test_reclaim_waits_for_the_retention_plus_one_slice_exactly():
     assert engine.stats.series_reclaimed == 1 and ("svc", "c") in engine.series()
     # the new pair holds only its own request: nothing of a's, nor the overflowed one
     assert engine.breakdown("svc", model="c", window_s=None)["requests"] == 1
+
+
+def test_a_stage_wholly_outside_its_request_is_absent_and_counted():
+    # §6: a request that never entered the stage counts as absent, not as zero. A
+    # postprocess span dated after its request (clock skew between processes) is not a
+    # measured 0 s.
+    engine, clock = make_engine()
+    b = TraceBuilder()
+    for i in range(200):
+        req = b.request(i, i + 0.1)
+        b.stage(req, "compute", i, i + 0.08)
+        if i % 2:
+            b.stage(req, "postprocess", i + 0.1, i + 0.13)  # starts at the request's end
+        else:
+            b.stage(req, "postprocess", i + 0.08, i + 0.1)
+    engine.ingest_traces(b.export())
+    settle(engine, clock)
+    post = stage_of(engine.breakdown("svc"), "postprocess")
+    assert post["count"] == 100 and close(post["p50"], 0.02)  # only where it was measured
+    assert engine.stats.spans_dropped[sc.DROP_OUTSIDE_REQUEST] == 100
