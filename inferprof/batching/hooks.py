@@ -160,6 +160,16 @@ class _BoundStage(Stage):
             self._outer = None
 
 
+class _ClosedBatchStage(_NoopStage):
+    """``b.stage()`` after the batch's block: records nothing, as a decorator too (a plain
+    no-op stage defers a decorated function to a real stage at each call)."""
+
+    __slots__ = ()
+
+    def __call__(self, fn: Any) -> Any:
+        return fn
+
+
 class Batch:
     """A batch being processed (what ``with inferprof.batch(...)`` yields)."""
 
@@ -207,7 +217,7 @@ class Batch:
                 "inferprof: Batch.stage() after its `with inferprof.batch(...)` block ended "
                 "records nothing; record the batch's stages inside the block",
             )
-            return _NoopStage(name)  # type: ignore[return-value]
+            return _ClosedBatchStage(name)  # type: ignore[return-value]
         return _BoundStage(self.record, name, device, attributes)
 
     def set_tokens(self, *, effective: int | None = None, padded: int | None = None) -> None:

@@ -555,12 +555,14 @@ def _iter_collector_proto(first: bytes, fh, path, raw, on_bytes) -> Iterator[Otl
                 continue
             for n, earlier in held:
                 yield _decode_record(cls, earlier, path, n)
-            held.clear()
+            held.clear()  # (their bytes are counted with this record's, just below)
         yield _decode_record(cls, payload, path, record)
         if on_bytes is not None:
             on_bytes(raw.tell())
     for n, earlier in held:  # nothing said which signal: empty either way
         yield _decode_record(ExportTraceServiceRequest, earlier, path, n)
+    if held and on_bytes is not None:
+        on_bytes(raw.tell())
 
 
 def to_json(request: OtlpRequest) -> dict:

@@ -211,7 +211,13 @@ def test_b_stage_after_the_batch_block_records_nothing_and_says_so(cap, caplog):
         with caplog.at_level("WARNING", logger="inferprof.batching.hooks"):
             with b.stage("compute"):
                 pass
-    assert not cap.stages("compute")
+
+            @b.stage("decode")
+            def step():
+                return 7
+
+            assert step() == 7  # inside the request: a plain stage would record it there
+    assert not cap.stages("compute") and not cap.stages("decode")
     assert "after its `with inferprof.batch(...)` block ended" in caplog.text
 
 
