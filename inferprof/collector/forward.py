@@ -296,7 +296,9 @@ class Forwarder:
             except Exception as exc:  # non-retryable: the downstream refused this payload
                 last = exc
                 break
-        _log.warning("forwarding to %s failed, payload dropped: %s", self.destination, last)
+        _log.warning(
+            "forwarding to %s failed, payload dropped: %s", self.destination, _reason(last)
+        )
         self._count_drop(DROP_SEND_FAILED, 1)
 
     def _count_drop(self, reason: str, n: int) -> None:
@@ -327,5 +329,19 @@ class ForwardSet:
         for f in self.forwarders:
             f.stop(timeout_s)
 
+
+
+def _reason(exc: BaseException) -> str:
+    """One line for a failed send: a gRPC error's code and details (its str() is a
+    multi-line dump of the call), else the exception as it prints."""
+    code = getattr(exc, "code", None)
+    details = getattr(exc, "details", None)
+    if callable(code) and callable(details):
+        try:
+            name = getattr(code(), "name", code())
+            return f"{name}: {details()}"
+        except Exception:  # not a grpc.RpcError after all
+            pass
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 __all__ = ["DROP_QUEUE_FULL", "DROP_SEND_FAILED", "ForwardSet", "Forwarder", "destination_label"]

@@ -201,7 +201,13 @@ def api_app(engine: Any, registry: CollectorRegistry, *, default_window_s: float
             return _json(400, {"error": str(exc)})
         if doc is None:
             what = f"service {service!r}" + (f" with model {model!r}" if model else "")
-            return _json(404, {"error": f"unknown {what}: the collector has seen no request of it"})
+            return _json(
+                404,
+                {
+                    "error": f"unknown {what}: no request of it in the collector's retained "
+                    "data (never seen, or idle past the retention and its series reclaimed)"
+                },
+            )
         return _json(200, doc)
 
     async def services(request: Request) -> Response:

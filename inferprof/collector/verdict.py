@@ -417,7 +417,10 @@ def _gpu_limit(
             "cannot be told apart from inefficient kernels"
         )
         return _verdict(sc.VERDICT_KERNEL, confidence * 0.7, evidence + rest)
-    evidence.append("high utilisation, SM activity and occupancy: the GPU itself is the limit")
+    evidence.append(
+        ("high SM activity and occupancy" if said_sm else
+         "high utilisation, SM activity and occupancy") + ": the GPU itself is the limit"
+    )
     return _verdict(sc.VERDICT_HARDWARE, confidence, evidence + rest)
 
 

@@ -65,10 +65,15 @@ def _feed(engine, files, progress: bool) -> int:
 
 
 def build_documents(
-    files, service: str | None = None, model: str | None = None, progress: bool = False
+    files,
+    service: str | None = None,
+    model: str | None = None,
+    progress: bool = False,
+    dropped: dict | None = None,
 ) -> list[dict]:
     """Breakdown documents (contract §5, ``window_s`` null) of ``files``, one per
-    (service, model), filtered by ``service``/``model``."""
+    (service, model), filtered by ``service``/``model``; ``dropped``, when given, receives
+    the spans dropped by reason (as the collector counts them)."""
     from inferprof.collector.attribution import MAX_MAX_STAGES
     from inferprof.collector.engine import Engine
 
@@ -81,6 +86,8 @@ def build_documents(
         max_stages=MAX_MAX_STAGES,
     )
     _feed(engine, files, progress)
+    if dropped is not None:
+        dropped.update((k, v) for k, v in engine.stats.spans_dropped.items() if v)
     docs = []
     for svc, mdl in sorted(engine.series()):
         if service is not None and svc != service:
@@ -123,10 +130,18 @@ def report(files, fmt, service, model, html_out, progress) -> None:
     output (format json or proto, optionally gzipped) or inferprof protobuf dumps."""
     if progress is None:
         progress = sys.stderr.isatty()
+    dropped: dict[str, int] = {}
     try:
-        docs = build_documents(files, service, model, progress)
+        docs = build_documents(files, service, model, progress, dropped)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
+    if dropped:
+        # As the collector's inferprof_spans_dropped_total{reason}: what the figures lack.
+        click.echo(
+            "dropped spans (docs/concepts.md, Bad input and limits): "
+            + ", ".join(f"{reason} {n}" for reason, n in sorted(dropped.items())),
+            err=True,
+        )
     if not docs:
         what = "requests" if service is None else f"requests of service {service!r}"
         if model is not None:

@@ -263,3 +263,24 @@ def test_logs_are_received_and_forwarded_though_not_folded():
         # upstream.stop() drained the queue: both log exports reached the downstream.
         assert logs_ok(downstream) == 2.0
         assert downstream.engine.stats.spans_received == 0
+
+
+def test_a_failed_forward_is_logged_in_one_line_with_the_grpc_code():
+    # A gRPC error's str() is a multi-line dump of the call; the warning gives its code and
+    # details (e.g. a destination that wants a token: UNAUTHENTICATED).
+    import grpc
+
+    from inferprof.collector.forward import _reason
+
+    class Refused(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.UNAUTHENTICATED
+
+        def details(self):
+            return "missing or wrong bearer token"
+
+        def __str__(self):
+            return "<_InactiveRpcError of RPC that terminated with:\n\tstatus = ...\n>"
+
+    assert _reason(Refused()) == "UNAUTHENTICATED: missing or wrong bearer token"
+    assert _reason(ConnectionError("refused\n  by peer")) == "refused by peer"

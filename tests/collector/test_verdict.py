@@ -168,6 +168,7 @@ def test_profiling_samples_without_utilization_decide_when_they_can_and_say_why_
     verdict = decide({"compute": 0.83, "queue": 0.17}, ENOUGH, 20, busy)
     assert verdict["bottleneck"] == sc.VERDICT_HARDWARE  # SMs 90% active: the GPU was busy
     assert any("no hw.gpu.utilization samples joined" in e for e in verdict["evidence"])
+    assert not any("high utilisation" in e for e in verdict["evidence"])  # none was received
     idle = {**busy, "sm_active_during_compute": {"p50": 0.2, "mean": 0.2}}
     verdict = decide({"compute": 0.83, "queue": 0.17}, ENOUGH, 20, idle)
     assert verdict["bottleneck"] == sc.VERDICT_UNKNOWN

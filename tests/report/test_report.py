@@ -236,3 +236,20 @@ def test_offline_report_keeps_stage_names_past_the_collectors_default_cap(tmp_pa
     (doc,) = build_documents([path])
     custom = {s["stage"] for s in doc["stages"] if s["stage"].startswith("step_")}
     assert len(custom) == n
+
+
+def test_report_says_which_spans_it_dropped(tmp_path):
+    # Spans the engine drops (here: stage names past the columns) are named on stderr,
+    # as the collector counts them, instead of vanishing into `unattributed` silently.
+    from inferprof.collector.attribution import MAX_MAX_STAGES
+
+    b = TraceBuilder()
+    n = MAX_MAX_STAGES + 5  # more names than any engine tracks
+    for i in range(n):
+        req = b.request(float(i), i + 0.1)
+        b.stage(req, f"item_{i:04d}", i + 0.0, i + 0.09)
+    path = tmp_path / "too_many.jsonl"
+    write_json_lines(path, [b.export()])
+    result = CliRunner().invoke(main, ["report", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "dropped spans" in result.stderr and "too_many_stages" in result.stderr
