@@ -220,9 +220,7 @@ class Engine:
         # Assembler stage number -> stage column (-1: not mapped yet).
         self._col_of = np.empty(0, np.int64)
         self._series: dict[tuple[str, str], int] = {}
-        # Slot -> key; None: a slot reclaimed and not yet reused (never, in practice: a
-        # slot is reclaimed only to be reused at once).
-        self._series_keys: list[tuple[str, str] | None] = []
+        self._series_keys: list[tuple[str, str]] = []
         self._series_requests: list[float] = []
         #: collector-clock time each series was last folded into (reclaiming idle ones)
         self._series_last: list[float] = []
@@ -355,7 +353,7 @@ class Engine:
         overflow = self._series.get((sc.OVERFLOW_SERIES, ""))
         last = self._series_last
         sid = min(
-            (i for i, key in enumerate(self._series_keys) if key is not None and i != overflow),
+            (i for i in range(len(self._series_keys)) if i != overflow),
             key=last.__getitem__,
             default=None,
         )
@@ -363,8 +361,7 @@ class Engine:
             # Nothing reclaimable before the idlest series is: no scan until then.
             self._reclaim_after = (last[sid] + horizon) if sid is not None else math.inf
             return None
-        del self._series[self._series_keys[sid]]
-        self._series_keys[sid] = None
+        del self._series[self._series_keys[sid]]  # the caller puts the new pair in its slot
         self._series_requests[sid] = 0.0
         for hk in [hk for hk in self._hist if hk[0] == sid]:
             del self._hist[hk]
@@ -687,7 +684,7 @@ class Engine:
         """Every (service, model) tracked, in slot order (first appearance, but for a
         pair in a reclaimed slot)."""
         with self._lock:
-            return [key for key in self._series_keys if key is not None]
+            return list(self._series_keys)
 
     def histograms(self) -> list[tuple[str, str, str | None, np.ndarray, float]]:
         """Cumulative histograms: (service, model, stage or None for e2e, bucket counts, sum).

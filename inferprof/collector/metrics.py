@@ -47,6 +47,45 @@ _ENGINE_DROP_REASONS = (
 )
 
 
+#: single-value engine counters: (metric, help, EngineStats field)
+_ENGINE_COUNTERS = (
+    (
+        sc.PROM_SERIES_OVERFLOW,
+        (
+            "Requests folded into service=\"__overflow__\": their (service, model) came "
+            "after --max-series others."
+        ),
+        "series_overflow",
+    ),
+    (
+        sc.PROM_SERIES_RECLAIMED,
+        (
+            "(service, model) slots freed for a new pair at --max-series: the series idle "
+            "longest, once none of it was left in the retained window."
+        ),
+        "series_reclaimed",
+    ),
+    (
+        sc.PROM_GPU_SAMPLES_RECEIVED,
+        "GPU samples (contract section 4 data points) accepted, joined to spans or not.",
+        "gpu_samples_received",
+    ),
+    (
+        sc.PROM_TRITON_REQUESTS_PARTIAL,
+        (
+            "Triton requests counted with fewer than queue, h2d, compute and d2h derived "
+            "from their span events."
+        ),
+        "triton_requests_partial",
+    ),
+    (
+        sc.PROM_TRACES_INCOMPLETE,
+        "Traces evicted with stage spans but no request span (never completed).",
+        "traces_incomplete",
+    ),
+)
+
+
 class EngineCollector:
     def __init__(self, engine: Engine, *, window_s: float = 300.0, max_series: int = 1000) -> None:
         if not isinstance(window_s, (int, float)) or not window_s > 0:
@@ -152,34 +191,7 @@ class EngineCollector:
         for reason, n in sorted(counts.items()):
             dropped.add_metric([reason], n)
         yield dropped
-        yield core.CounterMetricFamily(
-            sc.PROM_SERIES_OVERFLOW,
-            "Requests folded into service=\"__overflow__\": their (service, model) came after "
-            "--max-series others.",
-            value=stats.series_overflow,
-        )
-        yield core.CounterMetricFamily(
-            sc.PROM_SERIES_RECLAIMED,
-            "(service, model) slots freed for a new pair at --max-series: the series idle "
-            "longest, once none of it was left in the retained window.",
-            value=stats.series_reclaimed,
-        )
-        yield core.CounterMetricFamily(
-            sc.PROM_GPU_SAMPLES_RECEIVED,
-            "GPU samples (contract section 4 data points) accepted, joined to spans or not.",
-            value=stats.gpu_samples_received,
-        )
-        yield core.CounterMetricFamily(
-            sc.PROM_TRITON_REQUESTS_PARTIAL,
-            "Triton requests counted with fewer than queue, h2d, compute and d2h derived "
-            "from their span events.",
-            value=stats.triton_requests_partial,
-        )
-        yield core.CounterMetricFamily(
-            sc.PROM_TRACES_INCOMPLETE,
-            "Traces evicted with stage spans but no request span (never completed).",
-            value=stats.traces_incomplete,
-        )
-
+        for name, help_text, field in _ENGINE_COUNTERS:
+            yield core.CounterMetricFamily(name, help_text, value=getattr(stats, field))
 
 __all__ = ["EngineCollector"]
