@@ -59,17 +59,21 @@ _WANTED = frozenset(
         sc.ATTR_TOKENS_EFFECTIVE,
         sc.ATTR_TOKENS_PADDED,
         sc.ATTR_GPU_ID,
+        sc.ATTR_BATCH_SIZE,
     }
 )
 _STRING_KEYS = frozenset({sc.ATTR_MODEL_NAME, sc.ATTR_BATCH_ID, sc.ATTR_GPU_ID})
-_INT_KEYS = frozenset({sc.ATTR_TOKENS_EFFECTIVE, sc.ATTR_TOKENS_PADDED})
+_INT_KEYS = frozenset({sc.ATTR_TOKENS_EFFECTIVE, sc.ATTR_TOKENS_PADDED, sc.ATTR_BATCH_SIZE})
 _PADDING_STAGES = frozenset({sc.STAGE_BATCH_ASSEMBLY, sc.STAGE_COMPUTE})
 _COMPUTE_STAGES = frozenset(sc.COMPUTE_STAGES)
+#: A batch's work: what the worker is busy with while later requests queue behind it.
+_WORK_STAGES = frozenset(sc.COMPUTE_STAGES | sc.TRANSFER_STAGES)
 _MODEL = sc.ATTR_MODEL_NAME
 _BATCH_ID = sc.ATTR_BATCH_ID
 _EFFECTIVE = sc.ATTR_TOKENS_EFFECTIVE
 _PADDED = sc.ATTR_TOKENS_PADDED
 _GPU_ID = sc.ATTR_GPU_ID
+_BATCH_SIZE = sc.ATTR_BATCH_SIZE
 
 
 def _any_value(v: Any) -> Any:
@@ -140,13 +144,19 @@ class Finalised:
     two; the number indexes ``Assembler.stage_names``), ``span_start``, ``span_end``
     (ns). ``batches``: (request index, effective, padded) of batches seen first here;
     ``compute``: (request index, (host, gpu id, start s, end s)) of compute-stage spans,
-    deduplicated per batch.
+    deduplicated per batch. ``instance`` per request: its resource's (host.name,
+    service.instance.id). ``work``: (request index, start s, end s) of batch work spans
+    (``h2d``, compute stages, ``d2h``), deduplicated per batch; ``work_share``: (request
+    index, seconds) per member request of such a span: its duration over
+    ``inferprof.batch.size`` (the whole duration, once, when the size is missing), so
+    that the weighted sum estimates the batch work of the requests not sampled too.
     """
 
     __slots__ = (
         "batches",
         "compute",
         "end",
+        "instance",
         "model",
         "service",
         "span_end",
@@ -154,6 +164,8 @@ class Finalised:
         "span_start",
         "start",
         "weight",
+        "work",
+        "work_share",
     )
 
     def __init__(self) -> None:
@@ -167,6 +179,9 @@ class Finalised:
         self.span_end = array("Q")
         self.batches: list[tuple[int, int, int]] = []
         self.compute: list[tuple[int, tuple[str, str, float, float]]] = []
+        self.instance: list[tuple[str, str]] = []
+        self.work: list[tuple[int, float, float]] = []
+        self.work_share: list[tuple[int, float]] = []
 
     def __len__(self) -> int:
         return len(self.start)
@@ -635,6 +650,10 @@ class Assembler:
                     add_key(row << 32 | self._stage_number(name))
                     add_start(s)
                     add_end(e)
+                    if name in _WORK_STAGES:
+                        # Requests Triton batched together share these times: the engine
+                        # keeps one of each (no work_share: Triton traces all or none).
+                        out.work.append((row, s * 1e-9, e * 1e-9))
                 if len(derived) < len(_triton.STAGES):
                     self.triton_partial += 1
                 self.ignored -= used  # counted as ignored above; they were not
@@ -673,6 +692,7 @@ class Assembler:
             weight = (trace_state and trace_state_weight(trace_state)) or 1.0
         row = len(out.start)
         out.service.append(resource[0])
+        out.instance.append(resource[1:])
         out.model.append(model)
         out.weight.append(weight)
         out.start.append(start)
@@ -691,7 +711,8 @@ class Assembler:
         ident: tuple,
         now: float,
     ) -> None:
-        """Model fallback, padding and compute windows from a stage span's attributes."""
+        """Model fallback, padding, batch work and compute windows from a stage span's
+        attributes."""
         stage = self.stage_names[stage_id]
         if out.model[row] is None:
             out.model[row] = extra.get(_MODEL)
@@ -706,12 +727,27 @@ class Assembler:
                 if key not in self.seen_batches:
                     self.seen_batches[key] = now
                     out.batches.append((row, eff, pad))
-        if stage in _COMPUTE_STAGES:
-            gpu = extra.get(_GPU_ID)
-            if gpu:
-                key = (res[0], res[2], "c", stage, batch_id) if batch_id is not None else ident
-                if key not in self.seen_batches:
+        if stage in _WORK_STAGES:
+            # Once per batch: its id within the service instance. A span of no batch is
+            # its own request's and is not remembered, unless it names a GPU (a linked
+            # span joins the GPU samples once: remembered as itself).
+            gpu = extra.get(_GPU_ID) if stage in _COMPUTE_STAGES else None
+            if batch_id is not None:
+                key: Any = (res[0], res[2], "c", stage, batch_id)
+            else:
+                key = ident if gpu else None
+            first = key is None or key not in self.seen_batches
+            size = extra.get(_BATCH_SIZE)
+            seconds = (e - s) * 1e-9 if e > s else 0.0
+            if isinstance(size, int) and size > 0:
+                out.work_share.append((row, seconds / size))
+            elif first:
+                out.work_share.append((row, seconds))
+            if first:
+                if key is not None:
                     self.seen_batches[key] = now
+                out.work.append((row, s * 1e-9, e * 1e-9))
+                if gpu:
                     out.compute.append((row, (res[1], str(gpu), s * 1e-9, e * 1e-9)))
 
     @staticmethod

@@ -52,6 +52,7 @@ from inferprof.collector.attribution import (
     tail_codes,
     tail_shares,
 )
+from inferprof.collector.queueing import behind_batches
 from inferprof.collector.records import EngineStats, IngestResult
 from inferprof.collector.sketch import (
     KEY_BITS,
@@ -93,13 +94,23 @@ _Q_LOCAL = KEY_BITS + STAGE_BITS
 #: Stage index 0 is end-to-end latency in the quantile store, 1 is ``unattributed``.
 _E2E = 0
 _UNATTRIBUTED = 1
-#: Compute windows kept per (slice, series) for the GPU join.
+#: Compute windows kept per (slice, series) for the GPU join; batch work windows and
+#: queue spans kept per (slice, series) for ``queueing.behind_batches``.
 _MAX_COMPUTE_WINDOWS = 5_000
+_MAX_WORK_WINDOWS = 5_000
+_MAX_QUEUE_ROWS = 20_000
+_INSTANCE_BITS = (1 << 52) - 1  # an instance's code, exact as a float64
 #: Temporary stage ids of stage names beyond max_stages (dropped when folding).
 _NO_COLUMN = 1 << 20
 _NS = 1e-9
 _INT64_LIMIT = 1 << 63
 _LOW32 = (1 << 32) - 1
+
+
+def _instance_codes(fin: Finalised) -> list[float]:
+    """Per request, a number naming its service instance (host.name and
+    service.instance.id): a queue waits only for its own instance's batches."""
+    return [float(hash(i) & _INSTANCE_BITS) for i in fin.instance]
 
 
 @contextlib.contextmanager
@@ -559,6 +570,17 @@ class Engine:
             acc[0] += eff
             acc[1] += pad
             acc[2] += 1
+        codes = None
+        if fin.work:
+            codes = _instance_codes(fin)
+            for row, start, end in fin.work:
+                windows = slice_.work[series[row]]
+                if len(windows) < _MAX_WORK_WINDOWS:
+                    windows.append((codes[row], start, end))
+            weight = fin.weight
+            estimate = slice_.work_estimate
+            for row, seconds in fin.work_share:
+                estimate[series[row]] += weight[row] * seconds
         if fin.compute:
             by_row: dict[int, list] = {}
             for row, window in fin.compute:
@@ -570,6 +592,13 @@ class Engine:
         self._finalised += n
 
         stage = self._stage_columns(np.frombuffer(fin.span_key, np.int64) & _LOW32)
+        queue_col = self._stage_index.get(sc.STAGE_QUEUE)
+        if queue_col is not None:
+            is_queue = stage == queue_col
+            if is_queue.any():
+                if codes is None:
+                    codes = _instance_codes(fin)
+                self._keep_queue_spans(fin, slice_, series, codes, is_queue)
         req_e2e, unattributed, pair_req, pair_stage, pair_time, pair_excl = self._partition(
             fin, stage
         )
@@ -634,6 +663,25 @@ class Engine:
         uniq, sums = reduce_codes(pair, hw * hv)
         for p, s in zip(uniq.tolist(), sums.tolist()):
             self._hist_sum[(p >> STAGE_BITS, p & _STAGE_MASK)] += s
+
+    @staticmethod
+    def _keep_queue_spans(
+        fin: Finalised, slice_: TimeSlice, series: list[int], codes: list[float],
+        is_queue: np.ndarray,
+    ) -> None:
+        rows = (np.frombuffer(fin.span_key, np.int64) >> 32)[is_queue]
+        start = np.frombuffer(fin.span_start, np.uint64)[is_queue].astype(np.float64) * _NS
+        end = np.frombuffer(fin.span_end, np.uint64)[is_queue].astype(np.float64) * _NS
+        code = np.asarray(codes)[rows]
+        weight = np.frombuffer(fin.weight, np.float64)[rows]
+        sid = np.asarray(series, np.int64)[rows]
+        for one in np.unique(sid).tolist():
+            room = _MAX_QUEUE_ROWS - slice_.queue_rows[one]
+            if room <= 0:
+                continue
+            m = np.flatnonzero(sid == one)[:room]
+            slice_.queue[one].append(np.stack([code[m], start[m], end[m], weight[m]], axis=1))
+            slice_.queue_rows[one] += m.size
 
     # --- readers -------------------------------------------------------------------------
     def pending_spans(self) -> int:
@@ -739,6 +787,9 @@ class Engine:
         t_parts = []
         padding = [0, 0, 0]
         compute: list[tuple[str, str, float, float]] = []
+        queue: list[np.ndarray] = []
+        work: list[tuple[float, float, float]] = []
+        work_estimate = 0.0
         for sl in slices:
             q_parts.extend(gather(sl.quantile_store(), sids, _Q_LOCAL))
             t_parts.extend(gather(sl.tail_store(), sids, KEY_BITS + COL_BITS))
@@ -748,6 +799,9 @@ class Engine:
                     for i in range(3):
                         padding[i] += acc[i]
                 compute.extend(sl.compute.get(sid, ()))
+                queue.extend(sl.queue.get(sid, ()))
+                work.extend(sl.work.get(sid, ()))
+                work_estimate += sl.work_estimate.get(sid, 0.0)
         per_stage = split_groups(*concat_reduce(q_parts))
 
         def quantiles(stage: int) -> tuple[float, dict[str, float | None], int | None]:
@@ -816,6 +870,11 @@ class Engine:
             "latency": latency,
             "stages": stages,
             "gpu": gpu,
+            "queue": behind_batches(
+                np.concatenate(queue) if queue else np.empty((0, 4)),
+                np.asarray(work, np.float64).reshape(-1, 3),
+                work_estimate,
+            ),
             "padding": {
                 "effective_tokens": eff,
                 "padded_tokens": pad,
@@ -823,7 +882,7 @@ class Engine:
                 "batches": batches,
             },
         }
-        doc["verdict"] = decide(shares, int(traced), int(tail_traced), gpu)
+        doc["verdict"] = decide(shares, int(traced), int(tail_traced), gpu, doc["queue"])
         return doc
 
 

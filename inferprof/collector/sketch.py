@@ -157,17 +157,28 @@ class TimeSlice:
     ``q_chunks``: sparse quantile buckets, codes ``(series, stage, key)``;
     ``t_chunks``: tail-attribution entries (``attribution.tail_codes``);
     ``padding``: series -> [effective tokens, padded tokens, batches];
-    ``compute``: series -> compute-span windows for the GPU join.
+    ``compute``: series -> compute-span windows for the GPU join;
+    ``queue``: series -> arrays of queue-span rows (instance, start s, end s, weight);
+    ``work``: series -> batch work windows (instance, start s, end s);
+    ``work_estimate``: series -> the weighted batch work of the traced members
+    (``queueing.behind_batches``).
     Chunks are appended per finalisation batch and compacted on read.
     """
 
-    __slots__ = ("compute", "padding", "q_chunks", "t_chunks")
+    __slots__ = (
+        "compute", "padding", "q_chunks", "queue", "queue_rows", "t_chunks", "work",
+        "work_estimate",
+    )
 
     def __init__(self) -> None:
         self.q_chunks: list[tuple[np.ndarray, np.ndarray]] = []
         self.t_chunks: list[tuple[np.ndarray, np.ndarray]] = []
         self.padding: dict[int, list[int]] = {}
         self.compute: dict[int, list[tuple[str, str, float, float]]] = defaultdict(list)
+        self.queue: dict[int, list[np.ndarray]] = defaultdict(list)
+        self.queue_rows: dict[int, int] = defaultdict(int)
+        self.work: dict[int, list[tuple[float, float, float]]] = defaultdict(list)
+        self.work_estimate: dict[int, float] = defaultdict(float)
 
     def quantile_store(self) -> tuple[np.ndarray, np.ndarray]:
         if len(self.q_chunks) > 1:

@@ -60,6 +60,9 @@ LOW_UTILIZATION = 0.5
 #: A queue-dominated tail is ``batching`` only while the GPU is mostly idle (§6); at or above
 #: this median utilisation during compute the queue waits for the GPU instead.
 BUSY_UTILIZATION = 0.9
+#: A queue-dominated tail whose queue time passes mostly (at least this share) while
+#: earlier batches are processed waits for the model, not for the batcher.
+BEHIND_BATCHES = 0.5
 LOW_SM_ACTIVE = 0.5
 LOW_SM_OCCUPANCY = 0.25
 #: GPU samples kept per (GPU, metric) at most; the oldest go first.
@@ -253,8 +256,15 @@ def gpu_evidence(
     return section
 
 
-def decide(shares: Mapping[str, float], traced: int, tail_traced: int, gpu: Mapping) -> dict:
-    """The ``verdict`` section from stage shares of p95 and the ``gpu`` section."""
+def decide(
+    shares: Mapping[str, float],
+    traced: int,
+    tail_traced: int,
+    gpu: Mapping,
+    queue: Mapping | None = None,
+) -> dict:
+    """The ``verdict`` section from stage shares of p95, the ``gpu`` section and the
+    ``queue`` section (``queueing.behind_batches``; None: not known)."""
     if traced < MIN_TRACED_REQUESTS:
         return _unknown(
             f"not enough data: a verdict needs at least {MIN_TRACED_REQUESTS} traced "
@@ -304,11 +314,37 @@ def decide(shares: Mapping[str, float], traced: int, tail_traced: int, gpu: Mapp
         if util
         else None
     )
-    sm = gpu.get("sm_active_during_compute")
-    occ = gpu.get("sm_occupancy_during_compute")
-    if top == sc.VERDICT_BATCHING and util and util["p50"] >= BUSY_UTILIZATION:
-        # §6's batching verdict is for a GPU mostly idle while requests wait. Busy nearly
-        # all the time, the GPU is what they wait for: the compute rules say why.
+    behind = queue.get("behind_batches") if queue else None
+    if top == sc.VERDICT_BATCHING and behind is not None and behind >= BEHIND_BATCHES:
+        # The queue waits for the batches ahead of it, not for the batcher: what makes
+        # those batches slow is the bottleneck (transfers or compute, whichever is larger).
+        work = max(
+            (g for g in (sc.VERDICT_TRANSFER, "compute") if groups.get(g, 0.0) > 0),
+            key=lambda g: groups[g],
+            default=None,
+        )
+        if work is not None:
+            seen = queue["batch_coverage"]
+            estimated = (
+                f" (estimated: the traces show {_pct(seen)} of the batch work)"
+                if seen < 0.99
+                else ""
+            )
+            waits = (
+                f"{_pct(behind)} of queue time passed while earlier batches were being "
+                f"processed{estimated}: requests wait for the model, not for the batcher"
+            )
+            if work == sc.VERDICT_TRANSFER:
+                evidence = [headline, waits, *rest]
+                if util_words:
+                    evidence.append(util_words)
+                return _verdict(sc.VERDICT_TRANSFER, confidence, evidence)
+            lead = f"the queue ({_pct(top_share)} of p95) waits behind compute"
+            return _compute_rules([headline, waits], lead, confidence, gpu, rest)
+    if top == sc.VERDICT_BATCHING and behind is None and util and util["p50"] >= BUSY_UTILIZATION:
+        # Not known what the queue waits for (no batch work in the traces). §6's batching
+        # verdict is for a GPU mostly idle while requests wait; busy nearly all the time,
+        # the GPU is likely what they wait for: the compute rules say why.
         gpu_factor = min(1.0, gpu.get("samples", 0) / FULL_CONFIDENCE_SAMPLES)
         evidence = [
             headline,
@@ -318,13 +354,37 @@ def decide(shares: Mapping[str, float], traced: int, tail_traced: int, gpu: Mapp
                 f"{_pct(BUSY_UTILIZATION)}): requests queue for the GPU, not for the batcher"
             ),
         ]
-        return _gpu_limit(evidence, confidence * gpu_factor, sm, occ, rest)
+        return _gpu_limit(
+            evidence,
+            confidence * gpu_factor,
+            gpu.get("sm_active_during_compute"),
+            gpu.get("sm_occupancy_during_compute"),
+            rest,
+        )
     if top != "compute":
         evidence = [headline, *rest]
+        if top == sc.VERDICT_BATCHING and behind is not None:
+            evidence.insert(1, (
+                f"{_pct(behind)} of queue time passed while earlier batches were being "
+                "processed: requests wait for the batcher (its delay, or a batch to fill), "
+                "not for the model"
+            ))
         if util_words:
             evidence.append(util_words)
         return _verdict(top, confidence, evidence)
+    return _compute_rules([headline], f"compute holds {_pct(top_share)} of p95", confidence,
+                          gpu, rest)
 
+
+def _compute_rules(
+    evidence: list[str], lead: str, confidence: float, gpu: Mapping, rest: list[str]
+) -> dict:
+    """§6's compute rules: ``runtime``, ``kernel`` or ``hardware`` from the GPU samples
+    joined to the compute spans, ``unknown`` (saying why) without them. ``lead`` names
+    what is compute-bound, for the ``unknown`` evidence."""
+    util = gpu.get("utilization_during_compute")
+    sm = gpu.get("sm_active_during_compute")
+    occ = gpu.get("sm_occupancy_during_compute")
     if not util:
         received = gpu.get("samples_received", 0)
         if sm is not None and sm["p50"] >= LOW_UTILIZATION:
@@ -332,7 +392,7 @@ def decide(shares: Mapping[str, float], traced: int, tail_traced: int, gpu: Mapp
             # active mean a busy GPU: utilisation is at least as high.
             gpu_factor = min(1.0, gpu.get("profiling_samples", 0) / FULL_CONFIDENCE_SAMPLES)
             evidence = [
-                headline,
+                *evidence,
                 (
                     f"no {sc.METRIC_GPU_UTILIZATION} samples joined, but SM activity during "
                     f"compute (median {_pct(sm['p50'])}) means the GPU was busy"
@@ -346,29 +406,35 @@ def decide(shares: Mapping[str, float], traced: int, tail_traced: int, gpu: Mapp
                 if v is not None
             )
             why = (
-                f"compute holds {_pct(top_share)} of p95; DCGM profiling samples joined its "
-                f"compute spans ({figures}) but no {sc.METRIC_GPU_UTILIZATION} samples did, "
-                "and without them an idle GPU (runtime) cannot be told apart from a busy, "
-                "poorly used one (kernel): export GPU utilisation too "
-                "(DCGM_FI_DEV_GPU_UTIL, or NVML)"
+                f"{lead}; DCGM profiling samples joined its compute spans ({figures}) but "
+                f"no {sc.METRIC_GPU_UTILIZATION} samples did, and without them an idle GPU "
+                "(runtime) cannot be told apart from a busy, poorly used one (kernel): "
+                "export GPU utilisation too (DCGM_FI_DEV_GPU_UTIL, or NVML)"
             )
         elif not received:
-            why = f"compute holds {_pct(top_share)} of p95 but no GPU samples were received"
+            why = (
+                f"{lead} but no GPU samples were received (run `inferprof gpu` beside a "
+                "GPU service; for a model on the CPU, compute itself is the bottleneck)"
+            )
         elif not gpu.get("compute_spans_with_gpu_id", 1):
             why = (
-                f"compute holds {_pct(top_share)} of p95 but its compute spans name no GPU "
-                f"(inferprof.gpu.id), so none of the {received} GPU samples received can "
-                "be joined to them"
+                f"{lead} but its compute spans name no GPU (inferprof.gpu.id), so none of "
+                f"the {received} GPU samples received can be joined to them"
             )
         else:
             why = (
-                f"compute holds {_pct(top_share)} of p95 but none of the {received} GPU "
-                "samples received overlaps its compute spans (they join on host.name and "
-                "hw.id = inferprof.gpu.id)"
+                f"{lead} but none of the {received} GPU samples received overlaps its "
+                "compute spans (they join on host.name and hw.id = inferprof.gpu.id)"
             )
-        return _unknown(why, headline, *rest)
+        return _unknown(why, *evidence, *rest)
     gpu_factor = min(1.0, gpu.get("samples", 0) / FULL_CONFIDENCE_SAMPLES)
-    evidence = [headline, util_words]
+    evidence = [
+        *evidence,
+        (
+            f"GPU utilisation during compute: median {_pct(util['p50'])}, mean "
+            f"{_pct(util['mean'])} over {gpu.get('samples', 0)} samples"
+        ),
+    ]
     if util["p50"] < LOW_UTILIZATION:
         evidence.append(
             f"utilisation below {_pct(LOW_UTILIZATION)}: the GPU idles between kernel "

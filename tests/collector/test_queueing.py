@@ -1,0 +1,166 @@
+"""What a queue waits for (``collector/queueing.py``): the batcher or the batches ahead.
+
+Synthetic traces of a simulated dynamic batcher with one worker: requests queue, a batch
+forms when full or when its first member has waited ``delay``, and runs once the worker is
+free. The same stage shares come from two different bottlenecks; the verdict must tell
+them apart.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from inferprof import semconv as sc
+from inferprof.collector.engine import Engine
+from inferprof.collector.queueing import _covered, behind_batches
+from tests.collector.synth import FakeClock, TraceBuilder, gpu_metrics
+
+GPU = "GPU-0"
+
+
+def _simulate(arrivals, max_size, delay, work):
+    """Batches as (start, member indices) of one worker; ``work`` seconds each."""
+    batches, i, free, n = [], 0, 0.0, len(arrivals)
+    while i < n:
+        last = min(i + max_size, n) - 1
+        full_at = arrivals[last] if last - i + 1 == max_size else math.inf
+        start = max(min(full_at, arrivals[i] + delay), free)
+        members = [k for k in range(i, last + 1) if arrivals[k] <= start]
+        batches.append((start, members))
+        free = start + work
+        i += len(members)
+    return batches
+
+
+def _traces(b, arrivals, batches, *, compute, h2d=0.0, keep=lambda k: True, weight=None,
+            prefix="b"):
+    for n, (start, members) in enumerate(batches):
+        for k in members:
+            if not keep(k):
+                continue
+            t0 = arrivals[k]
+            end = start + h2d + compute + 0.0002
+            req = b.request(t0, end, weight=weight)
+            b.stage(req, sc.STAGE_QUEUE, t0, start)
+            batch = {"batch_id": f"{prefix}{n}", "batch_size": len(members)}
+            if h2d:
+                b.stage(req, sc.STAGE_H2D, start, start + h2d, **batch)
+            b.stage(req, sc.STAGE_COMPUTE, start + h2d, start + h2d + compute, gpu_id=GPU,
+                    **batch)
+
+
+def _breakdown(builders, util=None, span_s=10.0):
+    clock = FakeClock()
+    engine = Engine(clock=clock)
+    for b in builders:
+        engine.ingest_traces(b.export())
+    if util is not None:
+        engine.ingest_metrics(gpu_metrics([(i * 0.05, util) for i in range(int(span_s / 0.05))],
+                                          hw_id=GPU))
+    clock.tick(5)
+    return engine.breakdown("svc", window_s=None)
+
+
+def _worker_bound(**kw):
+    """400 requests/s into a worker that serves 200/s (batches of 4, 20 ms each)."""
+    arrivals = [i * 0.0025 for i in range(300)]
+    b = TraceBuilder()
+    _traces(b, arrivals, _simulate(arrivals, 4, 0.005, 0.020), compute=0.020, **kw)
+    return b
+
+
+def _batcher_bound():
+    """A request every 30 ms, each held 20 ms for company that never comes; 5 ms of work."""
+    arrivals = [i * 0.030 for i in range(300)]
+    b = TraceBuilder()
+    _traces(b, arrivals, _simulate(arrivals, 8, 0.020, 0.005), compute=0.005)
+    return b
+
+
+def test_covered_length_matches_a_brute_force_union():
+    rng = np.random.default_rng(7)
+    for _ in range(100):
+        n = int(rng.integers(1, 30))
+        starts = rng.uniform(0, 100, n)
+        ends = starts + rng.exponential(5, n)
+        at = rng.uniform(-10, 120, 40)
+        grid = np.linspace(-10, 120, 130_001)
+        inside = ((grid[:, None] >= starts) & (grid[:, None] < ends)).any(axis=1)
+        expected = np.interp(at, grid, np.cumsum(inside) * (grid[1] - grid[0]))
+        assert _covered(starts, ends, at) == pytest.approx(expected, abs=0.01)
+
+
+def test_behind_batches_counts_only_the_queue_time_of_the_same_instance():
+    queue = np.array([[1.0, 0.0, 10.0, 1.0], [1.0, 20.0, 30.0, 3.0], [2.0, 0.0, 10.0, 1.0]])
+    work = np.array([[1.0, 5.0, 15.0], [1.0, 5.0, 15.0], [2.0, 20.0, 30.0]])
+    doc = behind_batches(queue, work, 0.0)
+    # instance 1: 5 of 10 s (weight 1) and 0 of 10 s (weight 3); instance 2: 0 of 10 s
+    assert doc["behind_batches"] == pytest.approx(5 / 50)
+    assert doc["batch_coverage"] == 1.0
+    # half of the batch work estimated from the members is in the traces: scaled up
+    doc = behind_batches(queue, work, 40.0)
+    assert doc["batch_coverage"] == pytest.approx(0.5)
+    assert doc["behind_batches"] == pytest.approx(2 * 5 / 50)
+    assert doc["behind_batches_seen"] == pytest.approx(5 / 50)
+    assert behind_batches(queue[:0], work, 0.0) is None
+    assert behind_batches(queue, work[:0], 0.0) is None
+
+
+def test_a_queue_behind_busy_batches_is_decided_by_what_makes_the_batches_slow():
+    doc = _breakdown([_worker_bound()], util=0.2)
+    shares = {s["stage"]: s["share_of_p95"] for s in doc["stages"]}
+    assert shares[sc.STAGE_QUEUE] > 0.8  # the stage shares alone say "batching"
+    assert doc["queue"]["behind_batches"] > 0.95
+    verdict = doc["verdict"]
+    # the GPU idles during compute: the batches are slow for want of launches
+    assert verdict["bottleneck"] == sc.VERDICT_RUNTIME, verdict
+    assert any("requests wait for the model, not for the batcher" in e
+               for e in verdict["evidence"])
+    # no GPU samples: compute is the limit, and the verdict says it cannot say why
+    verdict = _breakdown([_worker_bound()])["verdict"]
+    assert verdict["bottleneck"] == sc.VERDICT_UNKNOWN
+    assert verdict["evidence"][0].startswith("the queue (")
+    assert "waits behind compute but no GPU samples were received" in verdict["evidence"][0]
+
+
+def test_a_queue_behind_transfer_bound_batches_says_transfer():
+    arrivals = [i * 0.0025 for i in range(300)]
+    b = TraceBuilder()
+    _traces(b, arrivals, _simulate(arrivals, 4, 0.005, 0.020), compute=0.004, h2d=0.016)
+    verdict = _breakdown([b], util=0.2)["verdict"]
+    assert verdict["bottleneck"] == sc.VERDICT_TRANSFER, verdict
+
+
+def test_a_queue_waiting_for_the_batcher_is_batching_however_busy_the_gpu_computes():
+    # The GPU is 98% busy while it computes, but the queue waits while the worker idles:
+    # shortening the batcher's delay is the fix, not the GPU.
+    doc = _breakdown([_batcher_bound()], util=0.98)
+    assert doc["queue"]["behind_batches"] < 0.05
+    verdict = doc["verdict"]
+    assert verdict["bottleneck"] == sc.VERDICT_BATCHING, verdict
+    assert any("requests wait for the batcher" in e for e in verdict["evidence"])
+
+
+def test_sampled_traces_scale_up_for_the_batches_they_do_not_show():
+    full = _breakdown([_worker_bound()])["queue"]
+    # one request in ten traced, each standing for ten (a 10% head sampler)
+    sampled = _breakdown([_worker_bound(keep=lambda k: k % 10 == 0, weight=10.0)])["queue"]
+    assert sampled["batch_coverage"] < 0.5  # most batches have no traced member
+    assert sampled["behind_batches_seen"] < 0.7 * full["behind_batches"]
+    assert sampled["behind_batches"] == pytest.approx(full["behind_batches"], abs=0.1)
+
+
+@pytest.mark.parametrize("instance,behind", [("i-2", False), ("i-1", True)])
+def test_batches_of_another_instance_do_not_hold_up_this_ones_queue(instance, behind):
+    quiet = _batcher_bound()  # instance i-1
+    arrivals = [i * 0.030 for i in range(300)]
+    busy = TraceBuilder(instance=instance)
+    # a replica computing back to back the whole time, with no queue of its own
+    _traces(busy, arrivals, [(a, [k]) for k, a in enumerate(arrivals)], compute=0.030,
+            prefix="other")
+    doc = _breakdown([quiet, busy], util=0.5)
+    assert (doc["queue"]["behind_batches"] > 0.95) is behind
+    assert (doc["queue"]["behind_batches"] < 0.05) is not behind
