@@ -148,7 +148,13 @@ def _describe(src: Source) -> str:
     if isinstance(src, ReplaySource):
         return f" {src.path}" + ("" if src.loop else " (once, no loop)")
     gpus = list(getattr(src, "gpu_ids", None) or ())
-    return f" ({_plural(len(gpus), 'GPU')}: {', '.join(gpus)})" if gpus else ""
+    if not gpus:
+        return ""
+    gpm = getattr(src, "gpm_gpu_ids", None)
+    profiling = "" if gpm is None else (
+        "; SM activity/occupancy through GPM on " + (
+            "all" if len(gpm) == len(gpus) else "none" if not gpm else ", ".join(gpm)))
+    return f" ({_plural(len(gpus), 'GPU')}: {', '.join(gpus)}{profiling})"
 
 
 def _host_used(src: Source, st: _sampler.SamplerSettings) -> str:

@@ -33,10 +33,17 @@ class FakeGpu:
     #: NVML function names that raise NVMLError_GpuIsLost on this GPU
     lost: set[str] = field(default_factory=set)
     calls: int = 0
+    #: GPM (Hopper and later): None for a GPU without it, else per nvmlGpmMetricsGet call
+    #: the percentages of (SM util, SM occupancy, any tensor util, DRAM bandwidth util), the
+    #: last one repeating; None for a metric NVML answers with an error
+    gpm: list[tuple[float | None, ...]] | None = None
+    gpm_calls: int = 0
 
 
-def build(gpus: list[FakeGpu], *, init_error: type[real.NVMLError] | None = None
-          ) -> types.ModuleType:
+def build(gpus: list[FakeGpu], *, init_error: type[real.NVMLError] | None = None,
+          gpm: bool = False) -> types.ModuleType:
+    """``gpm``: the module has the GPM functions (nvidia-ml-py 11.525 and later); each
+    GPU then has GPM when its ``FakeGpu.gpm`` is set."""
     mod = types.ModuleType("pynvml")
     for name in dir(real):
         if name.startswith(("NVMLError", "NVML_")):
@@ -100,7 +107,78 @@ def build(gpus: list[FakeGpu], *, init_error: type[real.NVMLError] | None = None
                nvmlDeviceGetPowerUsage, nvmlDeviceGetClockInfo, nvmlDeviceGetTemperature):
         setattr(mod, fn.__name__, fn)
     mod.state = state  # tests read whether NVML was shut down again
+    if gpm:
+        _add_gpm(mod, check, state)
     return mod
+
+
+class _Sample:
+    """A GPM sample handle: which GPU it was last taken on."""
+
+    def __init__(self) -> None:
+        self.gpu: FakeGpu | None = None
+
+
+class _Metric:
+    def __init__(self) -> None:
+        self.metricId = 0
+        self.nvmlReturn = -1
+        self.value = float("nan")
+
+
+class _MetricsGet:
+    """nvmlGpmMetricsGet_t's fields, as a plain object (the real one is a ctypes struct
+    whose samples must be real NVML handles)."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.numMetrics = 0
+        self.sample1: _Sample | None = None
+        self.sample2: _Sample | None = None
+        self.metrics = [_Metric() for _ in range(real.NVML_GPM_METRIC_MAX)]
+
+
+_GPM_ORDER = (real.NVML_GPM_METRIC_SM_UTIL, real.NVML_GPM_METRIC_SM_OCCUPANCY,
+              real.NVML_GPM_METRIC_ANY_TENSOR_UTIL, real.NVML_GPM_METRIC_DRAM_BW_UTIL)
+
+
+def _add_gpm(mod: types.ModuleType, check, state: dict) -> None:
+    """The GPM calls NvmlSource makes, with SYNTHETIC percentages from FakeGpu.gpm."""
+    state["gpm_samples"] = 0  # allocated and not freed
+
+    def nvmlGpmQueryDeviceSupport(gpu: FakeGpu):
+        check(gpu, "nvmlGpmQueryDeviceSupport")
+        return types.SimpleNamespace(version=1, isSupportedDevice=int(gpu.gpm is not None))
+
+    def nvmlGpmSampleAlloc() -> _Sample:
+        state["gpm_samples"] += 1
+        return _Sample()
+
+    def nvmlGpmSampleFree(sample: _Sample) -> None:
+        state["gpm_samples"] -= 1
+
+    def nvmlGpmSampleGet(gpu: FakeGpu, sample: _Sample) -> None:
+        check(gpu, "nvmlGpmSampleGet")
+        sample.gpu = gpu
+
+    def nvmlGpmMetricsGet(request: _MetricsGet) -> _MetricsGet:
+        gpu = request.sample2.gpu
+        assert request.version == real.NVML_GPM_METRICS_GET_VERSION
+        assert request.sample1 is not request.sample2 and request.sample1.gpu is gpu
+        check(gpu, "nvmlGpmMetricsGet")
+        row = gpu.gpm[min(gpu.gpm_calls, len(gpu.gpm) - 1)]
+        gpu.gpm_calls += 1
+        for m in request.metrics[: request.numMetrics]:
+            value = row[_GPM_ORDER.index(m.metricId)]
+            m.nvmlReturn = real.NVML_ERROR_NOT_SUPPORTED if value is None else real.NVML_SUCCESS
+            m.value = 0.0 if value is None else value
+        return request
+
+    for fn in (nvmlGpmQueryDeviceSupport, nvmlGpmSampleAlloc, nvmlGpmSampleFree,
+               nvmlGpmSampleGet, nvmlGpmMetricsGet):
+        setattr(mod, fn.__name__, fn)
+    mod.c_nvmlGpmMetricsGet_t = _MetricsGet
+    mod.NVML_GPM_METRICS_GET_VERSION = real.NVML_GPM_METRICS_GET_VERSION
 
 
 def real_nvml_works() -> bool:

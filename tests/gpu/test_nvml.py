@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+import time
 import types
 
 import pynvml
@@ -14,6 +15,7 @@ import pytest
 from inferprof import semconv as sc
 from inferprof.batching import device
 from inferprof.gpu import DisabledSampler, NvmlSource, SourceUnavailable, start_sampler
+from inferprof.gpu.nvml import GPM_MIN_INTERVAL_S
 from tests.gpu import fake_pynvml
 from tests.gpu.fake_pynvml import FakeGpu
 
@@ -170,3 +172,68 @@ def test_nvml_uuid_is_the_gpu_id_the_cuda_stages_carry(fake_nvml, monkeypatch):
         assert src.read()[0].hw_id == device.gpu_uuid(0) == UUID_A
     finally:
         src.close()
+
+
+def test_gpm_gives_sm_activity_and_occupancy_under_the_dcgm_names(fake_nvml, caplog):
+    mod = fake_nvml([
+        # (SM util, SM occupancy, tensor, DRAM bandwidth) %, per poll: SYNTHETIC
+        FakeGpu(UUID_A, gpm=[(95.3, 14.1, 92.5, 23.8), (40.0, 60.0, None, 10.0)]),
+        FakeGpu(UUID_B),  # an older GPU: no GPM
+    ], gpm=True)
+    src = NvmlSource()
+    with caplog.at_level(logging.INFO, logger="inferprof"):
+        src.open()
+    try:
+        assert src.gpm_gpu_ids == [UUID_A]
+        assert any(UUID_B in r.getMessage() and "no NVML GPM" in r.getMessage()
+                   for r in caplog.records)
+        time.sleep(GPM_MIN_INTERVAL_S)
+        first = src.read()
+        too_soon = src.read()  # GPM's counters move every ~100 ms: no figures this poll
+        time.sleep(GPM_MIN_INTERVAL_S)
+        second = src.read()
+    finally:
+        src.close()
+    assert sc.METRIC_DCGM_SM_ACTIVE not in too_soon[0].as_dict()
+    assert sc.METRIC_GPU_UTILIZATION in too_soon[0].as_dict()
+    a = first[0].as_dict()
+    assert a[sc.METRIC_DCGM_SM_ACTIVE] == pytest.approx(0.953)
+    assert a[sc.METRIC_DCGM_SM_OCCUPANCY] == pytest.approx(0.141)
+    assert a[sc.METRIC_DCGM_TENSOR_ACTIVE] == pytest.approx(0.925)
+    assert a[sc.METRIC_DCGM_DRAM_ACTIVE] == pytest.approx(0.238)
+    assert a[sc.METRIC_GPU_UTILIZATION] == pytest.approx(0.0)  # the usual readings too
+    # each poll's figures cover the time since the last one; an unanswered metric is left out
+    b = second[0].as_dict()
+    assert b[sc.METRIC_DCGM_SM_ACTIVE] == pytest.approx(0.40)
+    assert sc.METRIC_DCGM_TENSOR_ACTIVE not in b
+    assert not any(k.startswith(sc.METRIC_DCGM_PREFIX + "sm") for k in first[1].as_dict())
+    assert mod.state["gpm_samples"] == 0  # both samples freed on close
+
+
+def test_without_gpm_in_nvidia_ml_py_or_when_turned_off_the_rest_is_read(fake_nvml):
+    fake_nvml([FakeGpu(UUID_A, gpm=[(95.0, 14.0, 92.0, 24.0)])], gpm=False)  # no GPM calls
+    src = NvmlSource()
+    src.open()
+    assert src.gpm_gpu_ids == []
+    assert sc.METRIC_DCGM_SM_ACTIVE not in src.read()[0].as_dict()
+    src.close()
+    mod = fake_nvml([FakeGpu(UUID_A, gpm=[(95.0, 14.0, 92.0, 24.0)])], gpm=True)
+    src = NvmlSource(gpm=False)
+    src.open()
+    time.sleep(GPM_MIN_INTERVAL_S)
+    assert sc.METRIC_DCGM_SM_ACTIVE not in src.read()[0].as_dict()
+    src.close()
+    assert mod.state["gpm_samples"] == 0
+
+
+def test_a_failing_gpm_read_keeps_the_other_readings(fake_nvml):
+    fake_nvml([FakeGpu(UUID_A, gpm=[(95.0, 14.0, 92.0, 24.0)], lost={"nvmlGpmMetricsGet"})],
+              gpm=True)
+    src = NvmlSource()
+    src.open()
+    try:
+        time.sleep(GPM_MIN_INTERVAL_S)
+        reading = src.read()[0].as_dict()
+    finally:
+        src.close()
+    assert sc.METRIC_GPU_UTILIZATION in reading and sc.METRIC_DCGM_SM_ACTIVE not in reading
