@@ -97,8 +97,11 @@ _UNATTRIBUTED = 1
 #: Compute windows kept per (slice, series) for the GPU join; batch work windows and
 #: queue spans kept per (slice, series) for ``queueing.behind_batches``.
 _MAX_COMPUTE_WINDOWS = 5_000
-_MAX_WORK_WINDOWS = 5_000
-_MAX_QUEUE_ROWS = 20_000
+#: A (slice, series) that has kept _MAX_QUEUE_ROWS queue spans keeps no more queue spans,
+#: batch work windows or work estimate: the three must describe the same stretch of time.
+#: Per (slice, series) at most 32 KB of queue rows and 96 KB of work windows.
+_MAX_QUEUE_ROWS = 1_000
+_MAX_WORK_ROWS = 4_000
 _INSTANCE_BITS = (1 << 52) - 1  # an instance's code, exact as a float64
 #: Temporary stage ids of stage names beyond max_stages (dropped when folding).
 _NO_COLUMN = 1 << 20
@@ -573,14 +576,7 @@ class Engine:
         codes = None
         if fin.work:
             codes = _instance_codes(fin)
-            for row, start, end in fin.work:
-                windows = slice_.work[series[row]]
-                if len(windows) < _MAX_WORK_WINDOWS:
-                    windows.append((codes[row], start, end))
-            weight = fin.weight
-            estimate = slice_.work_estimate
-            for row, seconds in fin.work_share:
-                estimate[series[row]] += weight[row] * seconds
+            self._keep_work(fin, slice_, series, codes)
         if fin.compute:
             by_row: dict[int, list] = {}
             for row, window in fin.compute:
@@ -663,6 +659,32 @@ class Engine:
         uniq, sums = reduce_codes(pair, hw * hv)
         for p, s in zip(uniq.tolist(), sums.tolist()):
             self._hist_sum[(p >> STAGE_BITS, p & _STAGE_MASK)] += s
+
+    @staticmethod
+    def _keep_work(
+        fin: Finalised, slice_: TimeSlice, series: list[int], codes: list[float]
+    ) -> None:
+        """Batch work windows and the weighted work estimate (queueing.behind_batches)."""
+        work = np.asarray(fin.work, np.float64)
+        rows = work[:, 0].astype(np.int64)
+        sid = np.asarray(series, np.int64)[rows]
+        code = np.asarray(codes)[rows]
+        full = slice_.queue_rows
+        for one in np.unique(sid).tolist():
+            room = _MAX_WORK_ROWS - slice_.work_rows[one]
+            if room <= 0 or full[one] >= _MAX_QUEUE_ROWS:
+                continue
+            m = np.flatnonzero(sid == one)[:room]
+            slice_.work[one].append(np.stack([code[m], work[m, 1], work[m, 2]], axis=1))
+            slice_.work_rows[one] += m.size
+        if fin.work_share:
+            share = np.asarray(fin.work_share, np.float64)
+            rows = share[:, 0].astype(np.int64)
+            sid = np.asarray(series, np.int64)[rows]
+            part = np.frombuffer(fin.weight, np.float64)[rows] * share[:, 1]
+            for one in np.unique(sid).tolist():
+                if full[one] < _MAX_QUEUE_ROWS:
+                    slice_.work_estimate[one] += float(part[sid == one].sum())
 
     @staticmethod
     def _keep_queue_spans(
@@ -788,7 +810,7 @@ class Engine:
         padding = [0, 0, 0]
         compute: list[tuple[str, str, float, float]] = []
         queue: list[np.ndarray] = []
-        work: list[tuple[float, float, float]] = []
+        work: list[np.ndarray] = []
         work_estimate = 0.0
         for sl in slices:
             q_parts.extend(gather(sl.quantile_store(), sids, _Q_LOCAL))
@@ -872,7 +894,7 @@ class Engine:
             "gpu": gpu,
             "queue": behind_batches(
                 np.concatenate(queue) if queue else np.empty((0, 4)),
-                np.asarray(work, np.float64).reshape(-1, 3),
+                np.concatenate(work) if work else np.empty((0, 3)),
                 work_estimate,
             ),
             "padding": {

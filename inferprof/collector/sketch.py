@@ -159,7 +159,7 @@ class TimeSlice:
     ``padding``: series -> [effective tokens, padded tokens, batches];
     ``compute``: series -> compute-span windows for the GPU join;
     ``queue``: series -> arrays of queue-span rows (instance, start s, end s, weight);
-    ``work``: series -> batch work windows (instance, start s, end s);
+    ``work``: series -> arrays of batch work windows (instance, start s, end s);
     ``work_estimate``: series -> the weighted batch work of the traced members
     (``queueing.behind_batches``).
     Chunks are appended per finalisation batch and compacted on read.
@@ -167,7 +167,7 @@ class TimeSlice:
 
     __slots__ = (
         "compute", "padding", "q_chunks", "queue", "queue_rows", "t_chunks", "work",
-        "work_estimate",
+        "work_estimate", "work_rows",
     )
 
     def __init__(self) -> None:
@@ -177,7 +177,8 @@ class TimeSlice:
         self.compute: dict[int, list[tuple[str, str, float, float]]] = defaultdict(list)
         self.queue: dict[int, list[np.ndarray]] = defaultdict(list)
         self.queue_rows: dict[int, int] = defaultdict(int)
-        self.work: dict[int, list[tuple[float, float, float]]] = defaultdict(list)
+        self.work: dict[int, list[np.ndarray]] = defaultdict(list)
+        self.work_rows: dict[int, int] = defaultdict(int)
         self.work_estimate: dict[int, float] = defaultdict(float)
 
     def quantile_store(self) -> tuple[np.ndarray, np.ndarray]:

@@ -164,3 +164,25 @@ def test_batches_of_another_instance_do_not_hold_up_this_ones_queue(instance, be
     doc = _breakdown([quiet, busy], util=0.5)
     assert (doc["queue"]["behind_batches"] > 0.95) is behind
     assert (doc["queue"]["behind_batches"] < 0.05) is not behind
+
+
+def test_a_busy_series_keeps_a_bounded_sample_that_still_agrees_with_itself():
+    # 3,000 requests folded in four goes: past the first 1,000 queue spans of a time
+    # slice, its queue spans, work windows and work estimate all stop together
+    arrivals = [i * 0.0025 for i in range(3000)]
+    batches = _simulate(arrivals, 4, 0.005, 0.009)  # 444 req/s served: a short queue
+    clock = FakeClock()
+    engine = Engine(clock=clock)
+    quarter = -(-len(batches) // 4)
+    for part in range(4):
+        b = TraceBuilder()
+        _traces(b, arrivals, batches[part * quarter:(part + 1) * quarter], compute=0.009,
+                prefix=f"p{part}-")
+        engine.ingest_traces(b.export())
+        clock.tick(2.1)
+        engine.advance()
+    doc = engine.breakdown("svc", window_s=None)
+    assert doc["requests"] == 3000
+    queue = doc["queue"]
+    assert queue["batch_coverage"] > 0.95  # what was kept describes the same stretch of time
+    assert queue["behind_batches"] == pytest.approx(queue["behind_batches_seen"])
