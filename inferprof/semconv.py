@@ -143,6 +143,8 @@ PROM_REQUEST_DURATION: Final = "inferprof_request_duration_seconds"
 PROM_STAGE_QUANTILE: Final = "inferprof_stage_quantile_seconds"
 PROM_STAGE_SHARE_OF_P95: Final = "inferprof_stage_share_of_p95"
 PROM_BOTTLENECK: Final = "inferprof_bottleneck"
+#: Extension: ``queue.behind_batches`` of the breakdown (collector/queueing.py).
+PROM_QUEUE_BEHIND_BATCHES: Final = "inferprof_queue_behind_batches"
 PROM_SPANS_RECEIVED: Final = "inferprof_spans_received_total"
 PROM_SPANS_DROPPED: Final = "inferprof_spans_dropped_total"
 PROM_TRACES_INCOMPLETE: Final = "inferprof_traces_incomplete_total"

@@ -12,6 +12,8 @@ engine's current state. Families:
 * ``inferprof_stage_share_of_p95{service,model,stage}`` — contract §6 over the window;
 * ``inferprof_bottleneck{service,model,verdict}`` — 1 for the current verdict, 0 for the
   others (every verdict is always present, so alert rules need no ``absent()``);
+* ``inferprof_queue_behind_batches{service,model}`` — share of queue time spent behind
+  earlier batches over the window (absent for a series without queue spans or batches);
 * ``inferprof_spans_received_total``, ``inferprof_spans_dropped_total{reason}``,
   ``inferprof_traces_incomplete_total``.
 
@@ -153,6 +155,12 @@ class EngineCollector:
             "1 for the current bottleneck verdict, 0 for the others.",
             labels=[svc, mdl, sc.PROM_LABEL_VERDICT],
         )
+        behind = core.GaugeMetricFamily(
+            sc.PROM_QUEUE_BEHIND_BATCHES,
+            "Share of queue time spent while earlier batches were processed: at 0.5 or "
+            "more requests wait for the model, not for the batcher.",
+            labels=[svc, mdl],
+        )
         for service, model in series:
             try:
                 doc = self.engine.breakdown(service, model, self.window_s)
@@ -169,9 +177,12 @@ class EngineCollector:
             current = doc["verdict"]["bottleneck"]
             for name in sc.VERDICTS:
                 verdict.add_metric([service, model, name], 1.0 if name == current else 0.0)
+            if doc.get("queue"):
+                behind.add_metric([service, model], doc["queue"]["behind_batches"])
         yield quantile
         yield share
         yield verdict
+        yield behind
 
         stats = self.engine.stats
         yield core.CounterMetricFamily(

@@ -176,3 +176,21 @@ def test_series_cap_and_bad_arguments():
         EngineCollector(engine, window_s=0)
     with pytest.raises(ValueError):
         EngineCollector(engine, max_series=0)
+
+
+def test_queue_behind_batches_gauge(scraped):
+    from tests.collector.test_queueing import _worker_bound
+
+    _, fam = scraped
+    assert _samples(fam, sc.PROM_QUEUE_BEHIND_BATCHES) == []  # no batch work in those traces
+    clock = FakeClock()
+    engine = Engine(clock=clock)
+    engine.ingest_traces(_worker_bound().export())
+    clock.tick(5)
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(engine, window_s=300))
+    families = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
+    (sample,) = _samples(families, sc.PROM_QUEUE_BEHIND_BATCHES)
+    doc = engine.breakdown("svc", "m", 300)
+    assert sample.value == pytest.approx(doc["queue"]["behind_batches"]) and sample.value > 0.9
+    assert sample.labels == {"service": "svc", "model": "m"}
