@@ -145,9 +145,9 @@ class Finalised:
     (ns). ``batches``: (request index, effective, padded) of batches seen first here;
     ``compute``: (request index, (host, gpu id, start s, end s)) of compute-stage spans,
     deduplicated per batch. ``instance`` per request: its resource's (host.name,
-    service.instance.id). ``work``: (request index, start s, end s) of batch work spans
-    (``h2d``, compute stages, ``d2h``), deduplicated per batch; ``work_share``: (request
-    index, seconds) per member request of such a span: its duration over
+    service.instance.id). ``work``: (request index, start s, end s) of work spans
+    (``h2d``, compute stages, ``d2h``), once per batch id; ``work_share``: (request index,
+    seconds) per member request of such a span with a batch id: its duration over
     ``inferprof.batch.size`` (the whole duration, once, when the size is missing), so
     that the weighted sum estimates the batch work of the requests not sampled too.
     """
@@ -613,6 +613,8 @@ class Assembler:
             add_end(e)
             if extra is not None:
                 self._stage_attrs(out, row, stage, s, e, res, extra, (tid, sid), now)
+            elif self.stage_names[stage] in _WORK_STAGES:  # a bare work span: no batch
+                out.work.append((row, s * 1e-9, e * 1e-9))
         self.ignored += ignored
         links = self.links
         if repeated:
@@ -641,6 +643,8 @@ class Assembler:
                     add_end(e)
                     if extra is not None:
                         self._stage_attrs(out, row, stage, s, e, res, extra, ident, now)
+                    elif self.stage_names[stage] in _WORK_STAGES:
+                        out.work.append((row, s * 1e-9, e * 1e-9))
             if translated and rid not in rows and rid in translated:
                 # A Triton request with no inferprof stage of its own: its derived stages.
                 model, derived, used = translated[rid]
@@ -723,26 +727,29 @@ class Assembler:
             if isinstance(eff, int) and isinstance(pad, int) and pad > 0:
                 # One count per batch: batch id within the service instance, or the
                 # span itself when the batch carries no id.
-                key = (res[0], res[2], "b", batch_id) if batch_id is not None else ident
+                key = (*res, "b", batch_id) if batch_id is not None else ident
                 if key not in self.seen_batches:
                     self.seen_batches[key] = now
                     out.batches.append((row, eff, pad))
         if stage in _WORK_STAGES:
-            # Once per batch: its id within the service instance. A span of no batch is
-            # its own request's and is not remembered, unless it names a GPU (a linked
-            # span joins the GPU samples once: remembered as itself).
+            # Once per batch: its id within the service instance (service.name,
+            # host.name, service.instance.id). A span of no batch id is not remembered,
+            # unless it names a GPU (a linked span joins the GPU samples once: remembered
+            # as itself), and adds nothing to the work estimate: without an id, copies of
+            # one batch's span cannot be told from the spans of several batches.
             gpu = extra.get(_GPU_ID) if stage in _COMPUTE_STAGES else None
             if batch_id is not None:
-                key: Any = (res[0], res[2], "c", stage, batch_id)
+                key: Any = (*res, "c", stage, batch_id)
             else:
                 key = ident if gpu else None
             first = key is None or key not in self.seen_batches
-            size = extra.get(_BATCH_SIZE)
-            seconds = (e - s) * 1e-9 if e > s else 0.0
-            if isinstance(size, int) and size > 0:
-                out.work_share.append((row, seconds / size))
-            elif first:
-                out.work_share.append((row, seconds))
+            if batch_id is not None:
+                size = extra.get(_BATCH_SIZE)
+                seconds = (e - s) * 1e-9 if e > s else 0.0
+                if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+                    out.work_share.append((row, seconds / size))
+                elif first:
+                    out.work_share.append((row, seconds))
             if first:
                 if key is not None:
                     self.seen_batches[key] = now

@@ -35,8 +35,13 @@ def _simulate(arrivals, max_size, delay, work):
     return batches
 
 
+_SIZE = object()
+
+
 def _traces(b, arrivals, batches, *, compute, h2d=0.0, keep=lambda k: True, weight=None,
-            prefix="b"):
+            prefix="b", size=_SIZE, attrs=True):
+    """``size``: the batch.size to send (default: the batch's); ``prefix=None``: no batch
+    id; ``attrs=False``: bare stage spans (no attribute but the stage)."""
     for n, (start, members) in enumerate(batches):
         for k in members:
             if not keep(k):
@@ -45,11 +50,15 @@ def _traces(b, arrivals, batches, *, compute, h2d=0.0, keep=lambda k: True, weig
             end = start + h2d + compute + 0.0002
             req = b.request(t0, end, weight=weight)
             b.stage(req, sc.STAGE_QUEUE, t0, start)
-            batch = {"batch_id": f"{prefix}{n}", "batch_size": len(members)}
+            batch = {
+                "batch_id": None if prefix is None else f"{prefix}{n}",
+                "batch_size": len(members) if size is _SIZE else size,
+                "gpu_id": GPU,
+            } if attrs else {}
             if h2d:
-                b.stage(req, sc.STAGE_H2D, start, start + h2d, **batch)
-            b.stage(req, sc.STAGE_COMPUTE, start + h2d, start + h2d + compute, gpu_id=GPU,
-                    **batch)
+                b.stage(req, sc.STAGE_H2D, start, start + h2d,
+                        **{k: v for k, v in batch.items() if k != "gpu_id"})
+            b.stage(req, sc.STAGE_COMPUTE, start + h2d, start + h2d + compute, **batch)
 
 
 def _breakdown(builders, util=None, span_s=10.0):
@@ -186,3 +195,40 @@ def test_a_busy_series_keeps_a_bounded_sample_that_still_agrees_with_itself():
     queue = doc["queue"]
     assert queue["batch_coverage"] > 0.95  # what was kept describes the same stretch of time
     assert queue["behind_batches"] == pytest.approx(queue["behind_batches_seen"])
+
+
+def test_replicas_with_the_same_batch_ids_keep_their_own_batches():
+    # per-process batch counters (b0, b1, ...) and no service.instance.id: host.name tells
+    # the replicas apart; host-2's batches are not repeats of host-1's
+    arrivals = [i * 0.030 for i in range(300)]
+    idle = TraceBuilder(host="host-1", instance="")
+    _traces(idle, arrivals, _simulate(arrivals, 8, 0.020, 0.005), compute=0.005)
+    busy = _worker_bound()
+    busy.resource[sc.RESOURCE_HOST_NAME] = "host-2"
+    busy.resource[sc.RESOURCE_SERVICE_INSTANCE_ID] = ""
+    both = _breakdown([idle, busy])["queue"]
+    assert both["batch_coverage"] > 0.99
+    assert both["behind_batches"] > 0.9  # host-2's long queue dominates the queue time
+
+
+@pytest.mark.parametrize("prefix,size", [(None, _SIZE), (None, None), ("b", True)])
+def test_copies_of_a_batch_span_without_id_or_size_do_not_inflate_the_estimate(prefix, size):
+    # each member carries a copy of its batch's compute span: without a batch id they are
+    # not counted as work once per member (which made the coverage 1/batch size)
+    arrivals = [i * 0.030 for i in range(300)]
+    b = TraceBuilder()
+    _traces(b, arrivals, _simulate(arrivals, 4, 0.050, 0.005), compute=0.005, prefix=prefix,
+            size=size)
+    queue = _breakdown([b])["queue"]
+    assert queue["batch_coverage"] > 0.99
+    assert queue["behind_batches"] == pytest.approx(queue["behind_batches_seen"])
+
+
+def test_bare_work_spans_still_count_as_work():
+    # a plain inferprof.stage("compute") with no batch and no attribute: one worker, a queue
+    arrivals = [i * 0.0025 for i in range(300)]
+    b = TraceBuilder()
+    _traces(b, arrivals, _simulate(arrivals, 4, 0.005, 0.020), compute=0.020, attrs=False)
+    doc = _breakdown([b])
+    assert doc["queue"]["behind_batches"] > 0.95
+    assert doc["verdict"]["bottleneck"] == sc.VERDICT_UNKNOWN  # compute-bound, no GPU samples
