@@ -32,6 +32,7 @@ import gc
 import math
 import threading
 import time
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -52,7 +53,7 @@ from inferprof.collector.attribution import (
     tail_codes,
     tail_shares,
 )
-from inferprof.collector.queueing import behind_batches
+from inferprof.collector.queueing import combine, partial
 from inferprof.collector.records import EngineStats, IngestResult
 from inferprof.collector.sketch import (
     KEY_BITS,
@@ -545,7 +546,8 @@ class Engine:
             return
         slice_ = self._slices.get(int(now // self.slice_s))
         if slice_ is None:
-            slice_ = self._slices[int(now // self.slice_s)] = TimeSlice()
+            index = int(now // self.slice_s)
+            slice_ = self._slices[index] = TimeSlice(index)
         # Per request: series (a dict lookup each; requests, not spans).
         overflow_key = (sc.OVERFLOW_SERIES, "")
         series_id = self._series_id
@@ -573,10 +575,6 @@ class Engine:
             acc[0] += eff
             acc[1] += pad
             acc[2] += 1
-        codes = None
-        if fin.work:
-            codes = _instance_codes(fin)
-            self._keep_work(fin, slice_, series, codes)
         if fin.compute:
             by_row: dict[int, list] = {}
             for row, window in fin.compute:
@@ -589,12 +587,9 @@ class Engine:
 
         stage = self._stage_columns(np.frombuffer(fin.span_key, np.int64) & _LOW32)
         queue_col = self._stage_index.get(sc.STAGE_QUEUE)
-        if queue_col is not None:
-            is_queue = stage == queue_col
-            if is_queue.any():
-                if codes is None:
-                    codes = _instance_codes(fin)
-                self._keep_queue_spans(fin, slice_, series, codes, is_queue)
+        is_queue = stage == queue_col if queue_col is not None else None
+        if fin.work or (is_queue is not None and is_queue.any()):
+            self._keep_queue_and_work(fin, slice_, series, is_queue)
         req_e2e, unattributed, pair_req, pair_stage, pair_time, pair_excl = self._partition(
             fin, stage
         )
@@ -661,49 +656,53 @@ class Engine:
             self._hist_sum[(p >> STAGE_BITS, p & _STAGE_MASK)] += s
 
     @staticmethod
-    def _keep_work(
-        fin: Finalised, slice_: TimeSlice, series: list[int], codes: list[float]
+    def _keep_queue_and_work(
+        fin: Finalised, slice_: TimeSlice, series: list[int], is_queue: np.ndarray | None
     ) -> None:
-        """Batch work windows and the weighted work estimate (queueing.behind_batches)."""
-        work = np.asarray(fin.work, np.float64)
-        rows = work[:, 0].astype(np.int64)
-        sid = np.asarray(series, np.int64)[rows]
-        code = np.asarray(codes)[rows]
-        full = slice_.queue_rows
-        for one in np.unique(sid).tolist():
-            room = _MAX_WORK_ROWS - slice_.work_rows[one]
-            if room <= 0 or full[one] >= _MAX_QUEUE_ROWS:
-                continue
-            m = np.flatnonzero(sid == one)[:room]
-            slice_.work[one].append(np.stack([code[m], work[m, 1], work[m, 2]], axis=1))
-            slice_.work_rows[one] += m.size
+        """Queue spans, batch work windows and the weighted work estimate of this fold
+        (queueing.py), kept whole per series until its (slice, series) has
+        _MAX_QUEUE_ROWS queue spans or _MAX_WORK_ROWS work windows: then it is closed and
+        keeps nothing more, so that what is kept describes one stretch of time."""
+        codes = np.asarray(_instance_codes(fin))
+        sids = np.asarray(series, np.int64)
+        parts: dict[int, list] = defaultdict(lambda: [None, None, 0.0])
+        if is_queue is not None and is_queue.any():
+            rows = (np.frombuffer(fin.span_key, np.int64) >> 32)[is_queue]
+            start = np.frombuffer(fin.span_start, np.uint64)[is_queue].astype(np.float64) * _NS
+            end = np.frombuffer(fin.span_end, np.uint64)[is_queue].astype(np.float64) * _NS
+            weight = np.frombuffer(fin.weight, np.float64)[rows]
+            rows_q = np.stack([codes[rows], start, end, weight], axis=1)
+            sid = sids[rows]
+            for one in np.unique(sid).tolist():
+                parts[one][0] = rows_q[sid == one]
+        if fin.work:
+            work = np.asarray(fin.work, np.float64)
+            rows = work[:, 0].astype(np.int64)
+            rows_w = np.stack([codes[rows], work[:, 1], work[:, 2]], axis=1)
+            sid = sids[rows]
+            for one in np.unique(sid).tolist():
+                parts[one][1] = np.unique(rows_w[sid == one], axis=0)
         if fin.work_share:
             share = np.asarray(fin.work_share, np.float64)
             rows = share[:, 0].astype(np.int64)
-            sid = np.asarray(series, np.int64)[rows]
             part = np.frombuffer(fin.weight, np.float64)[rows] * share[:, 1]
+            sid = sids[rows]
             for one in np.unique(sid).tolist():
-                if full[one] < _MAX_QUEUE_ROWS:
-                    slice_.work_estimate[one] += float(part[sid == one].sum())
-
-    @staticmethod
-    def _keep_queue_spans(
-        fin: Finalised, slice_: TimeSlice, series: list[int], codes: list[float],
-        is_queue: np.ndarray,
-    ) -> None:
-        rows = (np.frombuffer(fin.span_key, np.int64) >> 32)[is_queue]
-        start = np.frombuffer(fin.span_start, np.uint64)[is_queue].astype(np.float64) * _NS
-        end = np.frombuffer(fin.span_end, np.uint64)[is_queue].astype(np.float64) * _NS
-        code = np.asarray(codes)[rows]
-        weight = np.frombuffer(fin.weight, np.float64)[rows]
-        sid = np.asarray(series, np.int64)[rows]
-        for one in np.unique(sid).tolist():
-            room = _MAX_QUEUE_ROWS - slice_.queue_rows[one]
-            if room <= 0:
+                parts[one][2] = float(part[sid == one].sum())
+        for one, (queue, work, estimate) in parts.items():
+            if one in slice_.closed:
                 continue
-            m = np.flatnonzero(sid == one)[:room]
-            slice_.queue[one].append(np.stack([code[m], start[m], end[m], weight[m]], axis=1))
-            slice_.queue_rows[one] += m.size
+            if queue is not None:
+                slice_.queue[one].append(queue)
+                slice_.queue_rows[one] += queue.shape[0]
+            if work is not None:
+                slice_.work[one].append(work)
+                slice_.work_rows[one] += work.shape[0]
+            slice_.work_estimate[one] += estimate
+            slice_.queue_version[one] += 1
+            if (slice_.queue_rows[one] >= _MAX_QUEUE_ROWS
+                    or slice_.work_rows[one] >= _MAX_WORK_ROWS):
+                slice_.closed.add(one)
 
     # --- readers -------------------------------------------------------------------------
     def pending_spans(self) -> int:
@@ -804,14 +803,32 @@ class Engine:
                 since,
             )
 
+    def _queue_partial(self, sl: TimeSlice, sid: int) -> tuple:
+        """``queueing.partial`` of one slice's queue spans of one series, against the
+        work windows of that slice and its neighbours (a queue waits behind batches
+        folded a little earlier or later); cached until one of the three changes."""
+        near = [self._slices.get(sl.index + d) for d in (-1, 0, 1)]
+        versions = tuple(n.queue_version.get(sid, 0) if n is not None else -1 for n in near)
+        cached = sl.queue_cache.get(sid)
+        if cached is not None and cached[0] == versions:
+            return cached[1]
+        work = [a for n in near if n is not None for a in n.work.get(sid, ())]
+        own = sl.work.get(sid, ())
+        result = partial(
+            np.concatenate(sl.queue[sid]) if sl.queue.get(sid) else np.empty((0, 4)),
+            np.concatenate(work) if work else np.empty((0, 3)),
+            np.concatenate(own) if own else np.empty((0, 3)),
+            sl.work_estimate.get(sid, 0.0),
+        )
+        sl.queue_cache[sid] = (versions, result)
+        return result
+
     def _document(self, service, model, window_s, sids, slices, since) -> dict:
         q_parts = []
         t_parts = []
         padding = [0, 0, 0]
         compute: list[tuple[str, str, float, float]] = []
-        queue: list[np.ndarray] = []
-        work: list[np.ndarray] = []
-        work_estimate = 0.0
+        partials = []
         for sl in slices:
             q_parts.extend(gather(sl.quantile_store(), sids, _Q_LOCAL))
             t_parts.extend(gather(sl.tail_store(), sids, KEY_BITS + COL_BITS))
@@ -821,9 +838,8 @@ class Engine:
                     for i in range(3):
                         padding[i] += acc[i]
                 compute.extend(sl.compute.get(sid, ()))
-                queue.extend(sl.queue.get(sid, ()))
-                work.extend(sl.work.get(sid, ()))
-                work_estimate += sl.work_estimate.get(sid, 0.0)
+                if sid in sl.queue_version:
+                    partials.append(self._queue_partial(sl, sid))
         per_stage = split_groups(*concat_reduce(q_parts))
 
         def quantiles(stage: int) -> tuple[float, dict[str, float | None], int | None]:
@@ -892,11 +908,7 @@ class Engine:
             "latency": latency,
             "stages": stages,
             "gpu": gpu,
-            "queue": behind_batches(
-                np.concatenate(queue) if queue else np.empty((0, 4)),
-                np.concatenate(work) if work else np.empty((0, 3)),
-                work_estimate,
-            ),
+            "queue": combine(partials),
             "padding": {
                 "effective_tokens": eff,
                 "padded_tokens": pad,

@@ -38,34 +38,52 @@ def _covered(starts: np.ndarray, ends: np.ndarray, at: np.ndarray) -> np.ndarray
     return np.where(i >= 0, before[j] + within, 0.0)
 
 
-def behind_batches(queue: np.ndarray, work: np.ndarray, work_estimate: float) -> dict | None:
-    """The breakdown's ``queue`` section.
+def partial(
+    queue: np.ndarray, work: np.ndarray, own_work: np.ndarray, work_estimate: float
+) -> tuple[float, float, float, float, bool]:
+    """One part of the ``queue`` section: (weighted queue time behind batches, weighted
+    queue time, work seen, work estimated, whether any work was there to compare with).
 
     ``queue``: rows (instance, start s, end s, weight) of queue spans; ``work``: rows
-    (instance, start s, end s) of batch work spans, repeats allowed; ``work_estimate``:
-    the weighted sum of traced members' parts of their batches' work (0: unknown, no
-    scaling). None when there is no queue time or no batch work to compare it with.
+    (instance, start s, end s) of the batch work windows they may wait behind, repeats
+    allowed; ``own_work``: the windows this part counts as seen (each batch in one part
+    only); ``work_estimate``: the weighted sum of traced members' parts of their batches'
+    work (0: unknown, no scaling).
     """
-    if queue.size == 0 or work.size == 0:
-        return None
-    work = np.unique(work, axis=0)
+    # Windows of a batch id are in the engine once (the assembler remembers batches for
+    # two minutes); repeats of windows without one carry no estimate to compare with.
+    seen = float(np.sum(np.clip(own_work[:, 2] - own_work[:, 1], 0.0, None)))
+    if queue.size == 0:
+        return 0.0, 0.0, seen, work_estimate, work.size > 0
     q_len = np.clip(queue[:, 2] - queue[:, 1], 0.0, None)
     total = float(np.dot(queue[:, 3], q_len))
-    if total <= 0.0:
-        return None
     overlap = 0.0
-    for inst in np.unique(queue[:, 0]):
-        w = work[work[:, 0] == inst]
-        if not w.size:
-            continue
-        q = queue[queue[:, 0] == inst]
-        ends = np.maximum(q[:, 2], q[:, 1])
-        covered = _covered(w[:, 1], np.maximum(w[:, 2], w[:, 1]), np.concatenate([q[:, 1], ends]))
-        k = q.shape[0]
-        overlap += float(np.dot(q[:, 3], covered[k:] - covered[:k]))
+    if work.size and total > 0.0:
+        for inst in np.unique(queue[:, 0]):
+            w = work[work[:, 0] == inst]
+            if not w.size:
+                continue
+            q = queue[queue[:, 0] == inst]
+            ends = np.maximum(q[:, 2], q[:, 1])
+            covered = _covered(
+                w[:, 1], np.maximum(w[:, 2], w[:, 1]), np.concatenate([q[:, 1], ends])
+            )
+            k = q.shape[0]
+            overlap += float(np.dot(q[:, 3], covered[k:] - covered[:k]))
+    return overlap, total, seen, work_estimate, work.size > 0
+
+
+def combine(parts: list[tuple[float, float, float, float, bool]]) -> dict | None:
+    """The breakdown's ``queue`` section from its parts; None when there is no queue time
+    or no batch work to compare it with."""
+    overlap = sum(p[0] for p in parts)
+    total = sum(p[1] for p in parts)
+    seen = sum(p[2] for p in parts)
+    estimate = sum(p[3] for p in parts)
+    if total <= 0.0 or not any(p[4] for p in parts):
+        return None
     measured = min(1.0, overlap / total)
-    seen = float(np.sum(np.clip(work[:, 2] - work[:, 1], 0.0, None)))
-    coverage = min(1.0, seen / work_estimate) if work_estimate > 0 and seen > 0 else 1.0
+    coverage = min(1.0, seen / estimate) if estimate > 0 and seen > 0 else 1.0
     return {
         "behind_batches": min(1.0, measured / coverage),
         "behind_batches_seen": measured,
@@ -73,4 +91,11 @@ def behind_batches(queue: np.ndarray, work: np.ndarray, work_estimate: float) ->
     }
 
 
-__all__ = ["behind_batches"]
+def behind_batches(queue: np.ndarray, work: np.ndarray, work_estimate: float) -> dict | None:
+    """The ``queue`` section of queue spans and work windows in one part (see
+    ``partial``; repeated windows count once)."""
+    work = np.unique(work, axis=0) if work.size else work
+    return combine([partial(queue, work, work, work_estimate)])
+
+
+__all__ = ["behind_batches", "combine", "partial"]

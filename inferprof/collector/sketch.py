@@ -161,16 +161,19 @@ class TimeSlice:
     ``queue``: series -> arrays of queue-span rows (instance, start s, end s, weight);
     ``work``: series -> arrays of batch work windows (instance, start s, end s);
     ``work_estimate``: series -> the weighted batch work of the traced members
-    (``queueing.behind_batches``).
+    (``queueing.behind_batches``); ``closed``: series that keep no more of these three;
+    ``queue_version`` / ``queue_cache``: a change count per series and the cached
+    ``queueing.partial`` of this slice's queue (engine).
     Chunks are appended per finalisation batch and compacted on read.
     """
 
     __slots__ = (
-        "compute", "padding", "q_chunks", "queue", "queue_rows", "t_chunks", "work",
-        "work_estimate", "work_rows",
+        "closed", "compute", "index", "padding", "q_chunks", "queue", "queue_cache",
+        "queue_rows", "queue_version", "t_chunks", "work", "work_estimate", "work_rows",
     )
 
-    def __init__(self) -> None:
+    def __init__(self, index: int = 0) -> None:
+        self.index = index
         self.q_chunks: list[tuple[np.ndarray, np.ndarray]] = []
         self.t_chunks: list[tuple[np.ndarray, np.ndarray]] = []
         self.padding: dict[int, list[int]] = {}
@@ -180,6 +183,9 @@ class TimeSlice:
         self.work: dict[int, list[np.ndarray]] = defaultdict(list)
         self.work_rows: dict[int, int] = defaultdict(int)
         self.work_estimate: dict[int, float] = defaultdict(float)
+        self.closed: set[int] = set()
+        self.queue_version: dict[int, int] = defaultdict(int)
+        self.queue_cache: dict[int, tuple] = {}
 
     def quantile_store(self) -> tuple[np.ndarray, np.ndarray]:
         if len(self.q_chunks) > 1:

@@ -232,3 +232,33 @@ def test_bare_work_spans_still_count_as_work():
     doc = _breakdown([b])
     assert doc["queue"]["behind_batches"] > 0.95
     assert doc["verdict"]["bottleneck"] == sc.VERDICT_UNKNOWN  # compute-bound, no GPU samples
+
+
+def test_a_cached_figure_follows_batches_folded_into_the_next_slice():
+    # requests whose queues nothing overlaps ...
+    clock = FakeClock()
+    engine = Engine(clock=clock)
+    first = TraceBuilder()
+    for i in range(100):
+        t = i * 0.1
+        req = first.request(t, t + 0.085)
+        first.stage(req, sc.STAGE_QUEUE, t, t + 0.08)
+        first.stage(req, sc.STAGE_COMPUTE, t + 0.08, t + 0.085, batch_id=f"a{i}", batch_size=1)
+    engine.ingest_traces(first.export())
+    clock.tick(5)
+    assert engine.breakdown("svc", window_s=None)["queue"]["behind_batches"] == 0.0
+    # ... then, folded a slice later, batches that ran during 60 of each queue's 80 ms
+    second = TraceBuilder()
+    for i in range(100):
+        t = i * 0.1
+        req = second.request(t, t + 0.07)
+        second.stage(req, sc.STAGE_QUEUE, t, t + 0.01)
+        second.stage(req, sc.STAGE_COMPUTE, t + 0.01, t + 0.07, batch_id=f"b{i}", batch_size=1)
+    # into the next time slice, not one further (batches are compared with the queue
+    # spans of their own slice and the two beside it)
+    clock.tick((math.floor(clock() / engine.slice_s) + 1) * engine.slice_s - clock() + 0.5)
+    engine.ingest_traces(second.export())
+    clock.tick(3)
+    queue = engine.breakdown("svc", window_s=None)["queue"]
+    assert len(engine._slices) == 2
+    assert queue["behind_batches"] == pytest.approx(6.0 / 9.0, abs=0.01)
