@@ -323,24 +323,25 @@ def decide(
             key=lambda g: groups[g],
             default=None,
         )
-        if work is not None:
-            seen = queue["batch_coverage"]
-            estimated = (
-                f" (estimated: the traces show {_pct(seen)} of the batch work)"
-                if seen < 0.99
-                else ""
-            )
-            waits = (
-                f"{_pct(behind)} of queue time passed while earlier batches were being "
-                f"processed{estimated}: requests wait for the model, not for the batcher"
-            )
-            if work == sc.VERDICT_TRANSFER:
-                evidence = [headline, waits, *rest]
-                if util_words:
-                    evidence.append(util_words)
-                return _verdict(sc.VERDICT_TRANSFER, confidence, evidence)
-            lead = f"the queue ({_pct(top_share)} of p95) waits behind compute"
-            return _compute_rules([headline, waits], lead, confidence, gpu, rest)
+        seen = queue["batch_coverage"]
+        estimated = (
+            f" (estimated: the traces show {_pct(seen)} of the batch work)" if seen < 0.99 else ""
+        )
+        waits = (
+            f"{_pct(behind)} of queue time passed while earlier batches were being "
+            f"processed{estimated}: requests wait for the model, not for the batcher"
+        )
+        if work == sc.VERDICT_TRANSFER:
+            evidence = [headline, waits, *rest]
+            if util_words:
+                evidence.append(util_words)
+            return _verdict(sc.VERDICT_TRANSFER, confidence, evidence)
+        if work is None:
+            # The tail holds no batch work of its own (requests that timed out or were
+            # cancelled in the queue): the batches they waited behind are mostly compute.
+            waits += "; the slowest requests left the queue before a batch took them"
+        lead = f"the queue ({_pct(top_share)} of p95) waits behind compute"
+        return _compute_rules([headline, waits], lead, confidence, gpu, rest)
     if top == sc.VERDICT_BATCHING and behind is None and util and util["p50"] >= BUSY_UTILIZATION:
         # Not known what the queue waits for (no batch work in the traces). §6's batching
         # verdict is for a GPU mostly idle while requests wait; busy nearly all the time,

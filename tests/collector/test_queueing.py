@@ -262,3 +262,24 @@ def test_a_cached_figure_follows_batches_folded_into_the_next_slice():
     queue = engine.breakdown("svc", window_s=None)["queue"]
     assert len(engine._slices) == 2
     assert queue["behind_batches"] == pytest.approx(6.0 / 9.0, abs=0.01)
+
+
+def test_a_tail_of_requests_that_left_the_queue_still_waits_behind_the_batches():
+    # the tail: requests cancelled after 1 s in the queue of a worker busy all along; they
+    # have no batch work of their own, and the verdict must not call their wait batching
+    b = TraceBuilder()
+    for k in range(500):
+        t = k * 0.020
+        req = b.request(t, t + 0.0201)
+        b.stage(req, sc.STAGE_QUEUE, t, t)
+        b.stage(req, sc.STAGE_COMPUTE, t, t + 0.020, batch_id=f"b{k}", batch_size=1, gpu_id=GPU)
+    for k in range(40):
+        t = 1.0 + k * 0.2
+        req = b.request(t, t + 1.0)
+        b.stage(req, sc.STAGE_QUEUE, t, t + 1.0, **{sc.ATTR_CANCELLED: True})
+    doc = _breakdown([b], util=0.2)
+    assert doc["queue"]["behind_batches"] > 0.95
+    verdict = doc["verdict"]
+    assert verdict["bottleneck"] == sc.VERDICT_RUNTIME, verdict
+    assert any("left the queue before a batch took them" in e for e in verdict["evidence"])
+    assert not any("wait for the batcher" in e for e in verdict["evidence"])
