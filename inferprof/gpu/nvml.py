@@ -71,6 +71,8 @@ _GPM_METRICS = (
 #: time in five, 100 ms apart never. Polls closer than this to the last GPM sample give no
 #: GPM figures; the next poll's figures cover the whole time since that sample.
 GPM_MIN_INTERVAL_S = 0.1
+#: Polls on a 0.1 s grid come a few microseconds early half of the time: still in time.
+_GPM_EARLY_S = 0.001
 
 
 class _Gpm:
@@ -92,7 +94,7 @@ class _Gpm:
 
     def read(self) -> list[tuple[str, float]]:
         now = time.monotonic()
-        if now - self._taken < GPM_MIN_INTERVAL_S:
+        if now - self._taken < GPM_MIN_INTERVAL_S - _GPM_EARLY_S:
             return []
         nvml = self._nvml
         nvml.nvmlGpmSampleGet(self._handle, self._cur)
@@ -149,6 +151,8 @@ class NvmlSource:
         return [uuid for _, uuid in self._gpus]
 
     def open(self) -> None:
+        if self._nvml is not None:  # opened again: start over, nothing left allocated
+            self.close()
         # nvidia-ml-py missing: ImportError naming inferprof[gpu], as for every optional stack
         nvml = require("pynvml", "gpu")
         try:
@@ -202,6 +206,11 @@ class NvmlSource:
         """GPUs whose SM activity and occupancy are read through GPM."""
         return list(self._gpm)
 
+    @property
+    def first_read_delay_s(self) -> float:
+        """How long after open() a read first carries every figure (GPM's: one interval)."""
+        return GPM_MIN_INTERVAL_S if self._gpm else 0.0
+
     def read(self) -> list[GpuSample]:
         nvml = self._nvml
         if nvml is None:
@@ -223,6 +232,8 @@ class NvmlSource:
                 except nvml.NVMLError as exc:
                     if getattr(exc, "value", None) == nvml.NVML_ERROR_NOT_SUPPORTED:
                         off.add(reader_name)
+                        if reader_name == "gpm":
+                            self._gpm.pop(uuid).close()
                         _logger.info("NVML does not report %s on GPU %s; left out", reader_name,
                                      uuid)
                     else:

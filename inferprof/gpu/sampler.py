@@ -303,6 +303,8 @@ class GpuSampler:
         open, and ``RuntimeError`` naming the source where the reading fails."""
         self.source.open()
         try:
+            # NVML's GPM figures need a first interval (the source says how long)
+            time.sleep(getattr(self.source, "first_read_delay_s", 0.0))
             samples = self.source.read()
         except Exception as exc:
             raise RuntimeError(f"reading the {self.source.name} source failed: {exc}") from exc

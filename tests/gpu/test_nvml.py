@@ -237,3 +237,45 @@ def test_a_failing_gpm_read_keeps_the_other_readings(fake_nvml):
     finally:
         src.close()
     assert sc.METRIC_GPU_UTILIZATION in reading and sc.METRIC_DCGM_SM_ACTIVE not in reading
+
+
+def test_gpm_on_the_default_poll_grid_reads_every_poll(fake_nvml, monkeypatch):
+    # polls 0.1 s apart come a few microseconds early half of the time: still in time
+    from inferprof.gpu import nvml as nvml_source
+
+    now = [1000.0]
+    monkeypatch.setattr(nvml_source.time, "monotonic", lambda: now[0])
+    fake_nvml([FakeGpu(UUID_A, gpm=[(95.0, 14.0, 92.0, 24.0)])], gpm=True)
+    src = NvmlSource()
+    src.open()
+    try:
+        with_gpm = 0
+        for k in range(1, 21):
+            now[0] = 1000.0 + 0.1 * k - (0.000004 if k % 2 else 0.0)
+            with_gpm += sc.METRIC_DCGM_SM_ACTIVE in src.read()[0].as_dict()
+    finally:
+        src.close()
+    assert with_gpm == 20
+
+
+def test_gpm_once_reopened_and_switched_off_mid_run(fake_nvml, capsys):
+    from inferprof.gpu.sampler import GpuSampler
+
+    gpu = FakeGpu(UUID_A, gpm=[(95.0, 14.0, 92.0, 24.0)])
+    mod = fake_nvml([gpu], gpm=True)
+    # --once: the one reading carries the GPM figures too
+    (once,) = GpuSampler(NvmlSource(), endpoint="http://127.0.0.1:9").read_once()
+    assert once.as_dict()[sc.METRIC_DCGM_SM_ACTIVE] == pytest.approx(0.95)
+    assert mod.state["gpm_samples"] == 0
+    # opened twice: the first GPM samples are freed
+    src = NvmlSource()
+    src.open()
+    src.open()
+    assert mod.state["gpm_samples"] == 2
+    # NVML stops supporting GPM: the GPU leaves gpm_gpu_ids and its samples are freed
+    gpu.unsupported.add("nvmlGpmSampleGet")
+    time.sleep(GPM_MIN_INTERVAL_S)
+    assert sc.METRIC_DCGM_SM_ACTIVE not in src.read()[0].as_dict()
+    assert src.gpm_gpu_ids == [] and mod.state["gpm_samples"] == 0
+    assert sc.METRIC_GPU_UTILIZATION in src.read()[0].as_dict()
+    src.close()
