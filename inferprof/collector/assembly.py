@@ -145,9 +145,9 @@ class Finalised:
     (ns). ``batches``: (request index, effective, padded) of batches seen first here;
     ``compute``: (request index, (host, gpu id, start s, end s)) of compute-stage spans,
     deduplicated per batch. ``instance`` per request: its resource's (host.name,
-    service.instance.id). ``work``: (request index, start s, end s) of work spans
-    (``h2d``, compute stages, ``d2h``), once per batch id; ``work_share``: (request index,
-    seconds) per member request of such a span with a batch id: its duration over
+    service.instance.id). ``work``: flat (request index, start s, end s) of work spans
+    (``h2d``, compute stages, ``d2h``), once per batch id; ``work_share``: flat (request
+    index, seconds) per member request of such a span with a batch id: its duration over
     ``inferprof.batch.size`` (the whole duration, once, when the size is missing), so
     that the weighted sum estimates the batch work of the requests not sampled too.
     """
@@ -180,8 +180,8 @@ class Finalised:
         self.batches: list[tuple[int, int, int]] = []
         self.compute: list[tuple[int, tuple[str, str, float, float]]] = []
         self.instance: list[tuple[str, str]] = []
-        self.work: list[tuple[int, float, float]] = []
-        self.work_share: list[tuple[int, float]] = []
+        self.work = array("d")  # flat (request index, start s, end s) triples
+        self.work_share = array("d")  # flat (request index, seconds) pairs
 
     def __len__(self) -> int:
         return len(self.start)
@@ -614,7 +614,7 @@ class Assembler:
             if extra is not None:
                 self._stage_attrs(out, row, stage, s, e, res, extra, (tid, sid), now)
             elif self.stage_names[stage] in _WORK_STAGES:  # a bare work span: no batch
-                out.work.append((row, s * 1e-9, e * 1e-9))
+                out.work.extend((row, s * 1e-9, e * 1e-9))
         self.ignored += ignored
         links = self.links
         if repeated:
@@ -644,7 +644,7 @@ class Assembler:
                     if extra is not None:
                         self._stage_attrs(out, row, stage, s, e, res, extra, ident, now)
                     elif self.stage_names[stage] in _WORK_STAGES:
-                        out.work.append((row, s * 1e-9, e * 1e-9))
+                        out.work.extend((row, s * 1e-9, e * 1e-9))
             if translated and rid not in rows and rid in translated:
                 # A Triton request with no inferprof stage of its own: its derived stages.
                 model, derived, used = translated[rid]
@@ -657,7 +657,7 @@ class Assembler:
                     if name in _WORK_STAGES:
                         # Requests Triton batched together share these times: the engine
                         # keeps one of each (no work_share: Triton traces all or none).
-                        out.work.append((row, s * 1e-9, e * 1e-9))
+                        out.work.extend((row, s * 1e-9, e * 1e-9))
                 if len(derived) < len(_triton.STAGES):
                     self.triton_partial += 1
                 self.ignored -= used  # counted as ignored above; they were not
@@ -746,14 +746,14 @@ class Assembler:
             if batch_id is not None:
                 size = extra.get(_BATCH_SIZE)
                 seconds = (e - s) * 1e-9 if e > s else 0.0
-                if isinstance(size, int) and not isinstance(size, bool) and size > 0:
-                    out.work_share.append((row, seconds / size))
+                if type(size) is int and size > 0:  # not a bool
+                    out.work_share.extend((row, seconds / size))
                 elif first:
-                    out.work_share.append((row, seconds))
+                    out.work_share.extend((row, seconds))
             if first:
                 if key is not None:
                     self.seen_batches[key] = now
-                out.work.append((row, s * 1e-9, e * 1e-9))
+                out.work.extend((row, s * 1e-9, e * 1e-9))
                 if gpu:
                     out.compute.append((row, (res[1], str(gpu), s * 1e-9, e * 1e-9)))
 

@@ -676,14 +676,21 @@ class Engine:
             for one in np.unique(sid).tolist():
                 parts[one][0] = rows_q[sid == one]
         if fin.work:
-            work = np.asarray(fin.work, np.float64)
+            work = np.frombuffer(fin.work, np.float64).reshape(-1, 3)
             rows = work[:, 0].astype(np.int64)
             rows_w = np.stack([codes[rows], work[:, 1], work[:, 2]], axis=1)
-            sid = sids[rows]
-            for one in np.unique(sid).tolist():
-                parts[one][1] = np.unique(rows_w[sid == one], axis=0)
+            # Copies of one window (a linked span without batch id, Triton's batched
+            # requests) once: sorted, then a row equal to the one before it goes.
+            order = np.lexsort((rows_w[:, 2], rows_w[:, 1], rows_w[:, 0], sids[rows]))
+            rows_w, sid = rows_w[order], sids[rows][order]
+            keep = np.ones(sid.size, bool)
+            keep[1:] = (np.diff(rows_w, axis=0) != 0).any(axis=1) | (sid[1:] != sid[:-1])
+            rows_w, sid = rows_w[keep], sid[keep]
+            bounds = np.flatnonzero(np.diff(sid)) + 1
+            for chunk in np.split(np.arange(sid.size), bounds):
+                parts[int(sid[chunk[0]])][1] = rows_w[chunk]
         if fin.work_share:
-            share = np.asarray(fin.work_share, np.float64)
+            share = np.frombuffer(fin.work_share, np.float64).reshape(-1, 2)
             rows = share[:, 0].astype(np.int64)
             part = np.frombuffer(fin.weight, np.float64)[rows] * share[:, 1]
             sid = sids[rows]
