@@ -655,14 +655,14 @@ class Engine:
         for p, s in zip(uniq.tolist(), sums.tolist()):
             self._hist_sum[(p >> STAGE_BITS, p & _STAGE_MASK)] += s
 
-    @staticmethod
     def _keep_queue_and_work(
-        fin: Finalised, slice_: TimeSlice, series: list[int], is_queue: np.ndarray | None
+        self, fin: Finalised, slice_: TimeSlice, series: list[int], is_queue: np.ndarray | None
     ) -> None:
         """Queue spans, batch work windows and the weighted work estimate of this fold
         (queueing.py), kept whole per series until its (slice, series) has
         _MAX_QUEUE_ROWS queue spans or _MAX_WORK_ROWS work windows: then it is closed and
-        keeps nothing more, so that what is kept describes one stretch of time."""
+        keeps nothing more, so that what is kept describes one stretch of time. With an
+        unlimited retention (the offline report) everything is kept."""
         codes = np.asarray(_instance_codes(fin))
         sids = np.asarray(series, np.int64)
         parts: dict[int, list] = defaultdict(lambda: [None, None, 0.0])
@@ -707,8 +707,10 @@ class Engine:
                 slice_.work_rows[one] += work.shape[0]
             slice_.work_estimate[one] += estimate
             slice_.queue_version[one] += 1
-            if (slice_.queue_rows[one] >= _MAX_QUEUE_ROWS
-                    or slice_.work_rows[one] >= _MAX_WORK_ROWS):
+            if math.isfinite(self.retention_s) and (
+                slice_.queue_rows[one] >= _MAX_QUEUE_ROWS
+                or slice_.work_rows[one] >= _MAX_WORK_ROWS
+            ):
                 slice_.closed.add(one)
 
     # --- readers -------------------------------------------------------------------------

@@ -283,3 +283,21 @@ def test_a_tail_of_requests_that_left_the_queue_still_waits_behind_the_batches()
     assert verdict["bottleneck"] == sc.VERDICT_RUNTIME, verdict
     assert any("left the queue before a batch took them" in e for e in verdict["evidence"])
     assert not any("wait for the batcher" in e for e in verdict["evidence"])
+
+
+def test_the_offline_engine_keeps_every_queue_span():
+    # inferprof report (unlimited retention) folds in chunks when its input is large: the
+    # later chunks count too
+    clock = FakeClock()
+    engine = Engine(clock=clock, retention_s=math.inf)
+    arrivals = [i * 0.030 for i in range(1500)]
+    idle = TraceBuilder()
+    _traces(idle, arrivals, _simulate(arrivals, 8, 0.020, 0.005), compute=0.005, prefix="i")
+    engine.ingest_traces(idle.export())
+    engine.flush()
+    busy = _worker_bound()
+    engine.ingest_traces(busy.export())
+    engine.flush()
+    queue = engine.breakdown("svc", window_s=None)["queue"]
+    # 300 busy requests queue ~0.3 s each, 1,500 idle ones 20 ms: most queue time is busy
+    assert queue["behind_batches"] > 0.5
