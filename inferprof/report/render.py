@@ -42,7 +42,7 @@ def title(doc: dict) -> str:
 
 
 def _notes(doc: dict) -> list[str]:
-    """Padding and GPU lines (empty when the document has neither)."""
+    """Padding, queue and GPU lines (empty when the document has none of them)."""
     lines = []
     pad = doc.get("padding") or {}
     if pad.get("padded_tokens"):
@@ -50,6 +50,14 @@ def _notes(doc: dict) -> list[str]:
             f"padding: {_pct(pad['waste_ratio'])} of padded tokens are padding "
             f"({pad['effective_tokens']} effective / {pad['padded_tokens']} padded"
             + (f", {pad['batches']} batches)" if pad.get("batches") else ")")
+        )
+    queue = doc.get("queue")
+    if queue:
+        seen = queue["batch_coverage"]
+        lines.append(
+            f"queue: {_pct(queue['behind_batches'])} of queue time passed while earlier batches "
+            "were being processed"
+            + (f" (estimated: the traces show {_pct(seen)} of the batch work)" if seen < 0.99 else "")
         )
     gpu = doc.get("gpu") or {}
     util = gpu.get("utilization_during_compute")

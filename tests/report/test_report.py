@@ -183,9 +183,13 @@ def test_padding_and_gpu_lines_in_table_and_html(tmp_path):
         in result.output
     )
     assert "GPU utilisation during compute: median 30.0%" in result.output
+    # one request at a time: its queue never waits behind another's batch
+    assert "queue: 0.0% of queue time passed while earlier batches were being processed\n" in (
+        result.output)
     assert "verdict: runtime" in result.output
     page = out.read_text()
     assert "padding: 25.0%" in page and "GPU utilisation during compute" in page
+    assert "queue: 0.0% of queue time" in page
 
 
 def test_progress_bar_on_stderr_and_same_spans_in_two_files_count_once(files):
