@@ -53,7 +53,7 @@ from inferprof.collector.attribution import (
     tail_codes,
     tail_shares,
 )
-from inferprof.collector.queueing import combine, partial
+from inferprof.collector.queueing import combine, partial, union
 from inferprof.collector.records import EngineStats, IngestResult
 from inferprof.collector.sketch import (
     KEY_BITS,
@@ -98,9 +98,8 @@ _UNATTRIBUTED = 1
 #: Compute windows kept per (slice, series) for the GPU join; batch work windows and
 #: queue spans kept per (slice, series) for ``queueing.behind_batches``.
 _MAX_COMPUTE_WINDOWS = 5_000
-#: A (slice, series) that has kept _MAX_QUEUE_ROWS queue spans keeps no more queue spans,
-#: batch work windows or work estimate: the three must describe the same stretch of time.
-#: Per (slice, series) at most 32 KB of queue rows and 96 KB of work windows.
+#: Per (slice, series): a uniform sample of _MAX_QUEUE_ROWS queue spans (40 KB) and the
+#: union of the batch work windows in at most _MAX_WORK_ROWS intervals (96 KB).
 _MAX_QUEUE_ROWS = 1_000
 _MAX_WORK_ROWS = 4_000
 _INSTANCE_BITS = (1 << 52) - 1  # an instance's code, exact as a float64
@@ -216,6 +215,8 @@ class Engine:
                 f" and unattributed) to {MAX_MAX_STAGES}, got {max_stages!r}"
             )
         self.max_stages = max_stages
+        # Random keys of the queue-span sample (uniform; seeded: a run is repeatable).
+        self._rng = np.random.default_rng(0)
         if not isinstance(triton_spans, bool):
             raise TypeError(f"triton_spans must be True or False, got {triton_spans!r}")
         self.max_series = max_series
@@ -658,20 +659,22 @@ class Engine:
     def _keep_queue_and_work(
         self, fin: Finalised, slice_: TimeSlice, series: list[int], is_queue: np.ndarray | None
     ) -> None:
-        """Queue spans, batch work windows and the weighted work estimate of this fold
-        (queueing.py), kept whole per series until its (slice, series) has
-        _MAX_QUEUE_ROWS queue spans or _MAX_WORK_ROWS work windows: then it is closed and
-        keeps nothing more, so that what is kept describes one stretch of time. With an
-        unlimited retention (the offline report) everything is kept."""
+        """Queue spans, batch work and the weighted work estimate of this fold
+        (queueing.py), per (slice, series): a uniform sample of at most _MAX_QUEUE_ROWS
+        queue spans (the smallest random keys), the union of all the work windows (at
+        most _MAX_WORK_ROWS intervals: past that the shortest gaps are closed), the sum
+        of the work windows' durations and the work estimate. The offline engine
+        (unlimited retention) keeps every queue span and gap."""
         codes = np.asarray(_instance_codes(fin))
         sids = np.asarray(series, np.int64)
-        parts: dict[int, list] = defaultdict(lambda: [None, None, 0.0])
+        parts: dict[int, list] = defaultdict(lambda: [None, None, 0.0, 0.0])
         if is_queue is not None and is_queue.any():
             rows = (np.frombuffer(fin.span_key, np.int64) >> 32)[is_queue]
             start = np.frombuffer(fin.span_start, np.uint64)[is_queue].astype(np.float64) * _NS
             end = np.frombuffer(fin.span_end, np.uint64)[is_queue].astype(np.float64) * _NS
             weight = np.frombuffer(fin.weight, np.float64)[rows]
-            rows_q = np.stack([codes[rows], start, end, weight], axis=1)
+            keys = self._rng.random(rows.size)
+            rows_q = np.stack([codes[rows], start, end, weight, keys], axis=1)
             sid = sids[rows]
             for one in np.unique(sid).tolist():
                 parts[one][0] = rows_q[sid == one]
@@ -688,30 +691,34 @@ class Engine:
             rows_w, sid = rows_w[keep], sid[keep]
             bounds = np.flatnonzero(np.diff(sid)) + 1
             for chunk in np.split(np.arange(sid.size), bounds):
-                parts[int(sid[chunk[0]])][1] = rows_w[chunk]
+                w = rows_w[chunk]
+                one = parts[int(sid[chunk[0]])]
+                one[1] = w
+                one[2] = float(np.clip(w[:, 2] - w[:, 1], 0.0, None).sum())
         if fin.work_share:
             share = np.frombuffer(fin.work_share, np.float64).reshape(-1, 2)
             rows = share[:, 0].astype(np.int64)
             part = np.frombuffer(fin.weight, np.float64)[rows] * share[:, 1]
             sid = sids[rows]
             for one in np.unique(sid).tolist():
-                parts[one][2] = float(part[sid == one].sum())
-        for one, (queue, work, estimate) in parts.items():
-            if one in slice_.closed:
-                continue
+                parts[one][3] = float(part[sid == one].sum())
+        online = math.isfinite(self.retention_s)
+        for one, (queue, work, seen, estimate) in parts.items():
             if queue is not None:
-                slice_.queue[one].append(queue)
-                slice_.queue_rows[one] += queue.shape[0]
+                kept = slice_.queue.get(one)
+                queue = queue if kept is None else np.concatenate([kept, queue])
+                if online and queue.shape[0] > _MAX_QUEUE_ROWS:
+                    smallest = np.argpartition(queue[:, 4], _MAX_QUEUE_ROWS)[:_MAX_QUEUE_ROWS]
+                    queue = queue[smallest]
+                slice_.queue[one] = queue
             if work is not None:
-                slice_.work[one].append(work)
-                slice_.work_rows[one] += work.shape[0]
+                kept = slice_.work.get(one)
+                work = union(work if kept is None else np.concatenate([kept, work]),
+                             _MAX_WORK_ROWS if online else None)
+                slice_.work[one] = work
+            slice_.work_seen[one] += seen
             slice_.work_estimate[one] += estimate
             slice_.queue_version[one] += 1
-            if math.isfinite(self.retention_s) and (
-                slice_.queue_rows[one] >= _MAX_QUEUE_ROWS
-                or slice_.work_rows[one] >= _MAX_WORK_ROWS
-            ):
-                slice_.closed.add(one)
 
     # --- readers -------------------------------------------------------------------------
     def pending_spans(self) -> int:
@@ -821,12 +828,12 @@ class Engine:
         cached = sl.queue_cache.get(sid)
         if cached is not None and cached[0] == versions:
             return cached[1]
-        work = [a for n in near if n is not None for a in n.work.get(sid, ())]
-        own = sl.work.get(sid, ())
+        work = [n.work[sid] for n in near if n is not None and sid in n.work]
+        queue = sl.queue.get(sid)
         result = partial(
-            np.concatenate(sl.queue[sid]) if sl.queue.get(sid) else np.empty((0, 4)),
+            queue[:, :4] if queue is not None else np.empty((0, 4)),
             np.concatenate(work) if work else np.empty((0, 3)),
-            np.concatenate(own) if own else np.empty((0, 3)),
+            sl.work_seen.get(sid, 0.0),
             sl.work_estimate.get(sid, 0.0),
         )
         sl.queue_cache[sid] = (versions, result)

@@ -38,21 +38,53 @@ def _covered(starts: np.ndarray, ends: np.ndarray, at: np.ndarray) -> np.ndarray
     return np.where(i >= 0, before[j] + within, 0.0)
 
 
+def union(work: np.ndarray, max_rows: int | None = None) -> np.ndarray:
+    """The union of work windows (instance, start s, end s), per instance, as sorted
+    disjoint intervals. Past ``max_rows`` intervals the shortest gaps between intervals
+    of one instance are closed until ``max_rows`` remain: the busy time is then
+    overstated by those gaps, the smallest there are."""
+    if work.shape[0] < 2:
+        return work
+    order = np.lexsort((work[:, 1], work[:, 0]))
+    w = work[order]
+    inst, s, e = w[:, 0], w[:, 1], np.maximum(w[:, 2], w[:, 1])
+    same = np.concatenate([[False], inst[1:] == inst[:-1]])
+    # A run of one instance's overlapping windows: the running end within the instance.
+    reach = e.copy()
+    begins = np.ones(s.size, bool)
+    # running maximum of ends, restarted at each instance
+    starts_of_inst = np.flatnonzero(~same)
+    for a, b in zip(starts_of_inst, np.append(starts_of_inst[1:], s.size)):
+        reach[a:b] = np.maximum.accumulate(e[a:b])
+        begins[a + 1 : b] = s[a + 1 : b] > reach[a : b - 1]
+    first = np.flatnonzero(begins)
+    last = np.append(first[1:] - 1, s.size - 1)
+    out = np.stack([inst[first], s[first], reach[last]], axis=1)
+    if max_rows is not None and out.shape[0] > max_rows:
+        gap = np.full(out.shape[0], np.inf)
+        gap[1:] = np.where(out[1:, 0] == out[:-1, 0], out[1:, 1] - out[:-1, 2], np.inf)
+        # close the (n - max_rows) shortest gaps: those intervals join the one before
+        close = np.zeros(out.shape[0], bool)
+        close[np.argsort(gap, kind="stable")[: out.shape[0] - max_rows]] = True
+        close[0] = False
+        keep_first = np.flatnonzero(~close)
+        keep_last = np.append(keep_first[1:] - 1, out.shape[0] - 1)
+        out = np.stack([out[keep_first, 0], out[keep_first, 1], out[keep_last, 2]], axis=1)
+    return out
+
+
 def partial(
-    queue: np.ndarray, work: np.ndarray, own_work: np.ndarray, work_estimate: float
+    queue: np.ndarray, work: np.ndarray, seen: float, work_estimate: float
 ) -> tuple[float, float, float, float, bool]:
     """One part of the ``queue`` section: (weighted queue time behind batches, weighted
     queue time, work seen, work estimated, whether any work was there to compare with).
 
     ``queue``: rows (instance, start s, end s, weight) of queue spans; ``work``: rows
-    (instance, start s, end s) of the batch work windows they may wait behind, repeats
-    allowed; ``own_work``: the windows this part counts as seen (each batch in one part
-    only); ``work_estimate``: the weighted sum of traced members' parts of their batches'
-    work (0: unknown, no scaling).
+    (instance, start s, end s) of the batch work they may wait behind (windows or unions
+    of them, overlaps allowed); ``seen``: the summed durations of the work windows this
+    part counts (each batch in one part only); ``work_estimate``: the weighted sum of
+    traced members' parts of their batches' work (0: unknown, no scaling).
     """
-    # Windows of a batch id are in the engine once (the assembler remembers batches for
-    # two minutes); repeats of windows without one carry no estimate to compare with.
-    seen = float(np.sum(np.clip(own_work[:, 2] - own_work[:, 1], 0.0, None)))
     if queue.size == 0:
         return 0.0, 0.0, seen, work_estimate, work.size > 0
     q_len = np.clip(queue[:, 2] - queue[:, 1], 0.0, None)
@@ -84,6 +116,8 @@ def combine(parts: list[tuple[float, float, float, float, bool]]) -> dict | None
         return None
     measured = min(1.0, overlap / total)
     coverage = min(1.0, seen / estimate) if estimate > 0 and seen > 0 else 1.0
+    if coverage > 0.999:  # every batch seen, up to rounding in the estimate's divisions
+        coverage = 1.0
     return {
         "behind_batches": min(1.0, measured / coverage),
         "behind_batches_seen": measured,
@@ -95,7 +129,8 @@ def behind_batches(queue: np.ndarray, work: np.ndarray, work_estimate: float) ->
     """The ``queue`` section of queue spans and work windows in one part (see
     ``partial``; repeated windows count once)."""
     work = np.unique(work, axis=0) if work.size else work
-    return combine([partial(queue, work, work, work_estimate)])
+    seen = float(np.sum(np.clip(work[:, 2] - work[:, 1], 0.0, None)))
+    return combine([partial(queue, work, seen, work_estimate)])
 
 
-__all__ = ["behind_batches", "combine", "partial"]
+__all__ = ["behind_batches", "combine", "partial", "union"]

@@ -158,18 +158,18 @@ class TimeSlice:
     ``t_chunks``: tail-attribution entries (``attribution.tail_codes``);
     ``padding``: series -> [effective tokens, padded tokens, batches];
     ``compute``: series -> compute-span windows for the GPU join;
-    ``queue``: series -> arrays of queue-span rows (instance, start s, end s, weight);
-    ``work``: series -> arrays of batch work windows (instance, start s, end s);
-    ``work_estimate``: series -> the weighted batch work of the traced members
-    (``queueing.behind_batches``); ``closed``: series that keep no more of these three;
+    ``queue``: series -> a sample of queue-span rows (instance, start s, end s, weight,
+    random key); ``work``: series -> the union of batch work windows (instance, start s,
+    end s), sorted; ``work_seen`` / ``work_estimate``: series -> the work windows' summed
+    durations / the weighted batch work of the traced members (``queueing``);
     ``queue_version`` / ``queue_cache``: a change count per series and the cached
     ``queueing.partial`` of this slice's queue (engine).
     Chunks are appended per finalisation batch and compacted on read.
     """
 
     __slots__ = (
-        "closed", "compute", "index", "padding", "q_chunks", "queue", "queue_cache",
-        "queue_rows", "queue_version", "t_chunks", "work", "work_estimate", "work_rows",
+        "compute", "index", "padding", "q_chunks", "queue", "queue_cache", "queue_version",
+        "t_chunks", "work", "work_estimate", "work_seen",
     )
 
     def __init__(self, index: int = 0) -> None:
@@ -178,12 +178,10 @@ class TimeSlice:
         self.t_chunks: list[tuple[np.ndarray, np.ndarray]] = []
         self.padding: dict[int, list[int]] = {}
         self.compute: dict[int, list[tuple[str, str, float, float]]] = defaultdict(list)
-        self.queue: dict[int, list[np.ndarray]] = defaultdict(list)
-        self.queue_rows: dict[int, int] = defaultdict(int)
-        self.work: dict[int, list[np.ndarray]] = defaultdict(list)
-        self.work_rows: dict[int, int] = defaultdict(int)
+        self.queue: dict[int, np.ndarray] = {}
+        self.work: dict[int, np.ndarray] = {}
+        self.work_seen: dict[int, float] = defaultdict(float)
         self.work_estimate: dict[int, float] = defaultdict(float)
-        self.closed: set[int] = set()
         self.queue_version: dict[int, int] = defaultdict(int)
         self.queue_cache: dict[int, tuple] = {}
 

@@ -301,3 +301,52 @@ def test_the_offline_engine_keeps_every_queue_span():
     queue = engine.breakdown("svc", window_s=None)["queue"]
     # 300 busy requests queue ~0.3 s each, 1,500 idle ones 20 ms: most queue time is busy
     assert queue["behind_batches"] > 0.5
+
+
+def test_union_matches_a_brute_force_and_closes_the_shortest_gaps_past_its_cap():
+    from inferprof.collector.queueing import union
+
+    rng = np.random.default_rng(3)
+    starts = rng.uniform(0, 100, 300)
+    work = np.stack([rng.integers(0, 2, 300).astype(float), starts,
+                     starts + rng.exponential(0.2, 300)], axis=1)
+    merged = union(work)
+    for inst in (0.0, 1.0):
+        w, m = work[work[:, 0] == inst], merged[merged[:, 0] == inst]
+        at = np.linspace(-1, 102, 500)
+        assert _covered(m[:, 1], m[:, 2], at) == pytest.approx(_covered(w[:, 1], w[:, 2], at))
+        assert (m[1:, 1] > m[:-1, 2]).all()  # disjoint and sorted
+    capped = union(work, 40)
+    assert capped.shape[0] == 40
+    busy = lambda u: float(np.sum(u[:, 2] - u[:, 1]))
+    # closing gaps only adds busy time, and as little as closing the shortest gaps can
+    gaps = np.sort(np.concatenate([np.diff(np.ravel(merged[merged[:, 0] == i][:, 1:]))[1::2]
+                                   for i in (0.0, 1.0)]))
+    assert busy(capped) == pytest.approx(busy(merged) + gaps[: merged.shape[0] - 40].sum())
+
+
+def test_a_busy_series_past_the_caps_agrees_with_the_offline_figure():
+    # 2,000 requests/s into a worker serving 1,600/s, folded in 16 goes: the live
+    # engine samples its queue spans and keeps the union of its batches; what it says must
+    # agree with the offline engine, which keeps everything
+    # (2 s time slices, four folds each: a queue span reaches back into the slice before)
+    arrivals = [i * 0.0005 for i in range(16000)]
+    batches = _simulate(arrivals, 8, 0.002, 0.005)
+    parts = 16
+    size = -(-len(batches) // parts)
+    figures = []
+    for retention in (300.0, math.inf):
+        clock = FakeClock()
+        engine = Engine(clock=clock, retention_s=retention, slice_s=2.0)
+        for part in range(parts):
+            b = TraceBuilder()
+            _traces(b, arrivals, batches[part * size:(part + 1) * size], compute=0.005,
+                    prefix=f"p{part}-")
+            engine.ingest_traces(b.export())
+            clock.tick(0.5)
+            engine.flush()
+        figures.append(engine.breakdown("svc", window_s=None)["queue"])
+    live, offline = figures
+    assert offline["behind_batches"] > 0.9
+    assert live["behind_batches"] == pytest.approx(offline["behind_batches"], abs=0.03)
+    assert live["batch_coverage"] == 1.0
