@@ -157,8 +157,9 @@ class EngineCollector:
         )
         behind = core.GaugeMetricFamily(
             sc.PROM_QUEUE_BEHIND_BATCHES,
-            "Share of queue time spent while earlier batches were processed: at 0.5 or "
-            "more requests wait for the model, not for the batcher.",
+            "Share of queue time spent while earlier batches of the same service instance "
+            "and model were processed: at 0.5 or more requests wait for the model, not for "
+            "the batcher.",
             labels=[svc, mdl],
         )
         for service, model in series:

@@ -163,6 +163,12 @@ def test_prometheus_scrapes_the_collector_and_promql_gives_per_stage_p95(prometh
         p95_panel = dashboard["panels"][0]["targets"][0]["expr"]
         stages = _query(url, p95_panel.replace("$service", "prom").replace("$model", ".*"))
         assert {r["metric"]["stage"] for r in stages} >= {"queue", "compute", "tokenize"}
+        # the queue panel shows the breakdown's queue.behind_batches
+        (queue_panel,) = [p for p in dashboard["panels"] if sc.PROM_QUEUE_BEHIND_BATCHES in
+                          p["targets"][0]["expr"]]
+        behind = _query(url, queue_panel["targets"][0]["expr"].replace("$service", "prom")
+                        .replace("$model", ".*"))
+        assert float(behind[0]["value"][1]) == pytest.approx(doc["queue"]["behind_batches"])
 
 
 def test_promtool_accepts_and_unit_tests_the_alert_rules():
