@@ -95,8 +95,7 @@ _Q_LOCAL = KEY_BITS + STAGE_BITS
 #: Stage index 0 is end-to-end latency in the quantile store, 1 is ``unattributed``.
 _E2E = 0
 _UNATTRIBUTED = 1
-#: Compute windows kept per (slice, series) for the GPU join; batch work windows and
-#: queue spans kept per (slice, series) for ``queueing.behind_batches``.
+#: Compute windows kept per (slice, series) for the GPU join.
 _MAX_COMPUTE_WINDOWS = 5_000
 #: Per (slice, series): a uniform sample of _MAX_QUEUE_ROWS queue spans (40 KB) and the
 #: union of the batch work windows in at most _MAX_WORK_ROWS intervals (96 KB).
@@ -545,9 +544,9 @@ class Engine:
         n = len(fin)
         if not n:
             return
-        slice_ = self._slices.get(int(now // self.slice_s))
+        index = int(now // self.slice_s)
+        slice_ = self._slices.get(index)
         if slice_ is None:
-            index = int(now // self.slice_s)
             slice_ = self._slices[index] = TimeSlice(index)
         # Per request: series (a dict lookup each; requests, not spans).
         overflow_key = (sc.OVERFLOW_SERIES, "")

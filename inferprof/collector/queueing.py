@@ -21,16 +21,21 @@ from __future__ import annotations
 import numpy as np
 
 
+def _merge(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The union of the intervals ``[starts, ends]`` (``ends >= starts``) as sorted,
+    disjoint (start, end) runs."""
+    order = np.argsort(starts, kind="stable")
+    s, e = starts[order], ends[order]
+    # A run begins where a start passes every end before it.
+    reach = np.maximum.accumulate(e)
+    begins = np.flatnonzero(np.concatenate([[True], s[1:] > reach[:-1]]))
+    return s[begins], reach[np.concatenate([begins[1:] - 1, [s.size - 1]])]
+
+
 def _covered(starts: np.ndarray, ends: np.ndarray, at: np.ndarray) -> np.ndarray:
     """Length of ``(-inf, t]`` covered by the union of the intervals ``[starts, ends]``
     (``ends >= starts``), for each ``t`` in ``at``."""
-    order = np.argsort(starts, kind="stable")
-    s, e = starts[order], ends[order]
-    # Merge: a run begins where a start passes every end before it.
-    reach = np.maximum.accumulate(e)
-    begins = np.flatnonzero(np.concatenate([[True], s[1:] > reach[:-1]]))
-    run_start = s[begins]
-    run_end = reach[np.concatenate([begins[1:] - 1, [s.size - 1]])]
+    run_start, run_end = _merge(starts, ends)
     before = np.concatenate([[0.0], np.cumsum(run_end - run_start)])
     i = np.searchsorted(run_start, at, side="right") - 1
     j = np.maximum(i, 0)
@@ -45,21 +50,12 @@ def union(work: np.ndarray, max_rows: int | None = None) -> np.ndarray:
     overstated by those gaps, the smallest there are."""
     if work.shape[0] < 2:
         return work
-    order = np.lexsort((work[:, 1], work[:, 0]))
-    w = work[order]
-    inst, s, e = w[:, 0], w[:, 1], np.maximum(w[:, 2], w[:, 1])
-    same = np.concatenate([[False], inst[1:] == inst[:-1]])
-    # A run of one instance's overlapping windows: the running end within the instance.
-    reach = e.copy()
-    begins = np.ones(s.size, bool)
-    # running maximum of ends, restarted at each instance
-    starts_of_inst = np.flatnonzero(~same)
-    for a, b in zip(starts_of_inst, np.append(starts_of_inst[1:], s.size)):
-        reach[a:b] = np.maximum.accumulate(e[a:b])
-        begins[a + 1 : b] = s[a + 1 : b] > reach[a : b - 1]
-    first = np.flatnonzero(begins)
-    last = np.append(first[1:] - 1, s.size - 1)
-    out = np.stack([inst[first], s[first], reach[last]], axis=1)
+    runs = []
+    for inst in np.unique(work[:, 0]):
+        w = work[work[:, 0] == inst]
+        start, end = _merge(w[:, 1], np.maximum(w[:, 2], w[:, 1]))
+        runs.append(np.stack([np.full(start.size, inst), start, end], axis=1))
+    out = np.concatenate(runs)
     if max_rows is not None and out.shape[0] > max_rows:
         gap = np.full(out.shape[0], np.inf)
         gap[1:] = np.where(out[1:, 0] == out[:-1, 0], out[1:, 1] - out[:-1, 2], np.inf)

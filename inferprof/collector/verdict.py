@@ -325,7 +325,7 @@ def decide(
         )
         seen = queue["batch_coverage"]
         estimated = (
-            f" (estimated: the traces show {_pct(seen)} of the batch work)" if seen < 0.99 else ""
+            f" (estimated: the traces show {_pct(seen)} of the batch work)" if seen < 1.0 else ""
         )
         waits = (
             f"{_pct(behind)} of queue time passed while earlier batches were being "

@@ -57,7 +57,7 @@ def _notes(doc: dict) -> list[str]:
         lines.append(
             f"queue: {_pct(queue['behind_batches'])} of queue time passed while earlier batches "
             "were being processed"
-            + (f" (estimated: the traces show {_pct(seen)} of the batch work)" if seen < 0.99 else "")
+            + (f" (estimated: the traces show {_pct(seen)} of the batch work)" if seen < 1.0 else "")
         )
     gpu = doc.get("gpu") or {}
     util = gpu.get("utilization_during_compute")

@@ -61,6 +61,19 @@ def _traces(b, arrivals, batches, *, compute, h2d=0.0, keep=lambda k: True, weig
             b.stage(req, sc.STAGE_COMPUTE, start + h2d, start + h2d + compute, **batch)
 
 
+def _fold_in_parts(engine, clock, arrivals, batches, parts, *, compute, tick):
+    """The batches' traces ingested in ``parts`` goes, ``tick`` seconds apart, each folded
+    before the next."""
+    size = -(-len(batches) // parts)
+    for part in range(parts):
+        b = TraceBuilder()
+        _traces(b, arrivals, batches[part * size:(part + 1) * size], compute=compute,
+                prefix=f"p{part}-")
+        engine.ingest_traces(b.export())
+        clock.tick(tick)
+        engine.flush()
+
+
 def _breakdown(builders, util=None, span_s=10.0):
     clock = FakeClock()
     engine = Engine(clock=clock)
@@ -182,14 +195,7 @@ def test_a_busy_series_keeps_a_bounded_sample_that_still_agrees_with_itself():
     batches = _simulate(arrivals, 4, 0.005, 0.009)  # 444 req/s served: a short queue
     clock = FakeClock()
     engine = Engine(clock=clock)
-    quarter = -(-len(batches) // 4)
-    for part in range(4):
-        b = TraceBuilder()
-        _traces(b, arrivals, batches[part * quarter:(part + 1) * quarter], compute=0.009,
-                prefix=f"p{part}-")
-        engine.ingest_traces(b.export())
-        clock.tick(2.1)
-        engine.advance()
+    _fold_in_parts(engine, clock, arrivals, batches, 4, compute=0.009, tick=2.1)
     doc = engine.breakdown("svc", window_s=None)
     assert doc["requests"] == 3000
     queue = doc["queue"]
@@ -332,19 +338,11 @@ def test_a_busy_series_past_the_caps_agrees_with_the_offline_figure():
     # (2 s time slices, four folds each: a queue span reaches back into the slice before)
     arrivals = [i * 0.0005 for i in range(16000)]
     batches = _simulate(arrivals, 8, 0.002, 0.005)
-    parts = 16
-    size = -(-len(batches) // parts)
     figures = []
     for retention in (300.0, math.inf):
         clock = FakeClock()
         engine = Engine(clock=clock, retention_s=retention, slice_s=2.0)
-        for part in range(parts):
-            b = TraceBuilder()
-            _traces(b, arrivals, batches[part * size:(part + 1) * size], compute=0.005,
-                    prefix=f"p{part}-")
-            engine.ingest_traces(b.export())
-            clock.tick(0.5)
-            engine.flush()
+        _fold_in_parts(engine, clock, arrivals, batches, 16, compute=0.005, tick=0.5)
         figures.append(engine.breakdown("svc", window_s=None)["queue"])
     live, offline = figures
     assert offline["behind_batches"] > 0.9
