@@ -141,11 +141,14 @@ class Intake:
         self.retry_after_s = retry_after_s
 
     def ingest(
-        self, transport: str, signal: str, message: Message, payload: bytes | None
+        self, transport: str, signal: str, message: Message, payload: bytes | None,
+        peer: str | None = None,
     ) -> IngestOutcome:
+        """``peer``: the client's address (no port), naming the sender of an export that
+        holds several resources when the cap is shared out (admission.py)."""
         try:
             if signal == semconv.SIGNAL_TRACES:
-                result = self._engine.ingest_traces(message)
+                result = self._engine.ingest_traces(message, peer)
             elif signal == semconv.SIGNAL_METRICS:
                 result = self._engine.ingest_metrics(message)
             else:  # logs carry nothing inferprof folds: received only to be forwarded

@@ -101,6 +101,12 @@ def _windows(ctx: click.Context, param: click.Parameter, value: str | None) -> A
     help="Turn Triton's own spans into queue/h2d/compute/d2h stages of the Triton "
     "service (default on).",
 )
+@click.option(
+    "--share-pending-cap/--no-share-pending-cap",
+    default=None,
+    help="Near --max-pending-spans, hold a sender over its share of the intake to three "
+    "quarters of the cap, keeping room for starved senders (default on).",
+)
 @click.option("--log-level", default="INFO", show_default=True, help="Python logging level.")
 def collect(config: str | None, log_level: str, **options: Any) -> None:
     """Receive OTLP traces and GPU metrics; serve per-stage breakdowns and /metrics.

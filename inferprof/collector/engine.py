@@ -18,7 +18,8 @@ do not depend on the services' clocks.
 Memory is bounded: spans pending in unfinished traces by ``max_pending_spans`` (an
 export that would exceed it raises ``Overloaded`` before anything of it is accepted;
 with nothing pending any one export is taken, so the bound is that plus one export, whose
-size ``--max-body-bytes`` limits),
+size ``--max-body-bytes`` limits; near the cap, a sender with more than its share of the
+recent intake is held to three quarters of it, ``admission``),
 slices by the largest window, (service, model) series by ``max_series`` (the rest fold
 into ``service="__overflow__"``; at the cap, a new pair takes the slot of the series idle
 longest, once nothing of it is left in any retained slice), distinct stage names by
@@ -39,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from inferprof import semconv as sc
+from inferprof.collector.admission import DEFAULT_RESERVE_FRACTION, FairShare, sender_of
 from inferprof.collector.assembly import Assembler, Finalised
 from inferprof.collector.attribution import (
     COL_BITS,
@@ -143,10 +145,15 @@ class Overloaded(Exception):
     answer with back-pressure (HTTP 429 / gRPC RESOURCE_EXHAUSTED) and let the client
     retry."""
 
-    def __init__(self, pending: int, incoming: int, limit: int) -> None:
+    def __init__(self, pending: int, incoming: int, limit: int, cap: int | None = None) -> None:
+        if cap is None or limit >= cap:
+            reason = f"max_pending_spans={limit}"
+        else:
+            reason = (f"{limit} of max_pending_spans={cap}: this sender had more than its share"
+                      " of the recent intake, the rest is kept for the others")
         super().__init__(
             f"collector overloaded: {pending} spans pending + {incoming} incoming exceeds "
-            f"max_pending_spans={limit}"
+            f"{reason}"
         )
         self.pending = pending
         self.incoming = incoming
@@ -184,6 +191,7 @@ class Engine:
         max_pending_spans: int = 1_000_000,
         retention_s: float | None = None,
         triton_spans: bool = True,
+        share_pending_cap: bool = True,
         clock: Callable[[], float] = time.time,
     ) -> None:
         if not isinstance(settle_s, (int, float)) or settle_s < 0:
@@ -216,10 +224,19 @@ class Engine:
         self.max_stages = max_stages
         # Random keys of the queue-span sample (uniform; seeded: a run is repeatable).
         self._rng = np.random.default_rng(0)
-        if not isinstance(triton_spans, bool):
-            raise TypeError(f"triton_spans must be True or False, got {triton_spans!r}")
+        for name, flag in (("triton_spans", triton_spans), ("share_pending_cap", share_pending_cap)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be True or False, got {flag!r}")
         self.max_series = max_series
         self.max_pending_spans = max_pending_spans
+        # Spans stay pending about settle_s; a sender retrying after a refusal (1 s
+        # Retry-After, then the exporters' backoff) is still "trying" for a while.
+        self._fair = FairShare(
+            max_pending_spans,
+            tau_s=max(self.settle_s, 1.0),
+            active_s=max(10.0, 4 * self.settle_s),
+            reserve_fraction=DEFAULT_RESERVE_FRACTION if share_pending_cap else 0.0,
+        )
         self.mapping = KeyMapping(relative_accuracy)
         self.clock = clock
         self._lock = threading.RLock()
@@ -251,22 +268,30 @@ class Engine:
         self._next_advance = 0.0
 
     # --- ingest --------------------------------------------------------------------
-    def ingest_traces(self, request: Any) -> IngestResult:
+    def ingest_traces(self, request: Any, peer: str | None = None) -> IngestResult:
+        """Assemble and fold an OTLP traces export. ``peer``: the client's address, which
+        names the sender of an export holding several resources (admission.py)."""
         incoming = sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+        sender = sender_of(request, peer)
         with self._lock:
             pending = self._asm.pending
-            if pending + incoming > self.max_pending_spans:
-                # Finalise what is due first: the pressure may be only apparent.
-                self._advance(self.clock())
-                pending = self._asm.pending
-                # With nothing pending an export is taken whatever its size (the body
-                # limit bounds it): refused, it could never fit and its sender would
-                # retry it forever.
-                if pending and pending + incoming > self.max_pending_spans:
-                    raise Overloaded(pending, incoming, self.max_pending_spans)
+            fair = self._fair
+            if pending + incoming > self.max_pending_spans - fair.reserve:
+                # Near the cap: the limit depends on the sender's share of the intake.
+                limit = fair.limit(sender, self.clock())
+                if pending + incoming > limit:
+                    # Finalise what is due first: the pressure may be only apparent.
+                    self._advance(self.clock())
+                    pending = self._asm.pending
+                    # With nothing pending an export is taken whatever its size (the
+                    # body limit bounds it): refused, it could never fit and its sender
+                    # would retry it forever.
+                    if pending and pending + incoming > limit:
+                        raise Overloaded(pending, incoming, limit, self.max_pending_spans)
             with _gc_paused():
                 accepted, rejected, errors = self._asm.ingest(request)
                 now = self.clock()
+                fair.admitted(sender, accepted, now)
                 if now >= self._next_advance:
                     self._advance(now)
         return IngestResult(accepted, rejected, tuple(errors))

@@ -78,7 +78,7 @@ class _ExportHandler:
             intake.metrics.request(transport, self._signal, exc.outcome)
             intake.metrics.decode_error(transport, "protobuf")
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.reason)
-        outcome = intake.ingest(transport, self._signal, message, payload)
+        outcome = intake.ingest(transport, self._signal, message, payload, _peer_host(context))
         if outcome.overloaded:
             context.set_trailing_metadata(
                 _retry_metadata(intake.retry_after_s, outcome.error_message)
@@ -93,6 +93,21 @@ class _ExportHandler:
             error_message=outcome.error_message,
         )
         return body
+
+
+def _peer_host(context: grpc.ServicerContext) -> str | None:
+    """The client's address without its port: ``ipv4:10.0.0.7:51234`` -> ``10.0.0.7``."""
+    try:
+        peer = context.peer()
+    except Exception:  # a peer we cannot name shares the unnamed sender's slot
+        return None
+    if not peer:
+        return None
+    kind, _, rest = peer.partition(":")
+    if kind in ("ipv4", "ipv6"):
+        host = rest.rsplit(":", 1)[0]
+        return host.strip("[]")
+    return peer
 
 
 def _handlers(intake: Intake) -> list[grpc.GenericRpcHandler]:

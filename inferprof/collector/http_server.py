@@ -86,12 +86,14 @@ def otlp_app(intake: Intake, *, max_body_bytes: int, max_concurrent_requests: in
         retry = str(max(1, math.ceil(intake.retry_after_s)))
         return Response(body, status_code=429, media_type=ctype, headers={"Retry-After": retry})
 
-    def decode_and_ingest(signal: str, raw: bytes, fmt: Any, encoding: str | None) -> Any:
+    def decode_and_ingest(
+        signal: str, raw: bytes, fmt: Any, encoding: str | None, peer: str | None
+    ) -> Any:
         data = decompress(raw, encoding, max_body_bytes)
         message = parse_request(data, fmt, signal)
         # Forward protobuf bytes: the decompressed body itself when it was protobuf.
         payload = data if fmt == FORMAT_PROTOBUF else None
-        return intake.ingest(transport, signal, message, payload)
+        return intake.ingest(transport, signal, message, payload, peer)
 
     def endpoint(signal: str) -> Callable[[Request], Any]:
         async def handle(request: Request) -> Response:
@@ -124,6 +126,7 @@ def otlp_app(intake: Intake, *, max_body_bytes: int, max_concurrent_requests: in
                     bytes(chunks),
                     fmt,
                     request.headers.get("content-encoding"),
+                    request.client.host if request.client else None,
                 )
             except BodyError as exc:
                 return fail(signal, exc, fmt)

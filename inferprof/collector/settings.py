@@ -49,6 +49,7 @@ _DEFAULT_MAX_PENDING_SPANS = 1_000_000
 _DEFAULT_METRICS_WINDOW_S = 300.0
 _DEFAULT_ADVANCE_INTERVAL_S = 0.5
 _DEFAULT_TRITON_SPANS = True  # Triton's own spans become stages of the Triton service
+_DEFAULT_SHARE_PENDING_CAP = True  # near the cap, senders over their share are held back
 
 # --- environment variables (one per setting) --------------------------------------------
 ENV_HOST = "INFERPROF_COLLECTOR_HOST"
@@ -84,6 +85,7 @@ ENV_MAX_PENDING_SPANS = "INFERPROF_COLLECTOR_MAX_PENDING_SPANS"
 ENV_METRICS_WINDOW_S = "INFERPROF_COLLECTOR_METRICS_WINDOW_S"
 ENV_ADVANCE_INTERVAL_S = "INFERPROF_COLLECTOR_ADVANCE_INTERVAL_S"
 ENV_TRITON_SPANS = "INFERPROF_COLLECTOR_TRITON_SPANS"  # true/false, 1/0, yes/no, on/off
+ENV_SHARE_PENDING_CAP = "INFERPROF_COLLECTOR_SHARE_PENDING_CAP"  # true/false, like the above
 ENV_CONFIG = "INFERPROF_COLLECTOR_CONFIG"
 
 # file:///path appends to an inferprof protobuf dump that `inferprof report` reads.
@@ -170,6 +172,7 @@ _ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
     "metrics_window_s": (ENV_METRICS_WINDOW_S, _parse_float),
     "advance_interval_s": (ENV_ADVANCE_INTERVAL_S, _parse_float),
     "triton_spans": (ENV_TRITON_SPANS, _parse_bool),
+    "share_pending_cap": (ENV_SHARE_PENDING_CAP, _parse_bool),
 }
 
 
@@ -211,6 +214,7 @@ class CollectorSettings:
     metrics_window_s: float = _DEFAULT_METRICS_WINDOW_S
     advance_interval_s: float = _DEFAULT_ADVANCE_INTERVAL_S
     triton_spans: bool = _DEFAULT_TRITON_SPANS
+    share_pending_cap: bool = _DEFAULT_SHARE_PENDING_CAP
 
     def __post_init__(self) -> None:
         # Normalise sequences given as lists so the record stays hashable.
@@ -271,6 +275,7 @@ class CollectorSettings:
             "max_spans_per_trace": self.max_spans_per_trace,
             "max_pending_spans": self.max_pending_spans,
             "triton_spans": self.triton_spans,
+            "share_pending_cap": self.share_pending_cap,
         }
 
     # --- resolution ---------------------------------------------------------------------
@@ -387,6 +392,7 @@ def load_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
             "windows_s",
             "forward_headers",
             "triton_spans",
+            "share_pending_cap",
         ):
             value = _try(lambda v=value, n=name: _ENV[n][1](v), f"config key {key}={value!r}")
         if value is not _INVALID and _field_ok(name, value):
@@ -461,9 +467,9 @@ def _check_field(name: str, value: Any) -> None:
     elif name == "forward":
         for url in value:
             validate_forward_url(url)
-    elif name == "triton_spans":
+    elif name in ("triton_spans", "share_pending_cap"):
         if not isinstance(value, bool):
-            raise ValueError(f"triton_spans must be true or false, got {value!r}")
+            raise ValueError(f"{name} must be true or false, got {value!r}")
     elif name == "forward_headers":
         for key, _ in value:
             if not key or any(c in key for c in " \r\n:"):
