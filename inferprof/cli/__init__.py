@@ -10,6 +10,9 @@ import importlib
 
 import click
 
+#: What ``--log-level`` accepts (any case).
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
 # subcommand -> "module:attribute" of its click command.
 _SUBCOMMANDS = {
     "demo": ("inferprof.demo.command:demo", "Run the demo service under load and print its breakdown."),

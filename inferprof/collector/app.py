@@ -287,6 +287,11 @@ class CollectorApp:
             max_body_bytes=s.max_body_bytes,
             max_concurrent_requests=s.max_concurrent_requests,
         )
+        if s.metrics_window_s > max(s.windows_s):
+            _log.warning(
+                "--metrics-window-s %g is longer than the longest of --windows-s (%g s, what "
+                "the collector keeps): /metrics and the API's default window cover the "
+                "last %g s", s.metrics_window_s, max(s.windows_s), max(s.windows_s))
         api = api_app(self.engine, self.registry, default_window_s=s.metrics_window_s)
         if token:
             from inferprof.collector.auth import BearerAuthMiddleware

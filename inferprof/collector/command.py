@@ -11,6 +11,7 @@ from typing import Any
 
 import click
 
+from inferprof.cli import LOG_LEVELS
 from inferprof.cli.signals import until_signal
 from inferprof.collector import settings as _settings
 
@@ -93,7 +94,10 @@ def _windows(ctx: click.Context, param: click.Parameter, value: str | None) -> A
 )
 @click.option("--max-spans-per-trace", type=int, help="Spans kept per trace.")
 @click.option("--max-pending-spans", type=int, help="Spans held unfolded before answering 429.")
-@click.option("--metrics-window-s", type=float, help="Window of the /metrics gauges.")
+@click.option(
+    "--metrics-window-s", type=float,
+    help="Window of the /metrics gauges, and of the API when a request names none.",
+)
 @click.option("--advance-interval-s", type=float, help="How often settled traces are folded.")
 @click.option(
     "--triton-spans/--no-triton-spans",
@@ -107,7 +111,13 @@ def _windows(ctx: click.Context, param: click.Parameter, value: str | None) -> A
     help="Near --max-pending-spans, hold a sender over its share of the intake to three "
     "quarters of the cap, keeping room for starved senders (default on).",
 )
-@click.option("--log-level", default="INFO", show_default=True, help="Python logging level.")
+@click.option(
+    "--log-level",
+    type=click.Choice(LOG_LEVELS, case_sensitive=False),
+    default="INFO",
+    show_default=True,
+    help="Python logging level.",
+)
 def collect(config: str | None, log_level: str, **options: Any) -> None:
     """Receive OTLP traces and GPU metrics; serve per-stage breakdowns and /metrics.
 
@@ -117,7 +127,7 @@ def collect(config: str | None, log_level: str, **options: Any) -> None:
     docs/collector.md.
     """
     logging.basicConfig(
-        level=getattr(logging, log_level.upper(), logging.INFO),
+        level=getattr(logging, log_level.upper()),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     options["forward"] = tuple(options.get("forward") or ()) or None
@@ -145,5 +155,27 @@ def collect(config: str | None, log_level: str, **options: Any) -> None:
         finally:
             app.stop()
 
+
+def _show_defaults(command: click.Command) -> None:
+    """Append each setting's default to its help where the help does not give it: the
+    options default to None on the command line (so the environment and --config can
+    apply), which would leave ``--help`` without them."""
+    defaults = _settings.CollectorSettings()
+    for param in command.params:
+        if not isinstance(param, click.Option) or not param.help or "default" in param.help:
+            continue
+        value = getattr(defaults, param.name or "", None)
+        if value is None or value == ():
+            continue
+        if isinstance(value, tuple):
+            value = ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in value)
+        elif isinstance(value, bool):
+            value = "on" if value else "off"
+        elif isinstance(value, float):
+            value = f"{value:g}"
+        param.help = f"{param.help.rstrip('.')} (default {value})."
+
+
+_show_defaults(collect)
 
 __all__ = ["collect"]

@@ -12,7 +12,9 @@ concurrent calls than ``max_concurrent_requests`` are refused by grpc itself wit
 
 from __future__ import annotations
 
+import errno
 import logging
+import socket
 from concurrent import futures
 from typing import TYPE_CHECKING, Any
 
@@ -159,6 +161,8 @@ class GrpcReceiver:
             ],
         )
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        if port:
+            _check_free(host, port, address)
         try:
             if tls_cert is not None and tls_key is not None:
                 creds = grpc.ssl_server_credentials([(tls_key, tls_cert)])
@@ -175,6 +179,20 @@ class GrpcReceiver:
 
     def stop(self, grace_s: float = 2.0) -> None:
         self._server.stop(grace_s).wait(grace_s + 1.0)
+
+
+def _check_free(host: str, port: int, address: str) -> None:
+    """Raise the collector's own error for a port in use, before grpc's core logs a
+    C-level error line of its own about it (the bind below still decides)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host, port))
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise OSError(f"cannot listen for OTLP/gRPC on {address}: address already in use") from None
+        # anything else (a name to resolve, an address not here): grpc's bind decides
 
 
 def _signal_of(method: str) -> str:

@@ -185,7 +185,9 @@ def api_app(engine: Any, registry: CollectorRegistry, *, default_window_s: float
         service = params.get("service")
         if not service:
             return _json(400, {"error": "query parameter 'service' is required"})
-        model = params.get("model") or None
+        # model= (empty) selects the requests without a model, as `inferprof report
+        # --model ''` does; no model parameter: all the service's models.
+        model = params.get("model")
         window_s: float | None = default_window_s
         raw_window = params.get("window")
         if raw_window is not None:
@@ -203,7 +205,7 @@ def api_app(engine: Any, registry: CollectorRegistry, *, default_window_s: float
         except ValueError as exc:  # e.g. a window the engine does not keep
             return _json(400, {"error": str(exc)})
         if doc is None:
-            what = f"service {service!r}" + (f" with model {model!r}" if model else "")
+            what = f"service {service!r}" + (f" with model {model!r}" if model is not None else "")
             return _json(
                 404,
                 {

@@ -8,7 +8,11 @@ engine's current state. Families:
   ``inferprof_request_duration_seconds{service,model}`` — cumulative histograms since
   the collector started, weighted by sampling weight (buckets ``engine.HISTOGRAM_BOUNDS``);
 * ``inferprof_stage_quantile_seconds{service,model,stage,quantile}`` — p50/p95/p99 over
-  the sliding window (``window_s``), including the ``unattributed`` pseudo-stage;
+  the sliding window (``window_s``, at most the engine's retention), including the
+  ``unattributed`` pseudo-stage;
+* ``inferprof_request_quantile_seconds{service,model,quantile}`` — end-to-end p50/p95/p99
+  over the same window (the breakdown's ``latency``: exact to the sketch's accuracy, where
+  the histogram's buckets are 2-2.5x apart);
 * ``inferprof_stage_share_of_p95{service,model,stage}`` — contract §6 over the window;
 * ``inferprof_bottleneck{service,model,verdict}`` — 1 for the current verdict, 0 for the
   others (every verdict is always present, so alert rules need no ``absent()``);
@@ -140,10 +144,17 @@ class EngineCollector:
         yield stage_hist
         yield req_hist
 
+        # The engine answers for what it retains: a longer window is read as that.
+        window_s = min(self.window_s, self.engine.retention_s)
         quantile = core.GaugeMetricFamily(
             sc.PROM_STAGE_QUANTILE,
-            f"Per-stage latency quantile over the last {self.window_s:g} s.",
+            f"Per-stage latency quantile over the last {window_s:g} s.",
             labels=[svc, mdl, stg, sc.PROM_LABEL_QUANTILE],
+        )
+        latency = core.GaugeMetricFamily(
+            sc.PROM_REQUEST_QUANTILE,
+            f"End-to-end request latency quantile over the last {window_s:g} s.",
+            labels=[svc, mdl, sc.PROM_LABEL_QUANTILE],
         )
         share = core.GaugeMetricFamily(
             sc.PROM_STAGE_SHARE_OF_P95,
@@ -164,7 +175,7 @@ class EngineCollector:
         )
         for service, model in series:
             try:
-                doc = self.engine.breakdown(service, model, self.window_s)
+                doc = self.engine.breakdown(service, model, window_s)
             except Exception:  # noqa: BLE001 - a scrape must not fail because of one series
                 _log.exception("inferprof: breakdown of %s/%s failed", service, model)
                 continue
@@ -175,12 +186,16 @@ class EngineCollector:
                     if st[key] is not None:
                         quantile.add_metric([service, model, st["stage"], label], st[key])
                 share.add_metric([service, model, st["stage"]], st["share_of_p95"])
+            for label, key in _QUANTILE_KEYS:
+                if doc["latency"].get(key) is not None:
+                    latency.add_metric([service, model, label], doc["latency"][key])
             current = doc["verdict"]["bottleneck"]
             for name in sc.VERDICTS:
                 verdict.add_metric([service, model, name], 1.0 if name == current else 0.0)
             if doc.get("queue"):
                 behind.add_metric([service, model], doc["queue"]["behind_batches"])
         yield quantile
+        yield latency
         yield share
         yield verdict
         yield behind

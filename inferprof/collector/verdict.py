@@ -85,7 +85,7 @@ _GROUPS = (
     (sc.VERDICT_HOST, sc.HOST_STAGES, "host-side processing"),
     (sc.VERDICT_TRANSFER, sc.TRANSFER_STAGES, "host-device copies"),
     (sc.VERDICT_NETWORK, sc.NETWORK_STAGES, "the network and remote front ends"),
-    ("compute", sc.COMPUTE_STAGES, "model execution on the GPU"),
+    ("compute", sc.COMPUTE_STAGES, "model execution"),
 )
 _GROUP_OF = {stage: name for name, stages, _ in _GROUPS for stage in stages}
 _WORDS = {name: words for name, _, words in _GROUPS}

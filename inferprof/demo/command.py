@@ -63,8 +63,10 @@ def _echo(message: str, quiet: bool) -> None:
                    "otel (opentelemetry-instrumentation-fastapi only) or none.")
 @click.option("--model-size", type=click.Choice(["tiny", "small", "medium", "large"]),
               default="small", show_default=True, help="Size of the demo model.")
-@click.option("--max-batch-size", type=click.IntRange(min=1), default=16, show_default=True)
-@click.option("--max-delay-ms", type=click.FloatRange(min=0), default=5.0, show_default=True)
+@click.option("--max-batch-size", type=click.IntRange(min=1), default=16, show_default=True,
+              help="The dynamic batcher's largest batch.")
+@click.option("--max-delay-ms", type=click.FloatRange(min=0), default=5.0, show_default=True,
+              help="A batch runs when full or when its oldest request has waited this long.")
 @click.option("--forward", "forward", multiple=True, metavar="URL",
               help="Also re-export every span to this OTLP endpoint, e.g. Jaeger's "
                    "otlp-grpc://127.0.0.1:4317 (repeatable).")

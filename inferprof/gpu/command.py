@@ -21,6 +21,7 @@ from click.core import ParameterSource
 
 from inferprof import _config
 from inferprof import semconv as sc
+from inferprof.cli import LOG_LEVELS
 from inferprof.cli.signals import until_signal
 from inferprof.gpu import sampler as _sampler
 from inferprof.gpu.records import METRICS, GpuSample, Source, SourceUnavailable
@@ -224,7 +225,13 @@ def _host_used(src: Source, st: _sampler.SamplerSettings) -> str:
               help="Take one reading, print it as JSON lines and exit (nothing is exported).")
 @click.option("--duration", type=float, help="Stop after this many seconds (default: run until "
                                              "SIGINT/SIGTERM).")
-@click.option("--log-level", default="INFO", show_default=True, help="Python logging level.")
+@click.option(
+    "--log-level",
+    type=click.Choice(LOG_LEVELS, case_sensitive=False),
+    default="INFO",
+    show_default=True,
+    help="Python logging level.",
+)
 def gpu(source: str | None, once: bool, duration: float | None, log_level: str,
         record: IO[str] | None, **opts: Any) -> None:
     """Sample GPUs (nvml, dcgm-exporter; replay or synthetic without one) and ship the
@@ -236,7 +243,7 @@ def gpu(source: str | None, once: bool, duration: float | None, log_level: str,
     INFERPROF_MODE=off: prints one line and exits 0. Exits non-zero, in one line, where the
     source cannot run. See docs/gpu.md.
     """
-    logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
+    logging.basicConfig(level=getattr(logging, log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         if duration is not None and not (duration > 0 and math.isfinite(duration)):
@@ -269,7 +276,8 @@ def gpu(source: str | None, once: bool, duration: float | None, log_level: str,
             click.echo(f"source     {st.source}{_describe(src)}, every {st.interval:g} s")
             click.echo(f"OTLP       {st.endpoint} ({st.protocol}), every "
                        f"{st.export_interval:g} s, host.name={_host_used(src, st)}")
-            click.echo("Ctrl-C to stop.")
+            click.echo("Ctrl-C to stop." if duration is None
+                       else f"Stops after {duration:g} s (or Ctrl-C).")
             end = None if duration is None else time.monotonic() + duration
             while not done.wait(0.2):
                 if sampler.exhausted:

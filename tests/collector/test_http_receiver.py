@@ -262,6 +262,27 @@ def test_breakdown_needs_a_service_and_404s_an_unknown_one(app):
     assert "never-seen" in resp.json()["error"]
 
 
+def test_an_empty_model_parameter_selects_the_requests_without_a_model():
+    with running_app() as app:
+        with_model = encode_spans(make_requests(3, service="mixed", model="m1"))
+        without = encode_spans(make_requests(2, service="mixed", model="m1"))
+        for rs in without.resource_spans:
+            for ss in rs.scope_spans:
+                for span in ss.spans:
+                    keep = [kv for kv in span.attributes if kv.key != sc.ATTR_MODEL_NAME]
+                    del span.attributes[:]
+                    span.attributes.extend(keep)
+        app.engine.ingest_traces(with_model)
+        app.engine.ingest_traces(without)
+        none = breakdown(app, "mixed", model="")
+        assert none.status_code == 200 and none.json()["requests"] == 2
+        assert none.json()["model"] == ""
+        assert breakdown(app, "mixed", model="m1").json()["requests"] == 3
+        assert breakdown(app, "mixed").json()["requests"] == 5
+        gone = breakdown(app, "a-service", model="")
+        assert gone.status_code == 404 and "with model ''" in gone.json()["error"]
+
+
 def test_services_lists_what_was_received_and_window_param_is_honoured():
     with running_app() as app:
         assert (
@@ -284,3 +305,11 @@ def test_healthz_and_wrong_method():
         assert httpx.get(f"{app.api_url}/healthz").json() == {"status": "ok"}
         assert httpx.get(f"{app.otlp_http_endpoint}/healthz").status_code == 200
         assert httpx.get(f"{app.otlp_http_endpoint}/v1/traces").status_code == 405
+
+
+def test_a_metrics_window_past_what_is_kept_is_warned_about_at_start(caplog):
+    caplog.set_level("WARNING", logger="inferprof.collector.app")
+    with running_app(windows_s=(10.0,), slice_s=1.0, metrics_window_s=300.0):
+        pass
+    assert any("--metrics-window-s 300 is longer than the longest of --windows-s (10 s"
+               in r.getMessage() for r in caplog.records)

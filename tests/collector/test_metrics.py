@@ -196,3 +196,33 @@ def test_queue_behind_batches_gauge(scraped):
     doc = engine.breakdown("svc", "m", 300)
     assert sample.value == pytest.approx(doc["queue"]["behind_batches"]) and sample.value > 0.9
     assert sample.labels == {"service": "svc", "model": "m"}
+
+
+def test_request_quantile_gauge_is_the_breakdowns_latency(scraped):
+    text, fam = scraped
+    q = {s.labels["quantile"]: s for s in _samples(fam, sc.PROM_REQUEST_QUANTILE)}
+    assert set(q) == {"0.5", "0.95", "0.99"}
+    assert q["0.95"].labels == {"service": "svc", "model": "m", "quantile": "0.95"}
+    # queue 20-31.9 ms + compute 3 ms, one request weighing 3: p95 near 33.3 ms
+    assert q["0.95"].value == pytest.approx(0.003 + 0.020 + 0.0001 * 113, rel=0.02)
+    assert q["0.5"].value < q["0.95"].value < q["0.99"].value
+    assert "End-to-end request latency quantile over the last 300 s" in text
+
+
+def test_a_window_longer_than_retention_is_read_and_named_as_the_retention():
+    clock = FakeClock()
+    engine = Engine(clock=clock, windows_s=(10.0,), slice_s=1.0)
+    b = TraceBuilder()
+    for i in range(50):
+        b.sequential(i * 0.1, [("queue", 0.02), ("compute", 0.003)])
+    engine.ingest_traces(b.export())
+    clock.tick(5)
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(engine, window_s=300))
+    text = generate_latest(registry).decode()
+    assert "Per-stage latency quantile over the last 10 s." in text
+    assert "over the last 300 s" not in text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    (p95,) = [s for s in _samples(families, sc.PROM_REQUEST_QUANTILE)
+              if s.labels["quantile"] == "0.95"]
+    assert p95.value == pytest.approx(engine.breakdown("svc", "m", 10)["latency"]["p95"])

@@ -158,3 +158,16 @@ def test_token_is_not_in_the_repr():
 def test_per_listener_hosts_override_host():
     s = CollectorSettings(host="0.0.0.0", api_host="127.0.0.1")
     assert (s.grpc_bind_host, s.api_bind_host) == ("0.0.0.0", "127.0.0.1")
+
+
+def test_collect_help_gives_every_settings_default():
+    from click.testing import CliRunner
+
+    from inferprof.collector.command import collect
+
+    out = CliRunner().invoke(collect, ["--help"], terminal_width=200).output
+    defaults = CollectorSettings()
+    assert f"(default {defaults.settle_s:g})" in out
+    assert f"(default {defaults.max_pending_spans})" in out
+    assert "(default 60,300,900)" in out
+    assert "--log-level [debug|info|warning|error|critical]" in out

@@ -119,6 +119,7 @@ def test_collect_fails_clearly_when_a_port_is_taken(flag, listener):
     # which listener, on which address
     assert "cannot start the collector" in proc.stderr
     assert f"cannot listen for {listener} on 127.0.0.1:{port}" in proc.stderr
+    assert "add_port.cc" not in proc.stderr  # grpc's own C-level log line: not shown
 
 
 @pytest.mark.parametrize(
@@ -127,6 +128,7 @@ def test_collect_fails_clearly_when_a_port_is_taken(flag, listener):
         (["--forward", "tempo:4317"], "forward"),
         # in (0, 1) but outside the sketch's range: once a traceback at start-up
         (["--relative-accuracy", "0.1"], "relative_accuracy must be in [0.0015, 0.05]"),
+        (["--log-level", "bogus"], "Invalid value for '--log-level'"),
     ],
 )
 def test_collect_rejects_bad_flags_with_a_usage_error(flags, named):

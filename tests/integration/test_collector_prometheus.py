@@ -124,6 +124,9 @@ def test_prometheus_scrapes_the_collector_and_promql_gives_per_stage_p95(prometh
         # The recording rule from deploy/prometheus/alerts.yml evaluates on the scraped data.
         recorded = _query(url, 'inferprof:stage_p95_seconds{service="prom",stage="queue"}')
         assert float(recorded[0]["value"][1]) == pytest.approx(expected[sc.STAGE_QUEUE], rel=1e-6)
+        # ... and so does the page alert's: the breakdown's end-to-end p95, exactly
+        page = _query(url, 'inferprof:request_p95_seconds{service="prom"}')
+        assert float(page[0]["value"][1]) == pytest.approx(doc["latency"]["p95"], rel=1e-6)
 
         # Histograms aggregate across instances: histogram_quantile over them works too.
         hq = _query(
