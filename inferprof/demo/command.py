@@ -23,6 +23,7 @@ from typing import Any
 import click
 
 from inferprof import semconv
+from inferprof._optional import require
 from inferprof.demo.settings import (
     INSTRUMENTATION_NONE,
     INSTRUMENTATION_OTEL,
@@ -90,6 +91,13 @@ def demo(duration: float, concurrency: int | None, rate: float | None, burst: in
         raise click.UsageError("--forward-header needs --forward")
     if not service_name.strip():
         raise click.BadParameter("must not be empty", param_hint="--service-name")
+    # The demo's service and load generator run in child processes: a missing extra is
+    # named here, in one line, rather than in a child's traceback.
+    for module in ("fastapi", "uvicorn", "tokenizers", "httpx", "tqdm"):
+        try:
+            require(module, "demo")
+        except ImportError as exc:
+            raise click.ClickException(str(exc)) from None
     try:
         result = run_demo(duration_s=duration, concurrency=concurrency, rate=rate, burst=burst,
                           mode=mode, model_size=model_size, max_batch_size=max_batch_size,

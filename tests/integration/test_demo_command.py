@@ -1,6 +1,7 @@
 """``inferprof demo`` end to end: collector, service under uvicorn, load generator, table."""
 
 import json
+import sys
 
 import pytest
 from click.testing import CliRunner
@@ -94,3 +95,11 @@ def test_demo_rejects_a_bad_forward_url():
     result = CliRunner().invoke(main, ["demo", "--forward", "bogus"])
     assert result.exit_code != 0
     assert "forward" in result.output
+
+
+def test_a_missing_demo_extra_is_named_in_one_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # as if not installed
+    result = CliRunner().invoke(main, ["demo", "--duration", "1"])
+    assert result.exit_code == 1
+    assert "pip install 'inferprof[demo]'" in result.output
+    assert "Traceback" not in result.output
