@@ -92,6 +92,9 @@ ATTR_BATCH_ID: Final = "inferprof.batch.id"
 ATTR_BATCH_SIZE: Final = "inferprof.batch.size"
 ATTR_BATCH_MAX_SIZE: Final = "inferprof.batch.max_size"
 ATTR_QUEUE_DEPTH: Final = "inferprof.queue.depth"
+#: Extension (§7): seconds of a ``queue`` span during which every batch slot of its batcher
+#: was running a batch: the request waited behind batches, not for the batcher.
+ATTR_QUEUE_BEHIND_BATCHES_S: Final = "inferprof.queue.behind_batches_s"
 ATTR_TOKENS_EFFECTIVE: Final = "inferprof.tokens.effective"
 ATTR_TOKENS_PADDED: Final = "inferprof.tokens.padded"
 ATTR_BYTES: Final = "inferprof.bytes"

@@ -39,6 +39,7 @@ from inferprof._config import batch_encoding_setting
 from inferprof.batching.hooks import Batch, QueueHandle, _enqueue
 
 _logger = logging.getLogger(__name__)
+_ATTR_BEHIND = semconv.ATTR_QUEUE_BEHIND_BATCHES_S
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ class Collated:
 
 
 class _Entry:
-    __slots__ = ("item", "tokens", "handle", "future", "taken", "t")
+    __slots__ = ("item", "tokens", "handle", "future", "taken", "t", "busy0")
 
     def __init__(
         self, item: Any, tokens: int | None, handle: QueueHandle, future: asyncio.Future
@@ -62,6 +63,7 @@ class _Entry:
         self.future = future
         self.taken = False
         self.t = time.monotonic()
+        self.busy0 = 0.0
 
 
 class DynamicBatcher:
@@ -132,6 +134,11 @@ class DynamicBatcher:
         self._slots: asyncio.Semaphore | None = None
         self._inflight: set[asyncio.Task] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Time every slot was running a batch, as a clock: _busy_at(t2) - _busy_at(t1) is
+        # how long of [t1, t2] a request could not have had a slot. Touched on the loop only.
+        self._running = 0
+        self._busy = 0.0
+        self._busy_since = 0.0
 
     # --- lifecycle ---------------------------------------------------------------------
     @property
@@ -152,6 +159,7 @@ class DynamicBatcher:
             # server): its task and waiters cannot be resumed from here; start afresh.
             self._queue.clear()
             self._inflight.clear()
+        self._running, self._busy = 0, 0.0
         self._loop = loop
         self._wakeup = asyncio.Event()
         self._slots = asyncio.Semaphore(self.max_concurrent_batches)
@@ -213,6 +221,8 @@ class DynamicBatcher:
             raise asyncio.QueueFull(f"DynamicBatcher queue is full ({self.max_queue_size} waiting)")
         handle = _enqueue(len(self._queue))
         entry = _Entry(item, tokens, handle, self._loop.create_future())
+        if handle.request is not None:  # recorded: when it arrived on the busy clock
+            entry.busy0 = self._busy_at(entry.t)
         self._queue.append(entry)
         self._wakeup.set()
         try:
@@ -257,24 +267,41 @@ class DynamicBatcher:
             task = asyncio.get_running_loop().create_task(self._run_batch(entries))
             self._inflight.add(task)
             task.add_done_callback(self._batch_done)
+            self._running += 1
+            if self._running == self.max_concurrent_batches:
+                self._busy_since = time.monotonic()
             # Not kept by this frame while it waits for the next batch: the entries hold
             # the batch's inputs and its requests' records.
             entries = task = None
 
     def _take(self) -> list[_Entry]:
         """The next batch's entries, oldest first (in a frame of its own: no local of the
-        waiting loop keeps an entry alive)."""
+        waiting loop keeps an entry alive). Each recorded request's ``queue`` stage gets
+        ``inferprof.queue.behind_batches_s``: how long of its wait every slot was busy."""
         queue, entries = self._queue, []
+        busy = self._busy_at(time.monotonic())
         while queue and len(entries) < self.max_batch_size:
             entry = queue.popleft()
             if entry.future.done():  # cancelled while we were waiting
                 continue
             entry.taken = True
             entries.append(entry)
+            handle = entry.handle
+            if handle.request is not None:
+                handle.attrs[_ATTR_BEHIND] = max(0.0, busy - entry.busy0)
         return entries
+
+    def _busy_at(self, now: float) -> float:
+        """Seconds every slot has been running a batch, up to ``now`` (since start)."""
+        if self._running >= self.max_concurrent_batches:
+            return self._busy + (now - self._busy_since)
+        return self._busy
 
     def _batch_done(self, task: asyncio.Task) -> None:
         self._inflight.discard(task)
+        if self._running == self.max_concurrent_batches:
+            self._busy += time.monotonic() - self._busy_since
+        self._running -= 1
         self._slots.release()
 
     async def _run_batch(self, entries: list[_Entry]) -> None:

@@ -60,6 +60,7 @@ _WANTED = frozenset(
         sc.ATTR_TOKENS_PADDED,
         sc.ATTR_GPU_ID,
         sc.ATTR_BATCH_SIZE,
+        sc.ATTR_QUEUE_BEHIND_BATCHES_S,
     }
 )
 _STRING_KEYS = frozenset({sc.ATTR_MODEL_NAME, sc.ATTR_BATCH_ID, sc.ATTR_GPU_ID})
@@ -74,6 +75,8 @@ _EFFECTIVE = sc.ATTR_TOKENS_EFFECTIVE
 _PADDED = sc.ATTR_TOKENS_PADDED
 _GPU_ID = sc.ATTR_GPU_ID
 _BATCH_SIZE = sc.ATTR_BATCH_SIZE
+_BEHIND_S = sc.ATTR_QUEUE_BEHIND_BATCHES_S
+_QUEUE = sc.STAGE_QUEUE
 
 
 def _any_value(v: Any) -> Any:
@@ -150,6 +153,8 @@ class Finalised:
     index, seconds) per member request of such a span with a batch id: its duration over
     ``inferprof.batch.size`` (the whole duration, once, when the size is missing), so
     that the weighted sum estimates the batch work of the requests not sampled too.
+    ``queue_behind``: flat (span position, seconds) of ``queue`` spans whose batcher
+    reported ``inferprof.queue.behind_batches_s``; the position indexes ``span_key``.
     """
 
     __slots__ = (
@@ -158,6 +163,7 @@ class Finalised:
         "end",
         "instance",
         "model",
+        "queue_behind",
         "service",
         "span_end",
         "span_key",
@@ -182,6 +188,7 @@ class Finalised:
         self.instance: list[tuple[str, str]] = []
         self.work = array("d")  # flat (request index, start s, end s) triples
         self.work_share = array("d")  # flat (request index, seconds) pairs
+        self.queue_behind = array("d")  # flat (span position, seconds) pairs
 
     def __len__(self) -> int:
         return len(self.start)
@@ -720,6 +727,12 @@ class Assembler:
         stage = self.stage_names[stage_id]
         if out.model[row] is None:
             out.model[row] = extra.get(_MODEL)
+        if stage == _QUEUE:
+            behind = extra.get(_BEHIND_S)
+            if type(behind) in (float, int) and math.isfinite(behind) and behind >= 0:
+                # the stage span was appended just before this call
+                out.queue_behind.extend((len(out.span_key) - 1, float(behind)))
+            return
         batch_id = extra.get(_BATCH_ID)
         if stage in _PADDING_STAGES:
             eff = extra.get(_EFFECTIVE)

@@ -99,7 +99,7 @@ _E2E = 0
 _UNATTRIBUTED = 1
 #: Compute windows kept per (slice, series) for the GPU join.
 _MAX_COMPUTE_WINDOWS = 5_000
-#: Per (slice, series): a uniform sample of _MAX_QUEUE_ROWS queue spans (40 KB) and the
+#: Per (slice, series): a uniform sample of _MAX_QUEUE_ROWS queue spans (48 KB) and the
 #: union of the batch work windows in at most _MAX_WORK_ROWS intervals (96 KB).
 _MAX_QUEUE_ROWS = 1_000
 _MAX_WORK_ROWS = 4_000
@@ -698,7 +698,13 @@ class Engine:
             end = np.frombuffer(fin.span_end, np.uint64)[is_queue].astype(np.float64) * _NS
             weight = np.frombuffer(fin.weight, np.float64)[rows]
             keys = self._rng.random(rows.size)
-            rows_q = np.stack([codes[rows], start, end, weight, keys], axis=1)
+            # What the batcher itself measured (inferprof.queue.behind_batches_s), NaN
+            # where it did not: those spans are compared with the work windows instead.
+            reported = np.full(is_queue.size, np.nan)
+            if fin.queue_behind:
+                pairs = np.frombuffer(fin.queue_behind, np.float64).reshape(-1, 2)
+                reported[pairs[:, 0].astype(np.int64)] = pairs[:, 1]
+            rows_q = np.stack([codes[rows], start, end, weight, keys, reported[is_queue]], axis=1)
             sid = sids[rows]
             for one in np.unique(sid).tolist():
                 parts[one][0] = rows_q[sid == one]
@@ -855,7 +861,7 @@ class Engine:
         work = [n.work[sid] for n in near if n is not None and sid in n.work]
         queue = sl.queue.get(sid)
         result = partial(
-            queue[:, :4] if queue is not None else np.empty((0, 4)),
+            queue[:, [0, 1, 2, 3, 5]] if queue is not None else np.empty((0, 5)),
             np.concatenate(work) if work else np.empty((0, 3)),
             sl.work_seen.get(sid, 0.0),
             sl.work_estimate.get(sid, 0.0),

@@ -14,6 +14,13 @@ measured is then scaled by ``batch_coverage``, the work seen over the work estim
 every traced member's part of its batch (duration / ``inferprof.batch.size``, times the
 member's sampling weight: a Horvitz-Thompson estimate), assuming the unseen batches fall
 in time like the seen ones. Without sampling the coverage is 1 and nothing is scaled.
+
+A batcher that knows can say it instead: ``inferprof.queue.behind_batches_s`` on a queue
+span (``DynamicBatcher`` sets it) is the time of that wait during which every one of the
+batcher's slots was running a batch. Such spans count that figure, as measured: no
+comparison with work windows, no coverage, right with concurrent batches
+(``max_concurrent_batches`` > 1), where a running batch does not mean a request has to
+wait. Spans without it are compared with the work windows as above.
 """
 
 from __future__ import annotations
@@ -69,20 +76,33 @@ def union(work: np.ndarray, max_rows: int | None = None) -> np.ndarray:
     return out
 
 
-def partial(
-    queue: np.ndarray, work: np.ndarray, seen: float, work_estimate: float
-) -> tuple[float, float, float, float, bool]:
-    """One part of the ``queue`` section: (weighted queue time behind batches, weighted
-    queue time, work seen, work estimated, whether any work was there to compare with).
+Part = tuple[float, float, float, float, bool, float, float]
 
-    ``queue``: rows (instance, start s, end s, weight) of queue spans; ``work``: rows
+
+def partial(queue: np.ndarray, work: np.ndarray, seen: float, work_estimate: float) -> Part:
+    """One part of the ``queue`` section: (weighted queue time behind batches, weighted
+    queue time, work seen, work estimated, whether any work was there to compare with)
+    for the queue spans without a reported figure, then (weighted time behind batches,
+    weighted queue time) of those with one.
+
+    ``queue``: rows (instance, start s, end s, weight[, reported s]) of queue spans, the
+    reported ``inferprof.queue.behind_batches_s`` NaN where absent; ``work``: rows
     (instance, start s, end s) of the batch work they may wait behind (windows or unions
     of them, overlaps allowed); ``seen``: the summed durations of the work windows this
     part counts (each batch in one part only); ``work_estimate``: the weighted sum of
     traced members' parts of their batches' work (0: unknown, no scaling).
     """
+    reported_behind = reported_total = 0.0
+    if queue.size and queue.shape[1] > 4:
+        known = ~np.isnan(queue[:, 4])
+        if known.any():
+            r = queue[known]
+            r_len = np.clip(r[:, 2] - r[:, 1], 0.0, None)
+            reported_total = float(np.dot(r[:, 3], r_len))
+            reported_behind = float(np.dot(r[:, 3], np.clip(r[:, 4], 0.0, r_len)))
+            queue = queue[~known]
     if queue.size == 0:
-        return 0.0, 0.0, seen, work_estimate, work.size > 0
+        return 0.0, 0.0, seen, work_estimate, work.size > 0, reported_behind, reported_total
     q_len = np.clip(queue[:, 2] - queue[:, 1], 0.0, None)
     total = float(np.dot(queue[:, 3], q_len))
     overlap = 0.0
@@ -98,26 +118,33 @@ def partial(
             )
             k = q.shape[0]
             overlap += float(np.dot(q[:, 3], covered[k:] - covered[:k]))
-    return overlap, total, seen, work_estimate, work.size > 0
+    return (overlap, total, seen, work_estimate, work.size > 0, reported_behind,
+            reported_total)
 
 
-def combine(parts: list[tuple[float, float, float, float, bool]]) -> dict | None:
-    """The breakdown's ``queue`` section from its parts; None when there is no queue time
-    or no batch work to compare it with."""
+def combine(parts: list[Part]) -> dict | None:
+    """The breakdown's ``queue`` section from its parts; None when there is no queue time,
+    or none with a reported figure and no batch work to compare the rest with."""
     overlap = sum(p[0] for p in parts)
     total = sum(p[1] for p in parts)
     seen = sum(p[2] for p in parts)
     estimate = sum(p[3] for p in parts)
-    if total <= 0.0 or not any(p[4] for p in parts):
+    reported = sum(p[5] for p in parts)
+    reported_total = sum(p[6] for p in parts)
+    compared = total > 0.0 and any(p[4] for p in parts)
+    if not compared and reported_total <= 0.0:
         return None
-    measured = min(1.0, overlap / total)
+    if not compared:  # nothing to compare the unreported spans with: left out
+        overlap = total = 0.0
     coverage = min(1.0, seen / estimate) if estimate > 0 and seen > 0 else 1.0
-    if coverage > 0.999:  # every batch seen, up to rounding in the estimate's divisions
+    if coverage > 0.999 or not compared:  # every batch seen, up to rounding
         coverage = 1.0
+    whole = total + reported_total
     return {
-        "behind_batches": min(1.0, measured / coverage),
-        "behind_batches_seen": measured,
+        "behind_batches": min(1.0, (min(total, overlap / coverage) + reported) / whole),
+        "behind_batches_seen": min(1.0, (overlap + reported) / whole),
         "batch_coverage": coverage,
+        "reported_by_batcher": reported_total / whole,
     }
 
 

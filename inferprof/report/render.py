@@ -54,10 +54,18 @@ def _notes(doc: dict) -> list[str]:
     queue = doc.get("queue")
     if queue:
         seen = queue["batch_coverage"]
+        reported = queue.get("reported_by_batcher") or 0.0
+        if reported >= 0.995:
+            how = " (measured by the batcher)"
+        elif seen < 1.0:
+            how = f" (estimated: the traces show {_pct(seen)} of the batch work)"
+        else:
+            how = ""
+        if 0.005 <= reported < 0.995:
+            how += f" ({_pct(reported)} of the queue time measured by the batcher)"
         lines.append(
             f"queue: {_pct(queue['behind_batches'])} of queue time passed while earlier batches "
-            "were being processed"
-            + (f" (estimated: the traces show {_pct(seen)} of the batch work)" if seen < 1.0 else "")
+            "were being processed" + how
         )
     gpu = doc.get("gpu") or {}
     util = gpu.get("utilization_during_compute")

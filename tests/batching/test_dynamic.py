@@ -417,3 +417,62 @@ async def test_a_served_batch_leaves_no_reference_cycle(encoding):
             gc.enable()
             await batcher.stop()
         assert len(cap.stages("h2d")) > 0
+
+
+def _slow(seconds):
+    def fn(xs):
+        time.sleep(seconds)
+        return xs
+
+    return fn
+
+
+async def _arrive(batcher, n, gap):
+    async def one(i):
+        async with inferprof.request(model="m", i=i):
+            return await batcher.submit(i)
+
+    tasks = []
+    for i in range(n):
+        tasks.append(asyncio.create_task(one(i)))
+        await asyncio.sleep(gap)
+    return await asyncio.gather(*tasks)
+
+
+def _behind(cap):
+    spans = sorted(cap.stages(semconv.STAGE_QUEUE), key=lambda s: s.start_time)
+    return [((s.end_time - s.start_time) / 1e9,
+             s.attributes[semconv.ATTR_QUEUE_BEHIND_BATCHES_S]) for s in spans]
+
+
+async def test_with_one_slot_the_queue_time_is_behind_the_running_batch(cap):
+    async with inferprof.DynamicBatcher(_slow(0.04), max_batch_size=1, max_delay_ms=0) as b:
+        await _arrive(b, 5, 0.005)
+    behind = _behind(cap)
+    assert behind[0][1] == pytest.approx(0.0, abs=0.002)  # the first found the slot free
+    for queued, measured in behind[1:]:
+        assert queued > 0.02
+        assert measured == pytest.approx(queued, abs=0.005)
+
+
+async def test_with_free_slots_a_running_batch_holds_nobody_up(cap):
+    async with inferprof.DynamicBatcher(
+        _slow(0.04), max_batch_size=1, max_delay_ms=0, max_concurrent_batches=4
+    ) as b:
+        await _arrive(b, 6, 0.005)
+    behind = _behind(cap)
+    # four slots: the first four start at once; the fifth and sixth wait for a slot
+    assert [m for _, m in behind[:4]] == pytest.approx([0.0] * 4, abs=0.002)
+    for queued, measured in behind[4:]:
+        assert queued > 0.015
+        assert measured == pytest.approx(queued, abs=0.005)
+
+
+async def test_waiting_for_the_delay_with_a_free_slot_is_not_behind_batches(cap):
+    async with inferprof.DynamicBatcher(
+        _slow(0.001), max_batch_size=8, max_delay_ms=30, max_concurrent_batches=2
+    ) as b:
+        await _arrive(b, 3, 0.002)
+    for queued, measured in _behind(cap):
+        assert queued > 0.02  # held for company
+        assert measured == pytest.approx(0.0, abs=0.002)

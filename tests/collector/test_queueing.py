@@ -39,9 +39,11 @@ _SIZE = object()
 
 
 def _traces(b, arrivals, batches, *, compute, h2d=0.0, keep=lambda k: True, weight=None,
-            prefix="b", size=_SIZE, attrs=True):
+            prefix="b", size=_SIZE, attrs=True, reported=None):
     """``size``: the batch.size to send (default: the batch's); ``prefix=None``: no batch
-    id; ``attrs=False``: bare stage spans (no attribute but the stage)."""
+    id; ``attrs=False``: bare stage spans (no attribute but the stage); ``reported``:
+    ``f(k, queued seconds)`` -> the ``inferprof.queue.behind_batches_s`` request ``k``'s
+    batcher reports (None: none)."""
     for n, (start, members) in enumerate(batches):
         for k in members:
             if not keep(k):
@@ -49,7 +51,9 @@ def _traces(b, arrivals, batches, *, compute, h2d=0.0, keep=lambda k: True, weig
             t0 = arrivals[k]
             end = start + h2d + compute + 0.0002
             req = b.request(t0, end, weight=weight)
-            b.stage(req, sc.STAGE_QUEUE, t0, start)
+            said = reported(k, start - t0) if reported is not None else None
+            b.stage(req, sc.STAGE_QUEUE, t0, start,
+                    **({} if said is None else {sc.ATTR_QUEUE_BEHIND_BATCHES_S: said}))
             batch = {
                 "batch_id": None if prefix is None else f"{prefix}{n}",
                 "batch_size": len(members) if size is _SIZE else size,
@@ -348,3 +352,123 @@ def test_a_busy_series_past_the_caps_agrees_with_the_offline_figure():
     assert offline["behind_batches"] > 0.9
     assert live["behind_batches"] == pytest.approx(offline["behind_batches"], abs=0.03)
     assert live["batch_coverage"] == 1.0
+
+
+# --- what the batcher reports: inferprof.queue.behind_batches_s --------------------------
+
+def _reported(said, **kw):
+    """Worker-bound traces (the work windows cover ~all queue time) whose batcher says
+    ``said(k, queued)`` instead."""
+    arrivals = [i * 0.0025 for i in range(300)]
+    b = TraceBuilder()
+    _traces(b, arrivals, _simulate(arrivals, 4, 0.005, 0.020), compute=0.020,
+            reported=said, **kw)
+    return b
+
+
+def test_a_figure_the_batcher_reports_wins_over_the_overlap_with_work():
+    # Say every slot had been free (concurrent batches): the overlap would say ~1.
+    doc = _breakdown([_reported(lambda k, q: 0.0)], util=0.98)
+    assert doc["queue"]["behind_batches"] == 0.0
+    assert doc["queue"]["reported_by_batcher"] == 1.0
+    assert doc["verdict"]["bottleneck"] == sc.VERDICT_BATCHING
+    assert _breakdown([_worker_bound()])["queue"]["behind_batches"] > 0.9  # unreported
+    half = _breakdown([_reported(lambda k, q: q / 2)])["queue"]
+    assert half["behind_batches"] == pytest.approx(0.5, abs=1e-6)
+    # a figure past the span's own length counts as the whole wait, not more
+    assert _breakdown([_reported(lambda k, q: 10.0)])["queue"]["behind_batches"] == 1.0
+
+
+def test_reported_figures_are_weighted_and_need_no_coverage():
+    full = _breakdown([_reported(lambda k, q: q * (k % 3) / 2)])["queue"]
+    # one request in ten traced, weight 10: nothing to scale, the figures are per request
+    sampled = _breakdown([_reported(lambda k, q: q * (k % 3) / 2,
+                                    keep=lambda k: k % 10 == 0, weight=10.0)])["queue"]
+    assert sampled["batch_coverage"] == 1.0
+    assert sampled["behind_batches"] == pytest.approx(full["behind_batches"], abs=0.1)
+
+
+def test_reported_and_unreported_spans_add_up_by_queue_time():
+    # even requests reported 0, odd ones not (compared with the work windows: ~all)
+    mixed = _breakdown([_reported(lambda k, q: 0.0 if k % 2 == 0 else None)])["queue"]
+    assert 0.3 < mixed["behind_batches"] < 0.7
+    assert 0.3 < mixed["reported_by_batcher"] < 0.7
+
+
+def test_a_batcher_reporting_without_any_work_span_still_gets_a_queue_section():
+    b = TraceBuilder()
+    for k in range(50):
+        t0 = k * 0.01
+        req = b.request(t0, t0 + 0.03)
+        b.stage(req, sc.STAGE_QUEUE, t0, t0 + 0.02, **{sc.ATTR_QUEUE_BEHIND_BATCHES_S: 0.015})
+        b.stage(req, sc.STAGE_POSTPROCESS, t0 + 0.02, t0 + 0.03)
+    queue = _breakdown([b])["queue"]
+    assert queue["behind_batches"] == pytest.approx(0.75)
+    assert queue["reported_by_batcher"] == 1.0
+
+
+@pytest.mark.parametrize("bad", ["0.5", True, float("nan"), -1.0, float("inf")])
+def test_a_malformed_report_is_ignored_and_the_span_compared_with_the_work(bad):
+    doc = _breakdown([_reported(lambda k, q: bad)])
+    assert doc["queue"]["reported_by_batcher"] == 0.0
+    assert doc["queue"]["behind_batches"] > 0.9
+
+
+def test_a_real_batcher_with_free_slots_is_not_read_as_waiting_behind_batches():
+    """The case the overlap cannot tell: four slots, each request held for the 50 ms delay
+    while the batch before (40 ms) runs: batches overlap much of the queue time, yet
+    nobody waited for a slot."""
+    import asyncio
+    import time
+
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+
+    import inferprof
+    from tests.instrumentation.helpers import captured
+
+    def model(xs):
+        with inferprof.stage("compute"):
+            time.sleep(0.04)
+        return xs
+
+    async def serve():
+        async with inferprof.DynamicBatcher(
+            model, max_batch_size=64, max_delay_ms=50, max_concurrent_batches=4,
+            model_name="m",
+        ) as batcher:
+            async def one(i):
+                async with inferprof.request(model="m"):
+                    return await batcher.submit(i)
+
+            tasks = []
+            for i in range(150):
+                tasks.append(asyncio.create_task(one(i)))
+                await asyncio.sleep(0.003)
+            await asyncio.gather(*tasks)
+
+    with captured() as cap:
+        asyncio.run(serve())
+        spans = cap.spans()
+    exports = [encode_spans(spans)]
+    stripped = encode_spans(spans)  # as a batcher that reports nothing would send them
+    for rs in stripped.resource_spans:
+        for ss in rs.scope_spans:
+            for span in ss.spans:
+                keep = [kv for kv in span.attributes
+                        if kv.key != sc.ATTR_QUEUE_BEHIND_BATCHES_S]
+                del span.attributes[:]
+                span.attributes.extend(keep)
+
+    def queue_of(export):
+        clock = FakeClock()
+        engine = Engine(clock=clock)
+        engine.ingest_traces(export)
+        clock.tick(5)
+        (service,) = [s["service"] for s in engine.services()]
+        return engine.breakdown(service, window_s=None)
+
+    measured, overlapped = queue_of(exports[0]), queue_of(stripped)
+    assert measured["queue"]["reported_by_batcher"] == 1.0
+    assert measured["queue"]["behind_batches"] < 0.1
+    assert overlapped["queue"]["behind_batches"] > 0.4  # what the overlap alone says
+    assert measured["verdict"]["bottleneck"] == sc.VERDICT_BATCHING

@@ -257,3 +257,23 @@ def test_report_says_which_spans_it_dropped(tmp_path):
     result = CliRunner().invoke(main, ["report", str(path)])
     assert result.exit_code == 0, result.output
     assert "dropped spans" in result.stderr and "too_many_stages" in result.stderr
+
+
+def test_the_queue_line_says_where_its_figure_came_from():
+    from inferprof.report.render import format_table
+
+    def line(queue):
+        doc = {"service": "s", "model": "m", "window_s": None, "requests": 1,
+               "latency": {"p50": 0.1, "p95": 0.2, "p99": 0.3},
+               "stages": [], "queue": queue,
+               "verdict": {"bottleneck": "batching", "confidence": 0.5, "evidence": []}}
+        (q,) = [x for x in format_table(doc).splitlines() if x.startswith("queue:")]
+        return q
+
+    measured = {"behind_batches": 0.9, "batch_coverage": 1.0, "reported_by_batcher": 1.0}
+    assert line(measured).endswith("processed (measured by the batcher)")
+    half = {"behind_batches": 0.6, "batch_coverage": 0.5, "reported_by_batcher": 0.5}
+    assert line(half).endswith("(estimated: the traces show 50.0% of the batch work)"
+                               " (50.0% of the queue time measured by the batcher)")
+    overlap = {"behind_batches": 0.6, "batch_coverage": 1.0, "reported_by_batcher": 0.0}
+    assert line(overlap).endswith("were being processed")
