@@ -262,3 +262,23 @@ def test_a_request_ending_while_its_links_batch_forms_never_holds_the_batch_back
     assert b.record.pending == 0  # the member reported its end
     (compute,) = cap.stages("compute")
     assert [link.context.span_id for link in compute.links] == [rec.span_id]
+
+
+async def test_a_custom_batcher_can_report_how_long_its_workers_were_all_busy(cap):
+    queue = asyncio.Queue()
+    tasks = await _custom_batcher_requests(2, queue)
+    await asyncio.sleep(0.01)
+    entries = [queue.get_nowait() for _ in range(2)]
+    for n, (_, handle, _) in enumerate(entries):
+        if handle.stage:  # as docs/batching.md shows
+            handle.stage.set_attribute(semconv.ATTR_QUEUE_BEHIND_BATCHES_S, 0.004 * n)
+    with inferprof.batch([h for _, h, _ in entries]):
+        pass
+    for i, _, fut in entries:
+        fut.set_result(i)
+    await asyncio.gather(*tasks)
+    reported = sorted(s.attributes[semconv.ATTR_QUEUE_BEHIND_BATCHES_S]
+                      for s in cap.stages(semconv.STAGE_QUEUE))
+    assert reported == [0.0, 0.004]
+    # a handle that records nothing has no stage to set it on
+    assert inferprof.enqueue().stage is None
