@@ -146,6 +146,8 @@ PROM_REQUEST_DURATION: Final = "inferprof_request_duration_seconds"
 PROM_STAGE_QUANTILE: Final = "inferprof_stage_quantile_seconds"
 #: Extension: the breakdown's ``latency`` (end-to-end p50/p95/p99) over the window.
 PROM_REQUEST_QUANTILE: Final = "inferprof_request_quantile_seconds"
+#: Extension: requests whose request span has status ERROR, weighted, since start.
+PROM_REQUEST_ERRORS: Final = "inferprof_request_errors_total"
 PROM_STAGE_SHARE_OF_P95: Final = "inferprof_stage_share_of_p95"
 PROM_BOTTLENECK: Final = "inferprof_bottleneck"
 #: Extension: ``queue.behind_batches`` of the breakdown (collector/queueing.py).

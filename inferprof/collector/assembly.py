@@ -42,6 +42,9 @@ _KIND_CONSUMER = 5
 _CANDIDATE_KINDS = frozenset({_KIND_SERVER, _KIND_CONSUMER})
 _FLAG_HAS_IS_REMOTE = 0x100
 _FLAG_IS_REMOTE = 0x200
+#: Not an OTLP flag (those use the low 10 bits): the span's status is ERROR.
+_FLAG_ERROR = 0x10000
+_STATUS_ERROR = 2  # opentelemetry.proto.trace.v1.Status.STATUS_CODE_ERROR
 _DEFAULT_SERVICE = "unknown_service"
 _MAX_ERRORS = 5
 #: Batches already counted for padding are remembered this long (seconds).
@@ -142,7 +145,7 @@ class Finalised:
 
     Per request ``i``: ``service[i]``, ``model[i]`` (the attribute's value as sent: the
     engine turns anything but a string into ""), ``weight[i]``, ``start[i]`` and
-    ``end[i]`` (ns). Per stage span attributed to a request (a linked batch span once
+    ``end[i]`` (ns), ``error[i]`` (1: the request span's status is ERROR). Per stage span attributed to a request (a linked batch span once
     per member): ``span_key`` = request index << 32 | stage number (one append instead of
     two; the number indexes ``Assembler.stage_names``), ``span_start``, ``span_end``
     (ns). ``batches``: (request index, effective, padded) of batches seen first here;
@@ -161,6 +164,7 @@ class Finalised:
         "batches",
         "compute",
         "end",
+        "error",
         "instance",
         "model",
         "queue_behind",
@@ -180,6 +184,7 @@ class Finalised:
         self.weight = array("d")
         self.start = array("Q")
         self.end = array("Q")
+        self.error = array("B")
         self.span_key = array("q")
         self.span_start = array("Q")
         self.span_end = array("Q")
@@ -456,7 +461,11 @@ class Assembler:
                             trace.due = due
                             if due < next_check:  # noqa: PLR1730 - hot path
                                 next_check = due
-                        # Only request spans need the trace state and is-remote bits.
+                        # Only request spans need the trace state, the is-remote bits and
+                        # the status.
+                        flags = span.flags
+                        if span.status.code == _STATUS_ERROR:
+                            flags |= _FLAG_ERROR
                         trace_spans[sid] = (
                             span.parent_span_id,
                             start,
@@ -465,7 +474,7 @@ class Assembler:
                             resource,
                             extra,
                             True,
-                            span.flags,
+                            flags,
                             span.trace_state,
                         )
                     else:
@@ -687,7 +696,7 @@ class Assembler:
 
     @staticmethod
     def _open_row(req: tuple, out: Finalised) -> int:
-        _, start, end, _, resource, extra, _, _, trace_state = req
+        _, start, end, _, resource, extra, _, flags, trace_state = req
         model = extra.get(sc.ATTR_MODEL_NAME) if extra else None
         weight = None
         if extra:
@@ -708,6 +717,7 @@ class Assembler:
         out.weight.append(weight)
         out.start.append(start)
         out.end.append(end)
+        out.error.append(1 if flags & _FLAG_ERROR else 0)
         return row
 
     def _stage_attrs(

@@ -254,6 +254,8 @@ class Engine:
         self._series: dict[tuple[str, str], int] = {}
         self._series_keys: list[tuple[str, str]] = []
         self._series_requests: list[float] = []
+        #: weighted requests with an ERROR status per series, since start (a counter)
+        self._series_errors: list[float] = []
         #: collector-clock time each series was last folded into (reclaiming idle ones)
         self._series_last: list[float] = []
         #: no series becomes reclaimable before this time (a scan that found none)
@@ -378,6 +380,7 @@ class Engine:
             self._series[key] = sid
             self._series_keys.append(key)
             self._series_requests.append(0.0)
+            self._series_errors.append(0.0)
             self._series_last.append(now)
         return sid
 
@@ -403,6 +406,7 @@ class Engine:
             return None
         del self._series[self._series_keys[sid]]  # the caller puts the new pair in its slot
         self._series_requests[sid] = 0.0
+        self._series_errors[sid] = 0.0
         for hk in [hk for hk in self._hist if hk[0] == sid]:
             del self._hist[hk]
             del self._hist_sum[hk]
@@ -595,6 +599,12 @@ class Engine:
             series.append(sid)
         for sid, w in zip(series, fin.weight):
             series_requests[sid] += w
+        if any(fin.error):
+            errors = slice_.errors
+            for sid, w, err in zip(series, fin.weight, fin.error):
+                if err:
+                    errors[sid] += w
+                    self._series_errors[sid] += w
         for row, eff, pad in fin.batches:
             acc = slice_.padding.setdefault(series[row], [0, 0, 0])
             acc[0] += eff
@@ -814,6 +824,14 @@ class Engine:
                 out.append((service, model, name, arr.copy(), self._hist_sum[(sid, stage)]))
             return out
 
+    def request_errors(self) -> list[tuple[str, str, float]]:
+        """(service, model, weighted requests whose request span has status ERROR) per
+        series, since start (a Prometheus counter; a reclaimed series starts again)."""
+        with self._lock:
+            return [(*self._series_keys[sid], total)
+                    for sid, total in enumerate(self._series_errors)
+                    if self._series_keys[sid] in self._series]
+
     def breakdown(
         self, service: str, model: str | None = None, window_s: float | None = 300.0
     ) -> dict | None:
@@ -873,12 +891,14 @@ class Engine:
         q_parts = []
         t_parts = []
         padding = [0, 0, 0]
+        errors = 0.0
         compute: list[tuple[str, str, float, float]] = []
         partials = []
         for sl in slices:
             q_parts.extend(gather(sl.quantile_store(), sids, _Q_LOCAL))
             t_parts.extend(gather(sl.tail_store(), sids, KEY_BITS + COL_BITS))
             for sid in sids:
+                errors += sl.errors.get(sid, 0.0)
                 acc = sl.padding.get(sid)
                 if acc:
                     for i in range(3):
@@ -950,6 +970,7 @@ class Engine:
                 None if window_s is None else float(min(window_s, self.retention_s))
             ),
             "requests": round(requests),
+            "errors": round(errors),
             "traced_requests": int(traced),
             "latency": latency,
             "stages": stages,

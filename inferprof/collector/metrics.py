@@ -10,6 +10,9 @@ engine's current state. Families:
 * ``inferprof_stage_quantile_seconds{service,model,stage,quantile}`` — p50/p95/p99 over
   the sliding window (``window_s``, at most the engine's retention), including the
   ``unattributed`` pseudo-stage;
+* ``inferprof_request_errors_total{service,model}`` — requests whose request span has
+  status ERROR (HTTP 5xx, exceptions), weighted, since the collector started: with the
+  request histogram's ``_count``, the error ratio;
 * ``inferprof_request_quantile_seconds{service,model,quantile}`` — end-to-end p50/p95/p99
   over the same window (the breakdown's ``latency``: exact to the sketch's accuracy, where
   the histogram's buckets are 2-2.5x apart);
@@ -143,6 +146,15 @@ class EngineCollector:
                 stage_hist.add_metric([service, model, stage], buckets, total)
         yield stage_hist
         yield req_hist
+        errors = core.CounterMetricFamily(
+            sc.PROM_REQUEST_ERRORS,
+            "Requests whose request span has status ERROR (weighted by sampling weight).",
+            labels=[svc, mdl],
+        )
+        for service, model, total in self.engine.request_errors():
+            if (service, model) in allowed:
+                errors.add_metric([service, model], total)
+        yield errors
 
         # The engine answers for what it retains: a longer window is read as that.
         window_s = min(self.window_s, self.engine.retention_s)

@@ -163,12 +163,13 @@ class TimeSlice:
     end s), sorted; ``work_seen`` / ``work_estimate``: series -> the work windows' summed
     durations / the weighted batch work of the traced members (``queueing``);
     ``queue_version`` / ``queue_cache``: a change count per series and the cached
-    ``queueing.partial`` of this slice's queue (engine).
+    ``queueing.partial`` of this slice's queue (engine); ``errors``: series -> weighted
+    count of requests whose request span has status ERROR.
     Chunks are appended per finalisation batch and compacted on read.
     """
 
     __slots__ = (
-        "compute", "index", "padding", "q_chunks", "queue", "queue_cache", "queue_version",
+        "compute", "errors", "index", "padding", "q_chunks", "queue", "queue_cache", "queue_version",
         "t_chunks", "work", "work_estimate", "work_seen",
     )
 
@@ -184,6 +185,7 @@ class TimeSlice:
         self.work_estimate: dict[int, float] = defaultdict(float)
         self.queue_version: dict[int, int] = defaultdict(int)
         self.queue_cache: dict[int, tuple] = {}
+        self.errors: dict[int, float] = defaultdict(float)
 
     def quantile_store(self) -> tuple[np.ndarray, np.ndarray]:
         if len(self.q_chunks) > 1:

@@ -42,8 +42,14 @@ def title(doc: dict) -> str:
 
 
 def _notes(doc: dict) -> list[str]:
-    """Padding, queue and GPU lines (empty when the document has none of them)."""
+    """Errors, padding, queue and GPU lines (empty when the document has none of them)."""
     lines = []
+    failed, n = doc.get("errors") or 0, doc.get("requests") or 0
+    if failed and n:
+        lines.append(
+            f"errors: {failed} of {n} requests failed ({_pct(failed / n)}; status ERROR, e.g. "
+            "HTTP 5xx): their times are in every figure here"
+        )
     pad = doc.get("padding") or {}
     if pad.get("padded_tokens"):
         lines.append(

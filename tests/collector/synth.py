@@ -96,8 +96,10 @@ class TraceBuilder:
         trace_state: str = "",
         span_id: bytes | None = None,
         events: Sequence[tuple[str, float]] = (),
+        status: int = 0,
     ) -> Ref:
-        """``events``: (name, time in seconds from the base) of each span event."""
+        """``events``: (name, time in seconds from the base) of each span event;
+        ``status``: the span's status code (2: ERROR)."""
         tid = parent.trace_id if parent is not None else (trace_id or new_trace_id())
         sid = span_id or new_span_id()
         span = trace_pb2.Span(
@@ -112,6 +114,7 @@ class TraceBuilder:
             attributes=attributes(attrs or {}),
             links=[trace_pb2.Span.Link(trace_id=l.trace_id, span_id=l.span_id) for l in links],
             events=[trace_pb2.Span.Event(name=n, time_unix_nano=self.ns(t)) for n, t in events],
+            status=trace_pb2.Status(code=status),
         )
         self.spans.append(span)
         return Ref(tid, sid)
@@ -126,11 +129,13 @@ class TraceBuilder:
         trace_state: str = "",
         parent: Ref | None = None,
         kind: int = SERVER,
+        status: int = 0,
         **attrs: Any,
     ) -> Ref:
         a = {sc.ATTR_MODEL_NAME: model, sc.ATTR_SAMPLE_WEIGHT: weight, **attrs}
         return self.span(
-            "POST /infer", start, end, parent=parent, kind=kind, attrs=a, trace_state=trace_state
+            "POST /infer", start, end, parent=parent, kind=kind, attrs=a, trace_state=trace_state,
+            status=status,
         )
 
     def stage(

@@ -757,3 +757,39 @@ def test_a_stage_wholly_outside_its_request_is_absent_and_counted():
     post = stage_of(engine.breakdown("svc"), "postprocess")
     assert post["count"] == 100 and close(post["p50"], 0.02)  # only where it was measured
     assert engine.stats.spans_dropped[sc.DROP_OUTSIDE_REQUEST] == 100
+
+
+def test_requests_with_an_error_status_are_counted_weighted_and_windowed():
+    engine, clock = make_engine(windows_s=(60.0, 900.0))
+    b = TraceBuilder()
+    for i in range(40):
+        failed = i % 4 == 0  # 10 of 40
+        req = b.request(i * 0.01, i * 0.01 + 0.02, status=2 if failed else 1,
+                        weight=3.0 if i == 0 else None)
+        b.stage(req, "compute", i * 0.01, i * 0.01 + 0.02)
+    engine.ingest_traces(b.export())
+    settle(engine, clock)
+    doc = engine.breakdown("svc", window_s=60)
+    assert doc["requests"] == 42 and doc["errors"] == 12  # request 0 weighs 3
+    assert engine.request_errors() == [("svc", "m", 12.0)]
+    # the window moves on, the counter stays
+    clock.tick(120)
+    engine.advance()
+    b = TraceBuilder()
+    req = b.request(0, 0.02)
+    b.stage(req, "compute", 0, 0.02)
+    engine.ingest_traces(b.export())
+    settle(engine, clock)
+    assert engine.breakdown("svc", window_s=60)["errors"] == 0
+    assert engine.breakdown("svc", window_s=900)["errors"] == 12
+    assert engine.request_errors() == [("svc", "m", 12.0)]
+
+
+def test_a_status_on_a_stage_span_is_not_a_failed_request():
+    engine, clock = make_engine()
+    b = TraceBuilder()
+    req = b.request(0, 0.02)
+    b.span("inferprof.compute", 0, 0.02, parent=req, attrs={sc.ATTR_STAGE: "compute"}, status=2)
+    engine.ingest_traces(b.export())
+    settle(engine, clock)
+    assert engine.breakdown("svc")["errors"] == 0

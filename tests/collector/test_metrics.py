@@ -226,3 +226,20 @@ def test_a_window_longer_than_retention_is_read_and_named_as_the_retention():
     (p95,) = [s for s in _samples(families, sc.PROM_REQUEST_QUANTILE)
               if s.labels["quantile"] == "0.95"]
     assert p95.value == pytest.approx(engine.breakdown("svc", "m", 10)["latency"]["p95"])
+
+
+def test_request_errors_counter():
+    clock = FakeClock()
+    engine = Engine(clock=clock)
+    b = TraceBuilder()
+    for i in range(20):
+        req = b.request(i * 0.01, i * 0.01 + 0.02, status=2 if i < 5 else 0)
+        b.stage(req, "compute", i * 0.01, i * 0.01 + 0.02)
+    engine.ingest_traces(b.export())
+    clock.tick(5)
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(engine, window_s=300))
+    families = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
+    name = sc.PROM_REQUEST_ERRORS.removesuffix("_total")
+    (sample,) = _samples(families, name, "_total")
+    assert sample.value == 5.0 and sample.labels == {"service": "svc", "model": "m"}

@@ -601,3 +601,26 @@ async def test_add_middleware_under_fastapi_tracing_warns_with_the_way_to_turn_i
 def test_instrument_rejects_a_non_bool_fastapi_tracing():
     with pytest.raises(ValueError, match="fastapi_tracing"):
         inferprof.fastapi.instrument(FastAPI(), fastapi_tracing="yes")
+
+
+async def test_failed_requests_reach_the_collector_as_errors(cap):
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+
+    from inferprof.collector.engine import Engine
+    from tests.collector.synth import FakeClock
+
+    app = make_app(model_name="llm")
+    body = b'{"prompt": "a b c"}'
+    async with client(app) as c:
+        for _ in range(6):
+            await c.post("/generate/m1", content=body,
+                         headers={"content-type": "application/json"})
+        for path in ("/unavailable", "/unavailable", "/boom"):
+            await c.get(path)
+    clock = FakeClock()
+    engine = Engine(clock=clock)
+    engine.ingest_traces(encode_spans(cap.spans()))
+    clock.tick(5)
+    doc = engine.breakdown(cap.requests()[0].resource.attributes["service.name"], "llm")
+    # the 503s and the 500 failed; every request is in the figures
+    assert doc["requests"] == 9 and doc["errors"] == 3

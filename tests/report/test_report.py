@@ -277,3 +277,14 @@ def test_the_queue_line_says_where_its_figure_came_from():
                                " (50.0% of the queue time measured by the batcher)")
     overlap = {"behind_batches": 0.6, "batch_coverage": 1.0, "reported_by_batcher": 0.0}
     assert line(overlap).endswith("were being processed")
+
+
+def test_failed_requests_get_a_line_of_their_own():
+    from inferprof.report.render import format_table
+
+    doc = {"service": "s", "model": "m", "window_s": None, "requests": 200, "errors": 30,
+           "latency": {"p50": 0.1, "p95": 0.2, "p99": 0.3}, "stages": [],
+           "verdict": {"bottleneck": "batching", "confidence": 0.5, "evidence": []}}
+    assert ("errors: 30 of 200 requests failed (15.0%; status ERROR, e.g. HTTP 5xx): their "
+            "times are in every figure here") in format_table(doc)
+    assert "errors:" not in format_table({**doc, "errors": 0})
