@@ -13,6 +13,15 @@ import click
 #: What ``--log-level`` accepts (any case).
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
+#: The ``--log-level`` option of the long-running subcommands.
+log_level_option = click.option(
+    "--log-level",
+    type=click.Choice(LOG_LEVELS, case_sensitive=False),
+    default="INFO",
+    show_default=True,
+    help="Python logging level.",
+)
+
 # subcommand -> "module:attribute" of its click command.
 _SUBCOMMANDS = {
     "demo": ("inferprof.demo.command:demo", "Run the demo service under load and print its breakdown."),

@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from inferprof.cli import LOG_LEVELS
+from inferprof.cli import log_level_option
 from inferprof.cli.signals import until_signal
 from inferprof.collector import settings as _settings
 
@@ -111,13 +111,7 @@ def _windows(ctx: click.Context, param: click.Parameter, value: str | None) -> A
     help="Near --max-pending-spans, hold a sender over its share of the intake to three "
     "quarters of the cap, keeping room for starved senders (default on).",
 )
-@click.option(
-    "--log-level",
-    type=click.Choice(LOG_LEVELS, case_sensitive=False),
-    default="INFO",
-    show_default=True,
-    help="Python logging level.",
-)
+@log_level_option
 def collect(config: str | None, log_level: str, **options: Any) -> None:
     """Receive OTLP traces and GPU metrics; serve per-stage breakdowns and /metrics.
 

@@ -21,7 +21,7 @@ from click.core import ParameterSource
 
 from inferprof import _config
 from inferprof import semconv as sc
-from inferprof.cli import LOG_LEVELS
+from inferprof.cli import log_level_option
 from inferprof.cli.signals import until_signal
 from inferprof.gpu import sampler as _sampler
 from inferprof.gpu.records import METRICS, GpuSample, Source, SourceUnavailable
@@ -225,13 +225,7 @@ def _host_used(src: Source, st: _sampler.SamplerSettings) -> str:
               help="Take one reading, print it as JSON lines and exit (nothing is exported).")
 @click.option("--duration", type=float, help="Stop after this many seconds (default: run until "
                                              "SIGINT/SIGTERM).")
-@click.option(
-    "--log-level",
-    type=click.Choice(LOG_LEVELS, case_sensitive=False),
-    default="INFO",
-    show_default=True,
-    help="Python logging level.",
-)
+@log_level_option
 def gpu(source: str | None, once: bool, duration: float | None, log_level: str,
         record: IO[str] | None, **opts: Any) -> None:
     """Sample GPUs (nvml, dcgm-exporter; replay or synthetic without one) and ship the

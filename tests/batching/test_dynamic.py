@@ -445,25 +445,16 @@ def _behind(cap):
              s.attributes[semconv.ATTR_QUEUE_BEHIND_BATCHES_S]) for s in spans]
 
 
-async def test_with_one_slot_the_queue_time_is_behind_the_running_batch(cap):
-    async with inferprof.DynamicBatcher(_slow(0.04), max_batch_size=1, max_delay_ms=0) as b:
-        await _arrive(b, 5, 0.005)
-    behind = _behind(cap)
-    assert behind[0][1] == pytest.approx(0.0, abs=0.002)  # the first found the slot free
-    for queued, measured in behind[1:]:
-        assert queued > 0.02
-        assert measured == pytest.approx(queued, abs=0.005)
-
-
-async def test_with_free_slots_a_running_batch_holds_nobody_up(cap):
+@pytest.mark.parametrize("slots", [1, 4])
+async def test_queue_time_is_behind_batches_only_while_every_slot_runs_one(cap, slots):
     async with inferprof.DynamicBatcher(
-        _slow(0.04), max_batch_size=1, max_delay_ms=0, max_concurrent_batches=4
+        _slow(0.04), max_batch_size=1, max_delay_ms=0, max_concurrent_batches=slots
     ) as b:
-        await _arrive(b, 6, 0.005)
+        await _arrive(b, slots + 2, 0.005)
     behind = _behind(cap)
-    # four slots: the first four start at once; the fifth and sixth wait for a slot
-    assert [m for _, m in behind[:4]] == pytest.approx([0.0] * 4, abs=0.002)
-    for queued, measured in behind[4:]:
+    # the first `slots` requests find a slot free; the next ones wait for one
+    assert [m for _, m in behind[:slots]] == pytest.approx([0.0] * slots, abs=0.002)
+    for queued, measured in behind[slots:]:
         assert queued > 0.015
         assert measured == pytest.approx(queued, abs=0.005)
 
