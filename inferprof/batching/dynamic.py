@@ -154,15 +154,19 @@ class DynamicBatcher:
         loop = asyncio.get_running_loop()
         if self.running and self._loop is loop:
             return
-        if self._loop is not None and self._loop is not loop:
-            # Started on an event loop that is gone (a test's asyncio.run, a reloaded
-            # server): its task and waiters cannot be resumed from here; start afresh.
-            self._queue.clear()
-            self._inflight.clear()
-        self._running, self._busy = 0, 0.0
+        if self._loop is not loop:
+            if self._loop is not None:
+                # Started on an event loop that is gone (a test's asyncio.run, a reloaded
+                # server): its task and waiters cannot be resumed from here; start afresh.
+                self._queue.clear()
+                self._inflight.clear()
+            self._slots = asyncio.Semaphore(self.max_concurrent_batches)
+            self._running, self._busy = 0, 0.0
+        # Restarted on the same loop (a submit() while stop() waits for running batches):
+        # those batches still hold their slots and will release them, so the semaphore and
+        # the busy clock carry on.
         self._loop = loop
         self._wakeup = asyncio.Event()
-        self._slots = asyncio.Semaphore(self.max_concurrent_batches)
         if not self._is_async and self._executor is None:
             self._executor = ThreadPoolExecutor(
                 max_workers=self.max_concurrent_batches, thread_name_prefix="inferprof-batcher"

@@ -42,7 +42,10 @@ _KIND_CONSUMER = 5
 _CANDIDATE_KINDS = frozenset({_KIND_SERVER, _KIND_CONSUMER})
 _FLAG_HAS_IS_REMOTE = 0x100
 _FLAG_IS_REMOTE = 0x200
-#: Not an OTLP flag (those use the low 10 bits): the span's status is ERROR.
+#: The OTLP span flags inferprof reads (trace flags, has-is-remote, is-remote); OTLP
+#: reserves the bits above, so they are masked off before _FLAG_ERROR goes in.
+_OTLP_FLAGS = 0x3FF
+#: Not an OTLP flag: the span's status is ERROR.
 _FLAG_ERROR = 0x10000
 _STATUS_ERROR = 2  # opentelemetry.proto.trace.v1.Status.STATUS_CODE_ERROR
 _DEFAULT_SERVICE = "unknown_service"
@@ -463,7 +466,7 @@ class Assembler:
                                 next_check = due
                         # Only request spans need the trace state, the is-remote bits and
                         # the status.
-                        flags = span.flags
+                        flags = span.flags & _OTLP_FLAGS
                         if span.status.code == _STATUS_ERROR:
                             flags |= _FLAG_ERROR
                         trace_spans[sid] = (

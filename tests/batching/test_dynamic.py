@@ -467,3 +467,44 @@ async def test_waiting_for_the_delay_with_a_free_slot_is_not_behind_batches(cap)
     for queued, measured in _behind(cap):
         assert queued > 0.02  # held for company
         assert measured == pytest.approx(0.0, abs=0.002)
+
+
+async def test_a_running_batch_on_one_slot_does_not_make_the_other_slot_busy(cap):
+    # Slot 1 runs a 100 ms batch; a request arriving meanwhile has slot 2 free and
+    # waits only for the delay: none of that wait is behind batches.
+    async with inferprof.DynamicBatcher(
+        _slow(0.1), max_batch_size=2, max_delay_ms=30, max_concurrent_batches=2
+    ) as b:
+        first = asyncio.create_task(_arrive(b, 1, 0))
+        await asyncio.sleep(0.04)  # the first batch formed at 30 ms and runs
+        await _arrive(b, 1, 0)
+        await first
+    (_, first_wait), (queued, measured) = _behind(cap)
+    assert queued > 0.02  # held for the delay
+    assert measured == pytest.approx(0.0, abs=0.002)
+
+
+async def test_restarted_while_batches_run_one_slot_stays_one_slot():
+    running, most = 0, 0
+
+    def fn(xs):
+        nonlocal running, most
+        running += 1
+        most = max(most, running)
+        time.sleep(0.05)
+        running -= 1
+        return xs
+
+    b = inferprof.DynamicBatcher(fn, max_batch_size=1, max_delay_ms=0)
+    first = asyncio.create_task(b.submit(1))
+    await asyncio.sleep(0.01)  # its batch runs
+    stopping = asyncio.create_task(b.stop())  # waits for that batch...
+    await asyncio.sleep(0)
+    second = asyncio.create_task(b.submit(2))  # ...while a request restarts the batcher
+    assert await first == 1 and await second == 2
+    await stopping
+    third = await b.submit(3)
+    await b.stop()
+    assert third == 3
+    assert most == 1  # never two batches on the one slot
+    assert b._running == 0

@@ -71,28 +71,42 @@ def test_a_sender_alone_fills_the_whole_cap():
     assert engine.pending_spans() == CAP
 
 
+def _fill(engine, service, clock=None):
+    """Exports from ``service`` until one is refused; returns how many got in."""
+    n = 0
+    while try_ingest(engine, service):
+        n += 1
+        if clock is not None:
+            clock.t += 0.01
+    return n
+
+
 def test_a_flooding_sender_is_refused_where_a_starved_one_still_gets_in():
     clock = Clock()
     engine = held_engine(clock)
-    assert try_ingest(engine, "b")  # b exported once: it is a sender too
-    flooded = 0
-    while try_ingest(engine, "a"):
-        flooded += 1
-        clock.t += 0.01
-    # a is held to cap - reserve once it has more than its share: 20 (b) + 40 (a) = 60,
-    # and another 20 would pass 75
+    assert _fill(engine, "a", clock) == CAP // SPANS  # alone: the whole cap
+    assert not try_ingest(engine, "b")  # b is refused: now it is a starved sender
+    engine.flush()
+    # a is held to cap - reserve while b is starved: 3 exports (60), a 4th would pass 75
+    assert _fill(engine, "a", clock) == 3
     assert engine.pending_spans() == 60
-    assert flooded == 2
     with pytest.raises(Overloaded, match="more than its share"):
         engine.ingest_traces(export("a"))
-    # b, under its share, finds the reserve
+    # b finds the reserve, up to the cap; nobody goes past it
     assert try_ingest(engine, "b")
-    assert engine.pending_spans() == 80
-    # both at their share now: either may fill the cap, nobody past it
-    assert try_ingest(engine, "a")
+    assert try_ingest(engine, "b")
     assert engine.pending_spans() == CAP
     assert not try_ingest(engine, "b")
     assert not try_ingest(engine, "a")
+
+
+def test_senders_getting_their_shares_may_all_fill_the_cap():
+    engine = held_engine(Clock())
+    for _ in range(2):  # a and b alternate: neither is starved, nothing is held back
+        assert try_ingest(engine, "a")
+        assert try_ingest(engine, "b")
+    assert try_ingest(engine, "a")
+    assert engine.pending_spans() == CAP
 
 
 def test_turned_off_the_first_to_come_takes_the_whole_cap():
@@ -122,7 +136,9 @@ def test_the_setting_defaults_on_and_reads_flag_env_and_config(tmp_path):
 
 def test_replicas_of_one_service_are_separate_senders_and_a_batching_collector_is_its_client():
     one = with_instance(encode_spans(make_requests(2, service="svc")), "")
-    assert sender_of(one, "10.0.0.7") == ("svc", "")
+    # naming no instance (neither service.instance.id nor host.name): the client does
+    assert sender_of(one, "10.0.0.7") == ("svc", "", "10.0.0.7")
+    assert sender_of(one, "10.0.0.8") != sender_of(one, "10.0.0.7")
     with_instance(one, "pod-1")
     assert sender_of(one, "10.0.0.7") == ("svc", "pod-1")
     host = with_instance(encode_spans(make_requests(2, service="svc")), "")
@@ -171,19 +187,42 @@ def test_over_real_transports_the_starved_grpc_sender_gets_in_while_the_http_flo
         url = f"{app.otlp_http_endpoint}/v1/traces"
         channel = grpc.insecure_channel(f"127.0.0.1:{app.otlp_grpc_port}")
         stub = trace_service_pb2_grpc.TraceServiceStub(channel)
-        try:
-            stub.Export(export("grpc-replica"), timeout=5)
-            statuses = []
+
+        def flood():
+            out = []
             for _ in range(6):
                 resp = httpx.post(url, content=export("http-replica").SerializeToString(),
                                   headers=PB)
-                statuses.append(resp.status_code)
-            assert statuses == [200, 200, 429, 429, 429, 429]
-            assert "more than its share" in resp.text
+                out.append(resp.status_code)
+            return out, resp
+
+        try:
+            statuses, _ = flood()  # alone, the HTTP replica fills the cap
+            assert statuses == [200] * 5 + [429]
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Export(export("grpc-replica"), timeout=5)
+            assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+            app.engine.flush()  # the cap frees up; the gRPC replica is starved now
+            statuses, last = flood()
+            assert statuses == [200, 200, 200, 429, 429, 429]
+            assert "more than its share" in last.text
             stub.Export(export("grpc-replica"), timeout=5)  # the reserve: in
+            stub.Export(export("grpc-replica"), timeout=5)
             assert app.engine.pending_spans() <= CAP
         finally:
             channel.close()
         app.engine.flush()
         assert breakdown(app, "grpc-replica").json()["requests"] == 2 * SPANS // 4
-        assert breakdown(app, "http-replica").json()["requests"] == 2 * SPANS // 4
+        assert breakdown(app, "http-replica").json()["requests"] == 8 * SPANS // 4
+
+
+def test_the_sender_table_forgets_quiet_senders_and_stays_bounded():
+    from inferprof.collector.admission import MAX_SENDERS
+
+    share = FairShare(CAP, tau_s=2.0, active_s=10.0)
+    for i in range(MAX_SENDERS + 500):  # pod churn: a new instance id each time
+        share.admitted(("svc", f"pod-{i}"), 1, i * 0.001)
+    assert share.senders(MAX_SENDERS * 0.001 + 0.5) == MAX_SENDERS
+    assert share.senders(100.0) == 0  # nobody tried for active_s
+    share.admitted(("svc", "pod-0"), 1, 100.0)
+    assert share.senders(100.0) == 1

@@ -793,3 +793,20 @@ def test_a_status_on_a_stage_span_is_not_a_failed_request():
     engine.ingest_traces(b.export())
     settle(engine, clock)
     assert engine.breakdown("svc")["errors"] == 0
+
+
+def test_reserved_otlp_flag_bits_do_not_mark_a_request_failed():
+    engine, clock = make_engine()
+    b = TraceBuilder()
+    for i in range(10):
+        req = b.request(i * 0.01, i * 0.01 + 0.02, status=1)
+        b.stage(req, "compute", i * 0.01, i * 0.01 + 0.02)
+    export = b.export()
+    for rs in export.resource_spans:
+        for ss in rs.scope_spans:
+            for span in ss.spans:
+                span.flags |= 0x10000 | 0x100  # a reserved bit; is-remote known, false
+    engine.ingest_traces(export)
+    settle(engine, clock)
+    doc = engine.breakdown("svc")
+    assert doc["requests"] == 10 and doc["errors"] == 0

@@ -472,3 +472,17 @@ def test_a_real_batcher_with_free_slots_is_not_read_as_waiting_behind_batches():
     assert measured["queue"]["behind_batches"] < 0.1
     assert overlapped["queue"]["behind_batches"] > 0.4  # what the overlap alone says
     assert measured["verdict"]["bottleneck"] == sc.VERDICT_BATCHING
+
+
+def test_a_reported_figure_counts_at_most_its_own_span():
+    b = TraceBuilder()
+    for k in range(40):
+        t0 = k * 0.1
+        req = b.request(t0, t0 + 0.03)
+        said = {sc.ATTR_QUEUE_BEHIND_BATCHES_S: 10.0} if k % 2 == 0 else {}
+        b.stage(req, sc.STAGE_QUEUE, t0, t0 + 0.02, **said)
+        b.stage(req, sc.STAGE_COMPUTE, t0 + 0.02, t0 + 0.03, batch_id=f"b{k}", batch_size=1)
+    queue = _breakdown([b])["queue"]
+    # half the queue time reported whole (10 s clipped to 20 ms), half behind nothing
+    assert queue["behind_batches"] == pytest.approx(0.5)
+    assert queue["reported_by_batcher"] == pytest.approx(0.5)
