@@ -3,7 +3,9 @@
 Without it, whoever retries first after traces are folded takes the room they free: in a
 drill with two replicas flooding a saturated collector, one got 11 times the other's
 requests in, the other's exporter dropping the rest (which one depended on timing, not on
-their load). The breakdown then describes the lucky replica, at the moment it matters.
+their load); with it, 1.14 times, and as many requests in all
+(``benchmarks/collector_overload_share.py``). Without it the breakdown describes the lucky
+replica, at the moment it matters.
 
 The rule: while some sender has less than half its share of the recent intake (it was
 refused, or is new), every other sender may fill the cap only up to ``cap - reserve``, and
@@ -12,8 +14,9 @@ senders took it first. Without a starved sender everyone may fill the cap, so on
 alone, or senders getting their shares, lose nothing. Shares are those of the spans
 admitted recently, decayed with the time a span stays pending (about ``settle_s``), among
 the senders that tried to export within ``active_s`` (a refused sender counts: it is the
-one that needs the room). The price: while the starved sender waits out its retry delay,
-the reserve may sit unused (10-13% of intake in some runs of the drill).
+one that needs the room). While the starved sender waits out its retry delay the reserve
+may sit unused; holding back every sender over its share, starved sender or not, lost
+10-13% of the intake in some runs of the drill, this rule nothing measurable.
 
 A sender is the resource of the export: ``service.name`` with ``service.instance.id``
 (else ``host.name``; else the client's address). An export holding several resources (an
@@ -28,7 +31,7 @@ from typing import Any
 
 from inferprof import semconv as sc
 
-#: Share of the cap kept for senders at or under their share while others are refused.
+#: Share of the cap kept for starved senders (under half their share) while one is about.
 DEFAULT_RESERVE_FRACTION = 0.25
 #: Senders remembered at most; past it the one seen longest ago is forgotten.
 MAX_SENDERS = 4096
