@@ -416,8 +416,8 @@ def test_a_malformed_report_is_ignored_and_the_span_compared_with_the_work(bad):
 
 def test_a_real_batcher_with_free_slots_is_not_read_as_waiting_behind_batches():
     """The case the overlap cannot tell: four slots, each request held for the 50 ms delay
-    while the batch before (40 ms) runs: batches overlap much of the queue time, yet
-    nobody waited for a slot."""
+    while the batch before (40 ms of h2d, compute and d2h) runs: batches overlap much of
+    the queue time, yet nobody waited for a slot."""
     import asyncio
     import time
 
@@ -426,9 +426,13 @@ def test_a_real_batcher_with_free_slots_is_not_read_as_waiting_behind_batches():
     import inferprof
     from tests.instrumentation.helpers import captured
 
-    def model(xs):
+    def model(xs):  # 40 ms of work in three stages: no one group outweighs the queue
+        with inferprof.stage("h2d"):
+            time.sleep(0.015)
         with inferprof.stage("compute"):
-            time.sleep(0.04)
+            time.sleep(0.01)
+        with inferprof.stage("d2h"):
+            time.sleep(0.015)
         return xs
 
     async def serve():
