@@ -108,8 +108,8 @@ def _windows(ctx: click.Context, param: click.Parameter, value: str | None) -> A
 @click.option(
     "--share-pending-cap/--no-share-pending-cap",
     default=None,
-    help="Near --max-pending-spans, hold a sender over its share of the intake to three "
-    "quarters of the cap, keeping room for starved senders (default on).",
+    help="Near --max-pending-spans, while a sender is starved of its share of the intake, "
+    "hold the others to three quarters of the cap (default on).",
 )
 @log_level_option
 def collect(config: str | None, log_level: str, **options: Any) -> None:

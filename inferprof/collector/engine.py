@@ -18,8 +18,8 @@ do not depend on the services' clocks.
 Memory is bounded: spans pending in unfinished traces by ``max_pending_spans`` (an
 export that would exceed it raises ``Overloaded`` before anything of it is accepted;
 with nothing pending any one export is taken, so the bound is that plus one export, whose
-size ``--max-body-bytes`` limits; near the cap, a sender with more than its share of the
-recent intake is held to three quarters of it, ``admission``),
+size ``--max-body-bytes`` limits; near the cap, while a sender is starved of its share of
+the recent intake, the others are held to three quarters of it, ``admission``),
 slices by the largest window, (service, model) series by ``max_series`` (the rest fold
 into ``service="__overflow__"``; at the cap, a new pair takes the slot of the series idle
 longest, once nothing of it is left in any retained slice), distinct stage names by
@@ -149,8 +149,8 @@ class Overloaded(Exception):
         if cap is None or limit >= cap:
             reason = f"max_pending_spans={limit}"
         else:
-            reason = (f"{limit} of max_pending_spans={cap}: this sender had more than its share"
-                      " of the recent intake, the rest is kept for the others")
+            reason = (f"{limit} of max_pending_spans={cap}: the rest is kept for a sender "
+                      "starved of its share of the recent intake")
         super().__init__(
             f"collector overloaded: {pending} spans pending + {incoming} incoming exceeds "
             f"{reason}"

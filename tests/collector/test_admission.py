@@ -90,7 +90,7 @@ def test_a_flooding_sender_is_refused_where_a_starved_one_still_gets_in():
     # a is held to cap - reserve while b is starved: 3 exports (60), a 4th would pass 75
     assert _fill(engine, "a", clock) == 3
     assert engine.pending_spans() == 60
-    with pytest.raises(Overloaded, match="more than its share"):
+    with pytest.raises(Overloaded, match="kept for a sender starved of its share"):
         engine.ingest_traces(export("a"))
     # b finds the reserve, up to the cap; nobody goes past it
     assert try_ingest(engine, "b")
@@ -205,7 +205,7 @@ def test_over_real_transports_the_starved_grpc_sender_gets_in_while_the_http_flo
             app.engine.flush()  # the cap frees up; the gRPC replica is starved now
             statuses, last = flood()
             assert statuses == [200, 200, 200, 429, 429, 429]
-            assert "more than its share" in last.text
+            assert "kept for a sender starved of its share" in last.text
             stub.Export(export("grpc-replica"), timeout=5)  # the reserve: in
             stub.Export(export("grpc-replica"), timeout=5)
             assert app.engine.pending_spans() <= CAP
