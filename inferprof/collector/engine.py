@@ -714,7 +714,7 @@ class Engine:
             if fin.queue_behind:
                 pairs = np.frombuffer(fin.queue_behind, np.float64).reshape(-1, 2)
                 reported[pairs[:, 0].astype(np.int64)] = pairs[:, 1]
-            rows_q = np.stack([codes[rows], start, end, weight, keys, reported[is_queue]], axis=1)
+            rows_q = np.stack([codes[rows], start, end, weight, reported[is_queue], keys], axis=1)
             sid = sids[rows]
             for one in np.unique(sid).tolist():
                 parts[one][0] = rows_q[sid == one]
@@ -748,7 +748,7 @@ class Engine:
                 kept = slice_.queue.get(one)
                 queue = queue if kept is None else np.concatenate([kept, queue])
                 if online and queue.shape[0] > _MAX_QUEUE_ROWS:
-                    smallest = np.argpartition(queue[:, 4], _MAX_QUEUE_ROWS)[:_MAX_QUEUE_ROWS]
+                    smallest = np.argpartition(queue[:, 5], _MAX_QUEUE_ROWS)[:_MAX_QUEUE_ROWS]
                     queue = queue[smallest]
                 slice_.queue[one] = queue
             if work is not None:
@@ -828,9 +828,7 @@ class Engine:
         """(service, model, weighted requests whose request span has status ERROR) per
         series, since start (a Prometheus counter; a reclaimed series starts again)."""
         with self._lock:
-            return [(*self._series_keys[sid], total)
-                    for sid, total in enumerate(self._series_errors)
-                    if self._series_keys[sid] in self._series]
+            return [(*key, total) for key, total in zip(self._series_keys, self._series_errors)]
 
     def breakdown(
         self, service: str, model: str | None = None, window_s: float | None = 300.0
@@ -879,7 +877,7 @@ class Engine:
         work = [n.work[sid] for n in near if n is not None and sid in n.work]
         queue = sl.queue.get(sid)
         result = partial(
-            queue[:, [0, 1, 2, 3, 5]] if queue is not None else np.empty((0, 5)),
+            queue[:, :5] if queue is not None else np.empty((0, 5)),
             np.concatenate(work) if work else np.empty((0, 3)),
             sl.work_seen.get(sid, 0.0),
             sl.work_estimate.get(sid, 0.0),

@@ -49,7 +49,7 @@ _DEFAULT_MAX_PENDING_SPANS = 1_000_000
 _DEFAULT_METRICS_WINDOW_S = 300.0
 _DEFAULT_ADVANCE_INTERVAL_S = 0.5
 _DEFAULT_TRITON_SPANS = True  # Triton's own spans become stages of the Triton service
-_DEFAULT_SHARE_PENDING_CAP = True  # near the cap, senders over their share are held back
+_DEFAULT_SHARE_PENDING_CAP = True  # near the cap, a starved sender's room is kept for it
 
 # --- environment variables (one per setting) --------------------------------------------
 ENV_HOST = "INFERPROF_COLLECTOR_HOST"

@@ -159,7 +159,7 @@ class TimeSlice:
     ``padding``: series -> [effective tokens, padded tokens, batches];
     ``compute``: series -> compute-span windows for the GPU join;
     ``queue``: series -> a sample of queue-span rows (instance, start s, end s, weight,
-    random key); ``work``: series -> the union of batch work windows (instance, start s,
+    reported ``inferprof.queue.behind_batches_s`` or NaN, random key); ``work``: series -> the union of batch work windows (instance, start s,
     end s), sorted; ``work_seen`` / ``work_estimate``: series -> the work windows' summed
     durations / the weighted batch work of the traced members (``queueing``);
     ``queue_version`` / ``queue_cache``: a change count per series and the cached
