@@ -58,7 +58,11 @@ _DEFAULT_TAIL_QUANTILE = 0.9
 _DEFAULT_BATCH_ENCODING = semconv.BATCH_ENCODING_CHILDREN
 _DEFAULT_PROTOCOL = "grpc"
 _DEFAULT_CONTENT_MAX_BYTES = 1024
-_DEFAULT_EXCLUDED_PATHS = ("/healthz", "/health", "/livez", "/readyz", "/metrics", "/favicon.ico")
+#: Health checks, scrapes and FastAPI's interactive documentation: not model requests.
+_DEFAULT_EXCLUDED_PATHS = (
+    "/healthz", "/health", "/livez", "/readyz", "/metrics", "/favicon.ico",
+    "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json",
+)
 _DEFAULT_METRIC_EXPORT_INTERVAL_MS = 15000
 #: Span export every second (the SDK's default is 5 s) unless OTEL_BSP_SCHEDULE_DELAY says
 #: otherwise: the export thread shares the service's CPU, and five seconds of kept traces

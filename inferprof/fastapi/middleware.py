@@ -272,7 +272,8 @@ class InferprofMiddleware:
     Options (each defaults to ``configure()``'s setting, then its environment variable):
 
     * ``excluded_paths``: paths served untraced (exact match; an entry ending in ``*`` is a
-      prefix). Default ``/healthz /health /livez /readyz /metrics /favicon.ico``;
+      prefix). Default ``/healthz /health /livez /readyz /metrics /favicon.ico`` and
+      FastAPI's ``/docs /docs/oauth2-redirect /redoc /openapi.json``;
       env ``INFERPROF_EXCLUDED_PATHS`` (comma separated).
     * ``model_name``: ``inferprof.model.name`` on every request span.
     * ``tracer_provider`` / ``meter_provider``: use these instead of ``configure()``'s.

@@ -175,6 +175,17 @@ async def test_excluded_paths_are_not_traced(cap):
     assert cap.spans() == []
 
 
+async def test_health_checks_and_fastapi_pages_are_untraced_by_default(cap):
+    # FastAPI's /docs, /redoc and /openapi.json are not model requests: traced, they
+    # would count as requests of the service's model in every figure.
+    app = make_app()
+    async with client(app) as c:
+        for path in ("/healthz", "/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect"):
+            assert (await c.get(path)).status_code == 200, path
+        await c.post("/generate/m", json={"prompt": "x"})
+    assert [s.name for s in cap.requests()] == ["POST /generate/{model}"]
+
+
 async def test_default_excluded_paths_follow_configure(cap):
     inferprof.configure(tracer_provider=cap.provider, excluded_paths=["/generate/skip"])
     app = make_app()
