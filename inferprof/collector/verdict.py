@@ -84,7 +84,7 @@ _GROUPS = (
     (sc.VERDICT_BATCHING, sc.BATCHING_STAGES, "pre-batch queuing and batch assembly"),
     (sc.VERDICT_HOST, sc.HOST_STAGES, "host-side processing"),
     (sc.VERDICT_TRANSFER, sc.TRANSFER_STAGES, "host-device copies"),
-    (sc.VERDICT_NETWORK, sc.NETWORK_STAGES, "the network and remote front ends"),
+    (sc.VERDICT_NETWORK, sc.NETWORK_STAGES, "calls to remote services (the wire and the server)"),
     ("compute", sc.COMPUTE_STAGES, "model execution"),
 )
 _GROUP_OF = {stage: name for name, stages, _ in _GROUPS for stage in stages}
@@ -364,6 +364,12 @@ def decide(
         )
     if top != "compute":
         evidence = [headline, *rest]
+        if top == sc.VERDICT_NETWORK:
+            evidence.insert(1, (
+                "a remote service's time (a Triton call, say) counts as network here: its "
+                "own breakdown (service=<its service.name>) splits it, when its spans "
+                "reach this collector"
+            ))
         if top == sc.VERDICT_BATCHING and behind is not None:
             evidence.insert(1, (
                 f"{_pct(behind)} of queue time passed while earlier batches were being "

@@ -42,6 +42,16 @@ def test_group_rules(shares, expected):
         assert verdict["confidence"] > 0
 
 
+def test_network_verdict_points_to_the_remote_services_own_breakdown():
+    # A Triton-fronted service: the whole Triton call is its `network` stage, which the
+    # Triton service's own breakdown splits; the evidence says where to look.
+    verdict = decide({"network": 0.92, "tokenize": 0.08}, ENOUGH, 10, {})
+    assert verdict["bottleneck"] == sc.VERDICT_NETWORK
+    assert verdict["evidence"][0].startswith(
+        "92% of p95 latency is spent in calls to remote services")
+    assert "service=" in verdict["evidence"][1] and "own breakdown" in verdict["evidence"][1]
+
+
 def test_not_enough_data_says_how_much_is_needed():
     verdict = decide({"queue": 1.0}, 37, 2, {})
     assert verdict["bottleneck"] == sc.VERDICT_UNKNOWN and verdict["confidence"] == 0
