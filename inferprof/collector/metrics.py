@@ -18,7 +18,8 @@ engine's current state. Families:
   the histogram's buckets are 2-2.5x apart);
 * ``inferprof_stage_share_of_p95{service,model,stage}`` — contract §6 over the window;
 * ``inferprof_bottleneck{service,model,verdict}`` — 1 for the current verdict, 0 for the
-  others (every verdict is always present, so alert rules need no ``absent()``);
+  others (every verdict is present while the window holds requests of the series, so alert
+  rules need no ``absent()``; gone, like the other windowed series, once it holds none);
 * ``inferprof_queue_behind_batches{service,model}`` — share of queue time spent behind
   earlier batches over the window (absent for a series without queue spans or batches);
 * ``inferprof_spans_received_total``, ``inferprof_spans_dropped_total{reason}``,
@@ -201,9 +202,12 @@ class EngineCollector:
             for label, key in _QUANTILE_KEYS:
                 if doc["latency"].get(key) is not None:
                     latency.add_metric([service, model, label], doc["latency"][key])
-            current = doc["verdict"]["bottleneck"]
-            for name in sc.VERDICTS:
-                verdict.add_metric([service, model, name], 1.0 if name == current else 0.0)
+            if doc["requests"] or doc["traced_requests"]:
+                # A series with nothing in the window has no verdict to state: it leaves
+                # with the other windowed series (not an everlasting "unknown").
+                current = doc["verdict"]["bottleneck"]
+                for name in sc.VERDICTS:
+                    verdict.add_metric([service, model, name], 1.0 if name == current else 0.0)
             if doc.get("queue"):
                 behind.add_metric([service, model], doc["queue"]["behind_batches"])
         yield quantile

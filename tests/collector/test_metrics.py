@@ -243,3 +243,33 @@ def test_request_errors_counter():
     name = sc.PROM_REQUEST_ERRORS.removesuffix("_total")
     (sample,) = _samples(families, name, "_total")
     assert sample.value == 5.0 and sample.labels == {"service": "svc", "model": "m"}
+
+
+def test_windowed_series_and_the_verdict_leave_together_when_a_service_goes_quiet():
+    # A service that stopped sending: its quantile and share gauges leave the scrape once
+    # the window holds none of its requests, and so does its verdict (not an everlasting
+    # "unknown" = 1 on dashboards); the cumulative histogram stays.
+    clock = FakeClock()
+    engine = Engine(clock=clock, windows_s=(60.0,), slice_s=10.0)
+    b = TraceBuilder()
+    for i in range(120):
+        b.sequential(i * 0.1, [("queue", 0.02), ("compute", 0.003)])
+    engine.ingest_traces(b.export())
+    clock.tick(5)
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(engine, window_s=60))
+
+    def present():
+        families = {f.name: f for f in text_string_to_metric_families(
+            generate_latest(registry).decode())}
+        return {name for name in (sc.PROM_STAGE_QUANTILE, sc.PROM_STAGE_SHARE_OF_P95,
+                                  sc.PROM_BOTTLENECK)
+                if name in families and families[name].samples}, families
+
+    now, _ = present()
+    assert now == {sc.PROM_STAGE_QUANTILE, sc.PROM_STAGE_SHARE_OF_P95, sc.PROM_BOTTLENECK}
+    clock.tick(200)
+    later, families = present()
+    assert later == set()
+    hist = sc.PROM_REQUEST_DURATION
+    assert [s for s in families[hist].samples if s.name == hist + "_count"][0].value == 120
