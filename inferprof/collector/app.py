@@ -309,12 +309,22 @@ class CollectorApp:
             target=self._advance_loop, name="inferprof-engine-advance", daemon=True
         )
         self._advance_thread.start()
+        st = self.settings
         _log.info(
             "inferprof collector listening: OTLP/gRPC %s, OTLP/HTTP %s, API %s",
-            self.otlp_grpc_endpoint,
-            self.otlp_http_endpoint,
-            self.api_url,
+            self._bound(st.grpc_bind_host, "grpc", self.otlp_grpc_endpoint),
+            self._bound(st.http_bind_host, "http", self.otlp_http_endpoint),
+            self._bound(st.api_bind_host, "api", self.api_url),
         )
+
+    def _bound(self, host: str, key: str, url: str) -> str:
+        """What a listener is bound to, as the start-up line says it: the URL to dial, and
+        for a wildcard bind that it listens on every interface (not only the loopback
+        address the URL names)."""
+        if host in ("0.0.0.0", "", "::"):
+            shown = f"[{host}]" if host == "::" else (host or "0.0.0.0")
+            return f"{shown}:{self._ports[key]} (all interfaces; locally {url})"
+        return url
 
     def _register_engine_collector(self) -> None:
         try:

@@ -8,6 +8,7 @@ import pytest
 
 from inferprof.collector import settings as st
 from inferprof.collector.settings import CollectorSettings
+from tests.collector.test_server_fixtures import running_app
 
 
 def test_defaults_bind_loopback_on_the_otlp_ports():
@@ -171,3 +172,20 @@ def test_collect_help_gives_every_settings_default():
     assert f"(default {defaults.max_pending_spans})" in out
     assert "(default 60,300,900)" in out
     assert "--log-level [debug|info|warning|error|critical]" in out
+
+
+def test_start_up_line_says_a_wildcard_bind_listens_on_every_interface(caplog):
+    # In a pod (--host 0.0.0.0) the line named only http://127.0.0.1:..., which reads like
+    # a loopback-only bind. (Started on loopback; the wildcard case is formatted as the
+    # app would print it, without binding every interface in a test.)
+    from inferprof.collector.app import CollectorApp
+
+    with caplog.at_level("INFO", logger="inferprof.collector.app"), running_app() as app:
+        pass
+    (line,) = [r.getMessage() for r in caplog.records if "listening" in r.getMessage()]
+    assert f"API {app.api_url}" in line and "all interfaces" not in line
+    wild = CollectorApp(CollectorSettings(host="0.0.0.0"))
+    wild._ports = {"grpc": 4317}
+    assert wild._bound("0.0.0.0", "grpc", "http://127.0.0.1:4317") == (
+        "0.0.0.0:4317 (all interfaces; locally http://127.0.0.1:4317)")
+    assert wild._bound("::", "grpc", "http://[::1]:4317").startswith("[::]:4317 (all interfaces")
