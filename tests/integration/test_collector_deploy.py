@@ -101,3 +101,47 @@ def test_k8s_manifests_validate_against_the_kubernetes_api_schema():
     assert {r["kind"] for r in resources} >= {"StatefulSet", "Service", "Secret"}
     for resource in resources:
         kubernetes_validate.validate(resource, version, strict=True)  # raises if invalid
+
+
+def test_kubernetes_scrape_job_scrapes_each_collector_pod_of_the_manifest():
+    # Prometheus must scrape every pod, not the load-balanced Service (a different pod per
+    # scrape): the shipped job keeps the headless Service's port by name, and that Service
+    # must expose it; the job name is the one the CollectorDown alert watches.
+    (config,) = _yaml_docs(DEPLOY / "prometheus" / "kubernetes-scrape.yml")
+    (job,) = config["scrape_configs"]
+    keep = next(r for r in job["relabel_configs"] if r.get("action") == "keep")
+    assert keep["source_labels"] == [
+        "__meta_kubernetes_service_name", "__meta_kubernetes_endpoint_port_name"]
+    service_name, port_name = keep["regex"].split(";")
+    manifests = _yaml_docs(DEPLOY / "k8s" / "inferprof-collector.yaml")
+    headless = next(
+        m for m in manifests if m["kind"] == "Service" and m["spec"].get("clusterIP") == "None"
+    )
+    assert service_name == headless["metadata"]["name"]
+    assert port_name in {p["name"] for p in headless["spec"]["ports"]}
+    assert job["kubernetes_sd_configs"][0]["namespaces"]["names"] == [
+        headless["metadata"]["namespace"]]
+    statefulset = next(m for m in manifests if m["kind"] == "StatefulSet")
+    (container,) = statefulset["spec"]["template"]["spec"]["containers"]
+    assert port_name in {p["name"] for p in container["ports"]}
+    alerts = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())
+    down = next(r for g in alerts["groups"] for r in g["rules"]
+                if r.get("alert") == "InferprofCollectorDown")
+    assert f'job="{job["job_name"]}"' in down["expr"]
+
+
+def test_k8s_collector_memory_bounds_fit_its_limit():
+    # Worst case by docs/collector.md's sizing: pending spans x 1 KiB, plus per transport
+    # (gRPC, HTTP) max-concurrent-requests x max-body-bytes; with room for the process.
+    manifests = _yaml_docs(DEPLOY / "k8s" / "inferprof-collector.yaml")
+    statefulset = next(m for m in manifests if m["kind"] == "StatefulSet")
+    (container,) = statefulset["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    defaults = st.CollectorSettings()
+    pending = int(env.get(st.ENV_MAX_PENDING_SPANS, defaults.max_pending_spans))
+    concurrent = int(env.get(st.ENV_MAX_CONCURRENT_REQUESTS, defaults.max_concurrent_requests))
+    body = int(env.get(st.ENV_MAX_BODY_BYTES, defaults.max_body_bytes))
+    limit = container["resources"]["limits"]["memory"]
+    assert limit.endswith("Gi")
+    worst = pending * 1024 + 2 * concurrent * body
+    assert worst <= 0.75 * float(limit[:-2]) * 2**30, (worst / 2**30, limit)

@@ -45,14 +45,14 @@ def prometheus(tmp_path):
     url = f"http://127.0.0.1:{port}"
     procs = []
 
-    def start(target: str) -> str:
+    def start(*targets: str) -> str:
         config = tmp_path / "prometheus.yml"
         config.write_text(
             "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
             f"rule_files:\n  - {RULES}\n"
             "scrape_configs:\n"
             "  - job_name: inferprof\n"
-            f"    static_configs:\n      - targets: ['{target}']\n"
+            f"    static_configs:\n      - targets: {json.dumps(list(targets))}\n"
         )
         with open(tmp_path / "prometheus.log", "wb") as log:  # the child keeps its own handle
             procs.append(
@@ -172,6 +172,42 @@ def test_prometheus_scrapes_the_collector_and_promql_gives_per_stage_p95(prometh
         behind = _query(url, queue_panel["targets"][0]["expr"].replace("$service", "prom")
                         .replace("$model", ".*"))
         assert float(behind[0]["value"][1]) == pytest.approx(doc["queue"]["behind_batches"])
+
+
+def test_dashboard_reads_one_series_per_stage_from_several_collectors(prometheus):
+    # Scaled out (trace-ID load balancing), every collector reports the same service: the
+    # dashboard's per-service panels must show one line per stage, not one per collector,
+    # and the verdict panel one tile per verdict stated, counting the collectors.
+    dashboard = json.loads(DASHBOARD.read_text())
+    panels = {p["id"]: p for p in dashboard["panels"]}
+    with running_app() as first, running_app() as second:
+        for app in (first, second):
+            exporter = OTLPSpanExporter(endpoint=app.otlp_grpc_endpoint, insecure=True, timeout=10)
+            try:
+                assert exporter.export(make_requests(60, service="fleet")) is SpanExportResult.SUCCESS
+            finally:
+                exporter.shutdown()
+        url = prometheus(f"127.0.0.1:{first.api_port}", f"127.0.0.1:{second.api_port}")
+        raw = f'{sc.PROM_STAGE_QUANTILE}{{service="fleet",quantile="0.95",stage="queue"}}'
+        deadline = time.monotonic() + 20
+        while len(_query(url, raw)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.25)
+        assert len(_query(url, raw)) == 2  # one per collector
+
+        def panel(pid: int) -> list[dict]:
+            expr = panels[pid]["targets"][0]["expr"]
+            return _query(url, expr.replace("$service", "fleet").replace("$model", ".*"))
+
+        p95 = panel(1)
+        stages = [r["metric"]["stage"] for r in p95]
+        assert len(stages) == len(set(stages)) and {"queue", "compute"} <= set(stages)
+        shares = panel(2)
+        assert sum(float(r["value"][1]) for r in shares) == pytest.approx(1.0, abs=1e-6)
+        (verdict,) = panel(3)
+        assert float(verdict["value"][1]) == 2.0  # both collectors state it
+        assert len(panel(10)) == 1
+        # the alert rules' traffic guard is one series per (service, model) as well
+        (_,) = _query(url, 'inferprof:requests_5m{service="fleet"}')
 
 
 def test_promtool_accepts_and_unit_tests_the_alert_rules():
