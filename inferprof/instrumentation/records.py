@@ -219,6 +219,7 @@ class BatchRecord:
         "trace_id",
         "stages_dropped",
         "bodies",
+        "finished",
     )
 
     def __init__(
@@ -250,6 +251,9 @@ class BatchRecord:
         #: encoded batch-stage spans minus their ids, by stage record, once the batch has
         #: closed (runtime's ``_batch_body``): shared by the copies of every kept member.
         self.bodies: dict[StageRecord, bytes] | None = None
+        #: never set: a batch records until its stages are done (Stage.__enter__ reads
+        #: ``owner.finished`` of a request or a batch alike)
+        self.finished = False
 
     def set_attribute(self, key: str, value: Any) -> None:
         self.attrs[key] = value

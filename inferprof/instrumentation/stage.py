@@ -47,6 +47,22 @@ _VALID_MAX = 4096
 MAX_STAGES = 1024
 
 
+_warned_outlived = False
+
+
+def _warn_outlived(owner: Any) -> None:
+    global _warned_outlived
+    if _warned_outlived:
+        return
+    _warned_outlived = True
+    _logger.warning(
+        "inferprof: a stage was entered in the context of a request that has ended (%s): a "
+        "task started inside that request (a batching loop started by the first request?) "
+        "inherited it. The stage is recorded as a span of its own. Start such tasks in a "
+        "fresh context: contextvars.Context().run(loop.create_task, coro) (docs/batching.md)",
+        getattr(owner, "name", "?"))
+
+
 def _check_stage(name: str) -> None:
     if name in _VALID:
         return
@@ -91,6 +107,13 @@ class Stage(StageRecord):
             self._enter_standalone()
             return self
         owner, parent = scope
+        if owner.finished:
+            # A task started inside a request and outliving it (a batching loop started
+            # lazily by the first request) inherited its scope: that request has ended,
+            # and stages recorded into it would be lost. Outside any request, then.
+            _warn_outlived(owner)
+            self._enter_standalone(root=True)
+            return self
         stages = owner.stages
         if len(stages) >= MAX_STAGES:
             # A runaway loop of stages (a per-token stage on a long stream) must not grow a
@@ -157,14 +180,19 @@ class Stage(StageRecord):
         return wrapper
 
     # --- pieces off the hot path -------------------------------------------------------
-    def _enter_standalone(self) -> None:
+    def _enter_standalone(self, root: bool = False) -> None:
+        """A span of the stage's own; ``root``: a new trace, not under the current span
+        (which is then an ended request's)."""
         rt = active_runtime()
         if rt is None:
             return
         try:
             attrs = {semconv.ATTR_STAGE: self.name}
             attrs.update(self.attrs)
-            self._span = rt.tracer.start_span(semconv.span_name(self.name), attributes=attrs)
+            self._span = rt.tracer.start_span(
+                semconv.span_name(self.name), attributes=attrs,
+                context=context_api.Context() if root else None,
+            )
             self._otel_token = context_api.attach(trace_api.set_span_in_context(self._span))
         except Exception:
             _logger.exception("inferprof could not start a stage span")

@@ -282,3 +282,90 @@ async def test_a_custom_batcher_can_report_how_long_its_workers_were_all_busy(ca
     assert reported == [0.0, 0.004]
     # a handle that records nothing has no stage to set it on
     assert inferprof.enqueue().stage is None
+
+
+async def test_a_member_that_ends_while_its_children_batch_works_gets_clipped_copies(cap):
+    # A request that times out while its batch computes: its copy of the running stage
+    # ends with the request (as the collector clips a links batch span), instead of being
+    # left out — which hid the batch's work and made a timeout storm read as an idle worker.
+    queue = asyncio.Queue()
+    tasks = await _custom_batcher_requests(2, queue)
+    await asyncio.sleep(0.01)
+    entries = [queue.get_nowait() for _ in range(2)]
+    computing, release = threading.Event(), threading.Event()
+
+    def run_in_thread():
+        with inferprof.batch([h for _, h, _ in entries], batch_encoding="children"):
+            with inferprof.stage("compute"):
+                with inferprof.stage("kernel_a"):
+                    computing.set()
+                    release.wait(5)
+
+    worker = asyncio.create_task(asyncio.to_thread(run_in_thread))
+    await asyncio.to_thread(computing.wait, 5)
+    await asyncio.sleep(0.02)
+    tasks[0].cancel()  # the client gave up mid-compute
+    with pytest.raises(asyncio.CancelledError):
+        await tasks[0]
+    release.set()
+    await worker
+    entries[1][2].set_result(1)
+    await tasks[1]
+
+    spans = cap.spans()
+    cancelled, done = sorted(cap.requests(), key=lambda r: r.end_time)
+    for request in (cancelled, done):
+        kids = {k.attributes[semconv.ATTR_STAGE]: k for k in children_of(spans, request)}
+        compute = kids["compute"]
+        (inner,) = children_of(spans, compute)  # nesting kept in the clipped copy too
+        assert inner.attributes[semconv.ATTR_STAGE] == "kernel_a"
+        assert request.start_time <= compute.start_time <= inner.start_time
+        assert inner.end_time <= compute.end_time <= request.end_time
+    clipped = {k.attributes[semconv.ATTR_STAGE]: k for k in children_of(spans, cancelled)}
+    full = {k.attributes[semconv.ATTR_STAGE]: k for k in children_of(spans, done)}
+    assert clipped["compute"].end_time == cancelled.end_time
+    assert full["compute"].end_time > cancelled.end_time  # the batch ran on
+    assert clipped["compute"].start_time == full["compute"].start_time
+
+
+async def test_a_batching_loop_started_inside_a_request_records_its_stages_after_it(
+        cap, caplog, monkeypatch):
+    # The usual lazy start: `if self.task is None: self.task = create_task(self.loop())`
+    # in submit() (Ray Serve's @serve.batch starts its loop the same way). The loop task
+    # inherits the first request's scope; once that request has ended, the loop's stages
+    # were appended to its finished record and lost without a word.
+    from inferprof.instrumentation import stage as stage_module
+
+    monkeypatch.setattr(stage_module, "_warned_outlived", False)  # warned once a process
+    work = asyncio.Queue()
+    loop_task = None
+
+    async def batching_loop():
+        while True:
+            item = await work.get()
+            if item is None:
+                return
+            with inferprof.stage("batch_assembly"):  # outside inferprof.batch(): a span
+                pass
+
+    async def submit(i):
+        nonlocal loop_task
+        async with inferprof.request(model="lazy", i=i):
+            if loop_task is None:
+                loop_task = asyncio.create_task(batching_loop())
+            await work.put(i)
+            await asyncio.sleep(0.01)  # the loop takes the item while this request runs
+
+    with caplog.at_level("WARNING", logger="inferprof"):
+        for i in range(3):
+            await submit(i)
+        await work.put(None)
+        await loop_task
+    assembly = cap.stages("batch_assembly")
+    # the first while request 0 still ran (its stage); the other two as spans of their own
+    assert len(assembly) == 3
+    requests = {r.context.span_id for r in cap.requests()}
+    own = [s for s in assembly if s.parent is None or s.parent.span_id not in requests]
+    assert len(own) == 2
+    warned = [r for r in caplog.records if "request that has ended" in r.getMessage()]
+    assert len(warned) == 1
