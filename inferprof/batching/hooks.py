@@ -245,11 +245,11 @@ class Batch:
                     "cancelled) records nothing in this one; pass each enqueue() handle to "
                     "one batch",
                 )
+        rt = requests[0].runtime if requests else active_runtime()
+        if rt is None:  # inferprof off or not configured: nothing to record, nothing to say
+            return self
         if not self.handles:
             _warn_once("empty", "inferprof.batch() got no handles: its stages belong to no request")
-        rt = requests[0].runtime if requests else active_runtime()
-        if rt is None:
-            return self
         try:
             encoding = self.encoding or rt.batch_encoding
             # The check that a request has not ended and its joining the batch are one step

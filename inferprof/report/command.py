@@ -138,7 +138,8 @@ def report(files, fmt, service, model, html_out, progress) -> None:
     if dropped:
         # As the collector's inferprof_spans_dropped_total{reason}: what the figures lack.
         click.echo(
-            "dropped spans (docs/concepts.md, Bad input and limits): "
+            "dropped spans, in all the files read whatever --service/--model select "
+            "(docs/concepts.md, Bad input and limits): "
             + ", ".join(f"{reason} {n}" for reason, n in sorted(dropped.items())),
             err=True,
         )

@@ -228,6 +228,16 @@ def test_an_empty_batch_says_its_stages_belong_to_no_request(cap, caplog):
     assert "got no handles" in caplog.text
 
 
+def test_an_empty_batch_is_silent_when_inferprof_is_not_configured(caplog):
+    # Not configured (or off), every hook is a silent no-op: the same batching code runs
+    # in every mode without log lines.
+    _reset_warnings()
+    with caplog.at_level("WARNING", logger="inferprof"), inferprof.batch([]) as b:
+        with b.stage("compute"):
+            pass
+    assert caplog.records == []
+
+
 def test_a_request_ending_while_its_links_batch_forms_never_holds_the_batch_back(
     cap, monkeypatch
 ):
