@@ -65,6 +65,9 @@ BUSY_UTILIZATION = 0.9
 BEHIND_BATCHES = 0.5
 LOW_SM_ACTIVE = 0.5
 LOW_SM_OCCUPANCY = 0.25
+#: Tensor-pipe activity at which a low-occupancy `kernel` verdict says the matrix units
+#: are busy (cuBLAS at peak on an H100 read 92%).
+HIGH_TENSOR_ACTIVE = 0.5
 #: GPU samples kept per (GPU, metric) at most; the oldest go first.
 MAX_SAMPLES_PER_SERIES = 200_000
 
@@ -246,6 +249,7 @@ def gpu_evidence(
     for name, metric in (
         ("sm_active_during_compute", sc.METRIC_DCGM_SM_ACTIVE),
         ("sm_occupancy_during_compute", sc.METRIC_DCGM_SM_OCCUPANCY),
+        ("tensor_active_during_compute", sc.METRIC_DCGM_TENSOR_ACTIVE),
     ):
         values, weights = samples.during(metric, intervals)
         summary = _summary(values, weights)
@@ -361,6 +365,7 @@ def decide(
             gpu.get("sm_active_during_compute"),
             gpu.get("sm_occupancy_during_compute"),
             rest,
+            tensor=gpu.get("tensor_active_during_compute"),
         )
     if top != "compute":
         evidence = [headline, *rest]
@@ -405,7 +410,8 @@ def _compute_rules(
                     f"compute (median {_pct(sm['p50'])}) means the GPU was busy"
                 ),
             ]
-            return _gpu_limit(evidence, confidence * gpu_factor, sm, occ, rest, said_sm=True)
+            return _gpu_limit(evidence, confidence * gpu_factor, sm, occ, rest, said_sm=True,
+                              tensor=gpu.get("tensor_active_during_compute"))
         if sm is not None or occ is not None:
             figures = ", ".join(
                 f"{name} median {_pct(v['p50'])}"
@@ -448,7 +454,8 @@ def _compute_rules(
             "launches (look at fusion, CUDA graphs, host synchronisation)"
         )
         return _verdict(sc.VERDICT_RUNTIME, confidence * gpu_factor, evidence + rest)
-    return _gpu_limit(evidence, confidence * gpu_factor, sm, occ, rest)
+    return _gpu_limit(evidence, confidence * gpu_factor, sm, occ, rest,
+                      tensor=gpu.get("tensor_active_during_compute"))
 
 
 def _gpu_limit(
@@ -458,10 +465,12 @@ def _gpu_limit(
     occ: Mapping | None,
     rest: list[str],
     said_sm: bool = False,
+    tensor: Mapping | None = None,
 ) -> dict:
     """``kernel`` or ``hardware`` for a GPU that is busy (§6's compute rules past
     ``runtime``), from SM activity and occupancy; ``said_sm``: the evidence quotes SM
-    activity already."""
+    activity already; ``tensor``: tensor-pipe activity during compute, quoted where §6's
+    occupancy rule says ``kernel`` for matrix units running near their peak."""
     if sm is None and occ is None:
         evidence.append(
             "no SM activity or occupancy figures (DCGM profiling) were received, so a "
@@ -482,6 +491,14 @@ def _gpu_limit(
         evidence.append(
             f"the GPU is busy but with low {' and '.join(low)}: the kernels use it poorly"
         )
+        if low == ["occupancy"] and tensor is not None and tensor["p50"] >= HIGH_TENSOR_ACTIVE:
+            # Matrix-product kernels keep few warps per SM by design (docs/gpu.md): §6
+            # says `kernel`, but the tensor cores are near their peak.
+            evidence.append(
+                f"but tensor activity during compute is high (median {_pct(tensor['p50'])}): "
+                "matrix-product kernels run with low occupancy by design, so this may be a "
+                "GPU near its peak rather than a poor kernel (docs/gpu.md)"
+            )
         return _verdict(sc.VERDICT_KERNEL, confidence, evidence + rest)
     if sm is None or occ is None:
         missing = "SM activity" if sm is None else "SM occupancy"

@@ -262,3 +262,22 @@ def test_gpus_weigh_by_their_compute_time_not_by_their_samplers_rates(fast):
     engine.advance()
     util = engine.breakdown("svc")["gpu"]["utilization_during_compute"]
     assert util["mean"] == pytest.approx(0.6, abs=0.02)  # equal compute time each
+
+
+def test_low_occupancy_with_busy_tensor_cores_is_said_next_to_the_kernel_verdict():
+    # cuBLAS at peak on an H100 (docs/gpu.md): SM activity 95%, occupancy 14%, tensor
+    # activity 92%. §6 says `kernel`; the evidence must show the tensor figure that puts it
+    # in its light. Through the engine, from DCGM samples joined to the compute spans.
+    doc = _compute_bound_engine(0.95, dcgm={
+        sc.METRIC_DCGM_SM_ACTIVE: 0.95, sc.METRIC_DCGM_SM_OCCUPANCY: 0.14,
+        sc.METRIC_DCGM_TENSOR_ACTIVE: 0.92})
+    assert doc["gpu"]["tensor_active_during_compute"]["p50"] == pytest.approx(0.92)
+    assert doc["verdict"]["bottleneck"] == sc.VERDICT_KERNEL
+    text = " | ".join(doc["verdict"]["evidence"])
+    assert "tensor activity during compute is high (median 92%)" in text
+    # idle tensor pipes (a kernel that really is poor): no such line
+    poor = _compute_bound_engine(0.95, dcgm={
+        sc.METRIC_DCGM_SM_ACTIVE: 0.95, sc.METRIC_DCGM_SM_OCCUPANCY: 0.14,
+        sc.METRIC_DCGM_TENSOR_ACTIVE: 0.05})
+    assert poor["verdict"]["bottleneck"] == sc.VERDICT_KERNEL
+    assert "tensor activity" not in " | ".join(poor["verdict"]["evidence"])
