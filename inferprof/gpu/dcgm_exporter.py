@@ -206,6 +206,7 @@ class DcgmExporterSource:
         self.host_label = host_label
         self.timeout_s = float(timeout_s)
         self._checked = False
+        self._warned_empty = False
 
     def open(self) -> None:
         # Fail now, not on the first poll, when the parser is missing. The exporter itself
@@ -248,8 +249,22 @@ class DcgmExporterSource:
                     "%s serves DCGM series but none inferprof maps (%s...): a dcgm-exporter "
                     ">= 4.9 renamed its fields; map them with fields= / --dcgm-field",
                     self.url, ", ".join(sorted(self.fields)[:3]))
+            elif not self._warned_empty:
+                # An empty page or another exporter's metrics (a wrong port, node-exporter):
+                # said once; the checks above still run once GPU series appear.
+                self._warned_empty = True
+                _logger.warning(
+                    "%s serves no DCGM series (%s): no GPU samples. Is it dcgm-exporter "
+                    "(port 9400 by default), and does it see the GPUs?", self.url,
+                    "an empty page" if not text.strip() else "other metrics only")
             return
         self._checked = True
+        label = self.host_label
+        if label is not None and f'{label}="' not in text:
+            _logger.warning(
+                "%s: no series carries the host label %r (labels are case sensitive; "
+                "dcgm-exporter's are Hostname/hostname, and pod with Kubernetes pod "
+                "mapping): every GPU's host.name is this machine's", self.url, label)
         seen = {name for s in samples for name, _ in s.values}
         missing = [m for m in (sc.METRIC_DCGM_SM_ACTIVE, sc.METRIC_DCGM_SM_OCCUPANCY)
                    if m not in seen]

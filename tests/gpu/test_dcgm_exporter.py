@@ -199,3 +199,40 @@ def test_a_failed_scrape_names_the_url():
             DcgmExporterSource(server.url).read()
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("page,why", [
+    ("", "an empty page"),
+    ("# HELP node_load1 1m load average.\n# TYPE node_load1 gauge\nnode_load1 0.5\n",
+     "other metrics only"),  # node-exporter on the port by mistake
+])
+def test_a_page_without_dcgm_series_is_said_once(caplog, page, why):
+    from tests.gpu.conftest import MetricsServer
+
+    server = MetricsServer(page).start()
+    try:
+        src = DcgmExporterSource(server.url)
+        src.open()
+        with caplog.at_level(logging.WARNING, logger="inferprof.gpu"):
+            for _ in range(3):
+                assert src.read() == []
+    finally:
+        server.stop()
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "serves no DCGM series" in said[0] and why in said[0]
+
+
+def test_a_host_label_no_series_carries_is_said(caplog):
+    from tests.gpu.conftest import MetricsServer
+
+    page = _series("DCGM_FI_DEV_GPU_UTIL", "50", gpu="0", UUID="GPU-a", Hostname="n1", pod="p")
+    server = MetricsServer(page).start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="inferprof.gpu"):
+            (good,) = DcgmExporterSource(server.url, host_label="pod").read()
+            (typo,) = DcgmExporterSource(server.url, host_label="Pod").read()
+    finally:
+        server.stop()
+    assert good.host == "p"
+    said = [r.getMessage() for r in caplog.records if "host label" in r.getMessage()]
+    assert len(said) == 1 and "'Pod'" in said[0] and "case sensitive" in said[0]
