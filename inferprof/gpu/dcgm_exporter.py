@@ -110,6 +110,7 @@ def parse_exposition(
     ``host_label``: the label that holds ``host.name`` (default: ``Hostname``, else
     ``hostname``); ``pod`` gives the name of the pod a GPU is assigned to when
     dcgm-exporter runs with Kubernetes pod mapping — the ``host.name`` of that pod's spans.
+    A series without that label (a GPU no pod holds) falls back to ``Hostname``/``hostname``.
     """
     parser = require("prometheus_client.parser", "gpu")
     # (host, uuid) -> {series name: (value, timestamp ns)}; the first series of a GPU wins
@@ -127,10 +128,9 @@ def parse_exposition(
             value = float(s.value)
             if _blank(value):
                 continue
-            if host_label is not None:
-                host = labels.get(host_label) or None
-            else:
-                host = next((labels[k] for k in HOST_LABELS if labels.get(k)), None)
+            # The label asked for (``pod``: a GPU no pod holds has none), else the node's.
+            host = (labels.get(host_label) if host_label is not None else None) or next(
+                (labels[k] for k in HOST_LABELS if labels.get(k)), None)
             # exposition timestamps are whole milliseconds; the parser gives float seconds
             t = now_ns if s.timestamp is None else round(float(s.timestamp) * 1e3) * 1_000_000
             gpus.setdefault((host, uuid), {}).setdefault(name, (value, t))

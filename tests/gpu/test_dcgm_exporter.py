@@ -70,7 +70,10 @@ def test_host_label_variants():
     # with Kubernetes pod mapping, the pod's name is the host.name of that pod's spans
     assert parse_exposition(podded, now_ns=1, host_label="pod")[0].host == (
         "triton-84d57987c9-kks4k")
-    # a series without the label: the sampler's own host.name applies
+    # a GPU no pod holds has no pod label: the node's name, not the scraper's own
+    idle = _series("DCGM_FI_DEV_GPU_UTIL", "0", gpu="1", UUID="GPU-b", Hostname="n1")
+    assert parse_exposition(idle, now_ns=1, host_label="pod")[0].host == "n1"
+    # a series without any host label: the sampler's own host.name applies
     no_host = _series("DCGM_FI_DEV_GPU_UTIL", "50", gpu="0", UUID="GPU-a")
     assert parse_exposition(no_host, now_ns=1)[0].host is None
 
