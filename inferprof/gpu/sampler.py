@@ -121,8 +121,18 @@ def resolve_source(
     if source is not None and not isinstance(source, str):
         if not isinstance(source, Source):
             raise TypeError(f"source must be one of {sc.GPU_SOURCES} or a Source, got {source!r}")
+        name = None
+    else:
+        name = _config._choice(source, ENV_SOURCE, sc.GPU_SOURCES, _DEFAULT_SOURCE, "source")
+    # As the CLI: an option of another source is a mistake, not something to ignore.
+    if dcgm_url is not None and name != sc.GPU_SOURCE_DCGM_EXPORTER:
+        raise ValueError(f"dcgm_url applies to the {sc.GPU_SOURCE_DCGM_EXPORTER!r} source only, "
+                         f"not {name or source!r}")
+    if replay is not None and name != sc.GPU_SOURCE_REPLAY:
+        raise ValueError(f"replay applies to the {sc.GPU_SOURCE_REPLAY!r} source only, "
+                         f"not {name or source!r}")
+    if name is None:
         return source
-    name = _config._choice(source, ENV_SOURCE, sc.GPU_SOURCES, _DEFAULT_SOURCE, "source")
     if name == sc.GPU_SOURCE_NVML:
         from inferprof.gpu.nvml import NvmlSource
 

@@ -164,6 +164,11 @@ def test_bad_arguments_raise_and_bad_environment_is_logged_and_defaulted(monkeyp
         start_sampler("cuda")
     with pytest.raises(ValueError, match="replay"):
         start_sampler("replay")  # names no recording
+    # another source's option is a mistake, as in the CLI (it was ignored in silence)
+    with pytest.raises(ValueError, match="dcgm_url applies to the 'dcgm-exporter' source only"):
+        start_sampler("synthetic", dcgm_url="http://127.0.0.1:9400/metrics")
+    with pytest.raises(ValueError, match="replay applies to the 'replay' source only"):
+        start_sampler(SyntheticSource(), replay="gpu.jsonl")
     with pytest.raises(ValueError, match="endpoint"):
         GpuSampler(SyntheticSource(), endpoint="collector:4317")
     monkeypatch.setenv("INFERPROF_GPU_INTERVAL", "fast")
