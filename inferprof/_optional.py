@@ -6,12 +6,19 @@ import importlib
 from types import ModuleType
 
 
+#: Import names whose PyPI package is called otherwise (and where the import name is
+#: itself another, wrong package on PyPI: ``pip install pynvml`` is not NVIDIA's).
+_PACKAGES = {"pynvml": "nvidia-ml-py"}
+
+
 def require(module: str, extra: str) -> ModuleType:
     """Import ``module`` or raise ``ImportError`` naming ``inferprof[extra]``."""
     try:
         return importlib.import_module(module)
     except ImportError as exc:
+        package = _PACKAGES.get(module.partition(".")[0])
+        what = f"{module!r} (package {package})" if package else repr(module)
         raise ImportError(
-            f"{module!r} is needed for this feature and is not installed; "
+            f"{what} is needed for this feature and is not installed; "
             f"install it with: pip install 'inferprof[{extra}]'"
         ) from exc

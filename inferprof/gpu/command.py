@@ -263,7 +263,7 @@ def gpu(source: str | None, once: bool, duration: float | None, log_level: str,
             try:
                 sampler.start()
             except (SourceUnavailable, ImportError) as exc:
-                raise click.ClickException(f"cannot sample GPUs: {exc}") from None
+                raise click.ClickException(f"cannot sample GPUs: {exc}{_elsewhere(src)}") from None
             except ValueError as exc:
                 raise click.UsageError(str(exc)) from None
             st = sampler.settings
@@ -296,7 +296,7 @@ def _read_once(sampler: _sampler.GpuSampler) -> None:
     try:
         samples = sampler.read_once()
     except (SourceUnavailable, ImportError) as exc:
-        raise click.ClickException(f"cannot sample GPUs: {exc}") from None
+        raise click.ClickException(f"cannot sample GPUs: {exc}{_elsewhere(sampler.source)}") from None
     except ValueError as exc:  # from open(): a GPU that is not there, a malformed recording
         raise click.UsageError(str(exc)) from None
     except RuntimeError as exc:  # a failed read: one line, not a traceback
@@ -305,3 +305,12 @@ def _read_once(sampler: _sampler.GpuSampler) -> None:
 
 
 __all__ = ["gpu"]
+
+
+def _elsewhere(src: object) -> str:
+    """After a failed NVML source: where else GPU samples can come from."""
+    if getattr(src, "name", None) != "nvml":
+        return ""
+    return (". Without a GPU here: --source dcgm-exporter --dcgm-url URL (a node's exporter), "
+            "--source replay --replay FILE (a recording) or --source synthetic (invented "
+            "readings, to try the verdicts); docs/gpu.md")

@@ -36,9 +36,13 @@ def test_no_gpu_exits_non_zero_with_one_line():
     proc = _run("--duration", "1")
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1] == (
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith(
         "Error: cannot sample GPUs: no GPU to sample: the NVML library (libnvidia-ml.so) was "
-        "not found: no NVIDIA driver on this machine, or it is not mounted into this container")
+        "not found: no NVIDIA driver on this machine, or it is not mounted into this container."
+        " Without a GPU here: --source dcgm-exporter")
+    # ... and names the other sources, each of which works without a GPU
+    assert "--source replay" in line and "--source synthetic" in line
 
 
 def test_an_unreachable_dcgm_exporter_is_retried_and_the_process_keeps_running(otlp_sink):

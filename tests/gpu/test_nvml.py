@@ -120,8 +120,10 @@ def test_a_missing_package_is_an_import_error_naming_the_extra_for_both_sources(
     from inferprof.gpu import DcgmExporterSource
 
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml -> ImportError
-    with pytest.raises(ImportError, match=r"pip install 'inferprof\[gpu\]'"):
+    with pytest.raises(ImportError, match=r"pip install 'inferprof\[gpu\]'") as missing:
         NvmlSource().open()
+    # names the package: `pip install pynvml` would get another, deprecated one
+    assert "'pynvml' (package nvidia-ml-py)" in str(missing.value)
     monkeypatch.setitem(sys.modules, "prometheus_client.parser", None)
     with pytest.raises(ImportError, match=r"pip install 'inferprof\[gpu\]'"):
         DcgmExporterSource().open()
