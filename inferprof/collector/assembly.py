@@ -32,6 +32,7 @@ from typing import Any
 
 from inferprof import semconv as sc
 from inferprof.collector import triton_spans as _triton
+from inferprof.collector.verdict import normalize_gpu_id
 
 _DAY_NS = 86_400 * 1_000_000_000
 _ZERO_TRACE = bytes(16)
@@ -781,7 +782,8 @@ class Assembler:
                     self.seen_batches[key] = now
                 out.work.extend((row, s * 1e-9, e * 1e-9))
                 if gpu:
-                    out.compute.append((row, (res[1], str(gpu), s * 1e-9, e * 1e-9)))
+                    out.compute.append((row, (res[1], normalize_gpu_id(str(gpu)), s * 1e-9,
+                                              e * 1e-9)))
 
     @staticmethod
     def _owner(sid: bytes, spans: dict, requests: set, memo: dict) -> bytes | None:

@@ -45,6 +45,7 @@ need equal host names.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
@@ -100,6 +101,22 @@ _DEVICE_UUID = re.compile(
 )
 
 _NIL_UUID = "00000000-0000-0000-0000-000000000000"
+_ANY_UUID = re.compile(
+    r"(?:(GPU|MIG)-)?([0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12})",
+    re.IGNORECASE,
+)
+
+
+@functools.lru_cache(maxsize=4096)
+def normalize_gpu_id(hw_id: str) -> str:
+    """One spelling per device, so both sides of the join agree: NVML and dcgm-exporter
+    say ``GPU-<lower-case uuid>``, while a hand-set ``inferprof.gpu.id`` may be upper case
+    or the bare UUID (``torch.cuda.get_device_properties(i).uuid``). Other ids as given."""
+    hw_id = hw_id.strip()
+    m = _ANY_UUID.fullmatch(hw_id)
+    if m is None:
+        return hw_id
+    return f"{(m.group(1) or 'GPU').upper()}-{m.group(2).lower()}"
 
 
 def is_device_uuid(hw_id: str) -> bool:
@@ -128,7 +145,7 @@ class GpuSamples:
         self.dropped = 0
 
     def add(self, host: str, hw_id: str, metric: str, t: float, value: float) -> None:
-        key = (host, hw_id, metric)
+        key = (host, normalize_gpu_id(hw_id), metric)
         series = self._data.get(key)
         if series is None:
             series = self._data[key] = ([], [])
@@ -437,7 +454,8 @@ def _compute_rules(
         else:
             why = (
                 f"{lead} but none of the {received} GPU samples received overlaps its "
-                "compute spans (they join on host.name and hw.id = inferprof.gpu.id)"
+                "compute spans (they join on hw.id = inferprof.gpu.id: a GPU UUID, GPU-..., "
+                "joins whatever the host names; a short id only with equal host.name)"
             )
         return _unknown(why, *evidence, *rest)
     gpu_factor = min(1.0, gpu.get("samples", 0) / FULL_CONFIDENCE_SAMPLES)

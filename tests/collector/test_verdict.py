@@ -281,3 +281,25 @@ def test_low_occupancy_with_busy_tensor_cores_is_said_next_to_the_kernel_verdict
         sc.METRIC_DCGM_TENSOR_ACTIVE: 0.05})
     assert poor["verdict"]["bottleneck"] == sc.VERDICT_KERNEL
     assert "tensor activity" not in " | ".join(poor["verdict"]["evidence"])
+
+
+@pytest.mark.parametrize("span_id", [
+    "GPU-AAAAAAAA-1111-2222-3333-BBBBBBBBBBBB",  # upper case, by hand
+    "aaaaaaaa-1111-2222-3333-bbbbbbbbbbbb",      # torch's bare device uuid
+])
+def test_a_gpu_uuid_spelt_otherwise_joins_the_samples_of_its_gpu(span_id):
+    # NVML and dcgm-exporter say GPU-<lower-case uuid>; a service setting inferprof.gpu.id
+    # by hand may not. The join must not depend on the spelling (and the UUID joins across
+    # host names: the pod's spans, the node's samples).
+    doc = _compute_bound_engine(0.25, gpu_id=span_id, sample_host="node-7",
+                                sample_gpu_id="GPU-aaaaaaaa-1111-2222-3333-bbbbbbbbbbbb")
+    assert doc["gpu"]["samples"] > 100
+    assert doc["verdict"]["bottleneck"] == sc.VERDICT_RUNTIME
+
+
+def test_normalize_gpu_id_leaves_short_ids_alone():
+    from inferprof.collector.verdict import normalize_gpu_id
+
+    assert normalize_gpu_id("GPU-0") == "GPU-0"
+    assert normalize_gpu_id(" mig-AAAAAAAA-1111-2222-3333-BBBBBBBBBBBB ") == (
+        "MIG-aaaaaaaa-1111-2222-3333-bbbbbbbbbbbb")
