@@ -7,6 +7,8 @@ so ``inferprof --help`` works without the optional extras installed.
 from __future__ import annotations
 
 import importlib
+import logging
+import time
 
 import click
 
@@ -21,6 +23,44 @@ log_level_option = click.option(
     show_default=True,
     help="Python logging level.",
 )
+
+class ExporterLogLimit(logging.Filter):
+    """A handler filter for the long-running commands: the OpenTelemetry SDK's exporters log
+    a line on every failed export attempt (about 20 a minute with a collector down); let
+    through the first of each logger and level, then one a ``period_s``, saying how many
+    were held back. inferprof's own failure lines are rate-limited where they are logged."""
+
+    def __init__(self, period_s: float = 60.0, clock=time.monotonic) -> None:
+        super().__init__()
+        self.period_s = period_s
+        self._clock = clock
+        self._last: dict[tuple[str, int], tuple[float, int]] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.name.startswith("opentelemetry.exporter."):
+            return True
+        key = (record.name, record.levelno)
+        now = self._clock()
+        last = self._last.get(key)
+        if last is not None and now - last[0] < self.period_s:
+            self._last[key] = (last[0], last[1] + 1)
+            return False
+        held = last[1] if last is not None else 0
+        self._last[key] = (now, 0)
+        if held:
+            record.msg = f"{record.msg} ({held} more like it in the last {self.period_s:g} s)"
+        return True
+
+
+def configure_logging(level: str) -> None:
+    """Logging of a long-running subcommand: ``level``, one line per record, and the
+    OpenTelemetry exporters' per-attempt failure lines held to one a minute."""
+    logging.basicConfig(level=getattr(logging, level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, ExporterLogLimit) for f in handler.filters):
+            handler.addFilter(ExporterLogLimit())
+
 
 # subcommand -> "module:attribute" of its click command.
 _SUBCOMMANDS = {

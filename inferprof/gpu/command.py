@@ -10,7 +10,6 @@ off; ``--once`` still reads (it exports nothing).
 
 from __future__ import annotations
 
-import logging
 import math
 import sys
 import time
@@ -21,7 +20,7 @@ from click.core import ParameterSource
 
 from inferprof import _config
 from inferprof import semconv as sc
-from inferprof.cli import log_level_option
+from inferprof.cli import configure_logging, log_level_option
 from inferprof.cli.signals import until_signal
 from inferprof.gpu import sampler as _sampler
 from inferprof.gpu.records import METRICS, GpuSample, Source, SourceUnavailable
@@ -237,8 +236,7 @@ def gpu(source: str | None, once: bool, duration: float | None, log_level: str,
     INFERPROF_MODE=off: prints one line and exits 0. Exits non-zero, in one line, where the
     source cannot run. See docs/gpu.md.
     """
-    logging.basicConfig(level=getattr(logging, log_level.upper()),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(log_level)
     try:
         if duration is not None and not (duration > 0 and math.isfinite(duration)):
             raise ValueError(f"--duration must be a positive number of seconds, got {duration:g}")

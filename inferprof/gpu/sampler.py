@@ -297,8 +297,9 @@ class GpuSampler:
                         self._stats.dropped_export_failed + left))
             if stuck or left:
                 _logger.warning("GPU sampler stopped before its exports finished (%s); %d "
-                                "buffered readings dropped", "one still running" if stuck
-                                else "timeout", left)
+                                "buffered readings dropped", "one still running: its "
+                                "readings count as dropped (export failed) when it fails"
+                                if stuck else "timeout", left)
         except Exception:  # telemetry never raises into the application
             _logger.exception("stopping the GPU sampler failed")
         finally:
