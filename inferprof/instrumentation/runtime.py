@@ -147,28 +147,6 @@ def _freeze_errors(rec: RequestRecord, batches: list) -> None:
         _freeze_stage_errors(stages, rec.end)
 
 
-def _copied_stages(stages: list, end: int) -> tuple:
-    """A ``children``-encoded batch's stages as a member that ended at ``end`` copies them.
-
-    A stage still running then (the request timed out or was cancelled while its batch
-    worked) is copied clipped to ``end``, as the collector clips a ``links`` batch span
-    to each member: dropping it would hide the batch's work from the member's trace, and
-    from the collector's view of what queued requests waited behind (a timeout storm read
-    as an idle worker). A clipped copy is a record of its own; a stage nested in one is
-    copied too, to hang under it."""
-    out = list(stages)
-    clipped: dict = {}
-    for i, st in enumerate(out):
-        parent = clipped.get(st.parent) if st.parent is not None else None
-        if st.end is not None and parent is None:
-            continue
-        copy = StageRecord(st.name, parent or st.parent, st.start, st.attrs)
-        copy.end = st.end if st.end is not None else max(end, st.start)
-        copy.error = st.error
-        clipped[st] = out[i] = copy
-    return tuple(out)
-
-
 class Runtime:
     """Configured state: providers, the span sink, the sampler and the counters."""
 
@@ -365,11 +343,13 @@ class Runtime:
             self.stats.kept += 1
             rec._complete()
             # What the trace will hold, fixed now: a batch that outlives the request adds
-            # no stage that began after it, and a copied stage still running is clipped.
+            # no stage that ended after it. (Not clipped copies of the stages still running:
+            # the collector takes a batch's first copy of a stage as its work window, and a
+            # member that left early would make that the clipped one.)
             batches = [
                 (b, tuple(b.stages))
                 if b.encoding != semconv.BATCH_ENCODING_CHILDREN
-                else (b, _copied_stages(b.stages, rec.end))
+                else (b, tuple(st for st in b.stages if st.end is not None))
                 for b in rec.batches
             ]
             if self._encode:

@@ -294,10 +294,11 @@ async def test_a_custom_batcher_can_report_how_long_its_workers_were_all_busy(ca
     assert inferprof.enqueue().stage is None
 
 
-async def test_a_member_that_ends_while_its_children_batch_works_gets_clipped_copies(cap):
-    # A request that times out while its batch computes: its copy of the running stage
-    # ends with the request (as the collector clips a links batch span), instead of being
-    # left out — which hid the batch's work and made a timeout storm read as an idle worker.
+async def test_a_member_that_ends_while_its_children_batch_works_copies_no_running_stage(cap):
+    # A request that times out mid-compute copies the stages that had ended, not the one
+    # still running: the collector takes a batch's first copy of a stage as the batch's
+    # work window, and a clipped copy from the member that left first would shrink it (a
+    # review measured behind_batches 1.00 -> 0.75 and batch coverage 1.00 -> 0.13).
     queue = asyncio.Queue()
     tasks = await _custom_batcher_requests(2, queue)
     await asyncio.sleep(0.01)
@@ -305,15 +306,15 @@ async def test_a_member_that_ends_while_its_children_batch_works_gets_clipped_co
     computing, release = threading.Event(), threading.Event()
 
     def run_in_thread():
-        with inferprof.batch([h for _, h, _ in entries], batch_encoding="children"):
+        with inferprof.batch([h for _, h, _ in entries], batch_encoding="children") as b:
+            with b.stage("batch_assembly"):
+                pass
             with inferprof.stage("compute"):
-                with inferprof.stage("kernel_a"):
-                    computing.set()
-                    release.wait(5)
+                computing.set()
+                release.wait(5)
 
     worker = asyncio.create_task(asyncio.to_thread(run_in_thread))
     await asyncio.to_thread(computing.wait, 5)
-    await asyncio.sleep(0.02)
     tasks[0].cancel()  # the client gave up mid-compute
     with pytest.raises(asyncio.CancelledError):
         await tasks[0]
@@ -323,19 +324,11 @@ async def test_a_member_that_ends_while_its_children_batch_works_gets_clipped_co
     await tasks[1]
 
     spans = cap.spans()
-    cancelled, done = sorted(cap.requests(), key=lambda r: r.end_time)
-    for request in (cancelled, done):
-        kids = {k.attributes[semconv.ATTR_STAGE]: k for k in children_of(spans, request)}
-        compute = kids["compute"]
-        (inner,) = children_of(spans, compute)  # nesting kept in the clipped copy too
-        assert inner.attributes[semconv.ATTR_STAGE] == "kernel_a"
-        assert request.start_time <= compute.start_time <= inner.start_time
-        assert inner.end_time <= compute.end_time <= request.end_time
-    clipped = {k.attributes[semconv.ATTR_STAGE]: k for k in children_of(spans, cancelled)}
-    full = {k.attributes[semconv.ATTR_STAGE]: k for k in children_of(spans, done)}
-    assert clipped["compute"].end_time == cancelled.end_time
-    assert full["compute"].end_time > cancelled.end_time  # the batch ran on
-    assert clipped["compute"].start_time == full["compute"].start_time
+    left, stayed = sorted(cap.requests(), key=lambda r: r.end_time)
+    copied = {k.attributes[semconv.ATTR_STAGE] for k in children_of(spans, left)}
+    assert "batch_assembly" in copied and "compute" not in copied
+    full = {k.attributes[semconv.ATTR_STAGE]: k for k in children_of(spans, stayed)}
+    assert full["compute"].end_time > left.end_time  # the batch ran on, whole here
 
 
 async def test_a_batching_loop_started_inside_a_request_records_its_stages_after_it(
