@@ -58,7 +58,8 @@ def _warn_outlived(owner: Any) -> None:
     _logger.warning(
         "inferprof: a stage was entered in the context of a request that has ended (%s): a "
         "task started inside that request (a batching loop started by the first request?) "
-        "inherited it. The stage is recorded as a span of its own. Start such tasks in a "
+        "inherited it. The stage is recorded as a span of its own, in no request (the "
+        "collector counts such traces as incomplete and drops them). Start such tasks in a "
         "fresh context: contextvars.Context().run(loop.create_task, coro) (docs/batching.md)",
         getattr(owner, "name", "?"))
 
@@ -112,7 +113,10 @@ class Stage(StageRecord):
             # lazily by the first request) inherited its scope: that request has ended,
             # and stages recorded into it would be lost. Outside any request, then.
             _warn_outlived(owner)
-            self._enter_standalone(root=True)
+            # A new trace where the current span is that ended request's; under any other
+            # (an outer stage of this kind, a span of the user's), as usual.
+            current = trace_api.get_current_span()
+            self._enter_standalone(root=getattr(current, "_rec", None) is owner)
             return self
         stages = owner.stages
         if len(stages) >= MAX_STAGES:

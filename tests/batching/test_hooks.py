@@ -349,7 +349,8 @@ async def test_a_batching_loop_started_inside_a_request_records_its_stages_after
             if item is None:
                 return
             with inferprof.stage("batch_assembly"):  # outside inferprof.batch(): a span
-                pass
+                with inferprof.stage("tokenize"):  # nested: under it, in its trace
+                    pass
 
     async def submit(i):
         nonlocal loop_task
@@ -372,3 +373,9 @@ async def test_a_batching_loop_started_inside_a_request_records_its_stages_after
     assert len(own) == 2
     warned = [r for r in caplog.records if "request that has ended" in r.getMessage()]
     assert len(warned) == 1
+    # a stage nested in such a span hangs under it (not a trace of its own)
+    by_id = {s.context.span_id: s for s in assembly}
+    inner = [s for s in cap.stages("tokenize") if s.parent and s.parent.span_id in by_id
+             and by_id[s.parent.span_id] in own]
+    assert len(inner) == 2
+    assert all(s.context.trace_id == by_id[s.parent.span_id].context.trace_id for s in inner)
