@@ -27,7 +27,7 @@ def test_exporter_failures_pass_once_a_period_saying_how_many_were_held():
     assert limit.filter(record)
     passed.append(record.getMessage())
     assert passed == ["Failed to export metrics",
-                      "Failed to export metrics (19 more like it in the last 60 s)"]
+                      "Failed to export metrics (19 more like it since the last one shown)"]
     # levels are counted apart; other loggers are never held back
     assert limit.filter(_record(name, "Transient error", logging.WARNING))
     for _ in range(5):

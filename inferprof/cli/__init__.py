@@ -48,7 +48,7 @@ class ExporterLogLimit(logging.Filter):
         held = last[1] if last is not None else 0
         self._last[key] = (now, 0)
         if held:
-            record.msg = f"{record.msg} ({held} more like it in the last {self.period_s:g} s)"
+            record.msg = f"{record.msg} ({held} more like it since the last one shown)"
         return True
 
 

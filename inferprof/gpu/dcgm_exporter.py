@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import time
 import urllib.error
 import urllib.request
@@ -260,11 +261,12 @@ class DcgmExporterSource:
             return
         self._checked = True
         label = self.host_label
-        if label is not None and f'{label}="' not in text:
+        if label is not None and not re.search(r'[{,]\s*' + re.escape(label) + r'="', text):
             _logger.warning(
-                "%s: no series carries the host label %r (labels are case sensitive; "
-                "dcgm-exporter's are Hostname/hostname, and pod with Kubernetes pod "
-                "mapping): every GPU's host.name is this machine's", self.url, label)
+                "%s: no series carries the host label %r (labels are case sensitive; with "
+                "Kubernetes pod mapping only GPUs a pod holds have pod): GPUs without it "
+                "keep the exporter's Hostname label, else this machine's name", self.url,
+                label)
         seen = {name for s in samples for name, _ in s.values}
         missing = [m for m in (sc.METRIC_DCGM_SM_ACTIVE, sc.METRIC_DCGM_SM_OCCUPANCY)
                    if m not in seen]

@@ -283,16 +283,20 @@ def test_low_occupancy_with_busy_tensor_cores_is_said_next_to_the_kernel_verdict
     assert "tensor activity" not in " | ".join(poor["verdict"]["evidence"])
 
 
-@pytest.mark.parametrize("span_id", [
-    "GPU-AAAAAAAA-1111-2222-3333-BBBBBBBBBBBB",  # upper case, by hand
-    "aaaaaaaa-1111-2222-3333-bbbbbbbbbbbb",      # torch's bare device uuid
+_UUID = "GPU-aaaaaaaa-1111-2222-3333-bbbbbbbbbbbb"
+
+
+@pytest.mark.parametrize("span_id,sample_id", [
+    ("GPU-AAAAAAAA-1111-2222-3333-BBBBBBBBBBBB", _UUID),  # upper case, by hand
+    ("aaaaaaaa-1111-2222-3333-bbbbbbbbbbbb", _UUID),      # torch's bare device uuid
+    (_UUID, "GPU-AAAAAAAA-1111-2222-3333-BBBBBBBBBBBB"),  # a sampler of one's own
 ])
-def test_a_gpu_uuid_spelt_otherwise_joins_the_samples_of_its_gpu(span_id):
+def test_a_gpu_uuid_spelt_otherwise_joins_the_samples_of_its_gpu(span_id, sample_id):
     # NVML and dcgm-exporter say GPU-<lower-case uuid>; a service setting inferprof.gpu.id
-    # by hand may not. The join must not depend on the spelling (and the UUID joins across
-    # host names: the pod's spans, the node's samples).
+    # by hand, or a sampler of one's own, may not. The join must not depend on the
+    # spelling (and the UUID joins across host names: the pod's spans, the node's samples).
     doc = _compute_bound_engine(0.25, gpu_id=span_id, sample_host="node-7",
-                                sample_gpu_id="GPU-aaaaaaaa-1111-2222-3333-bbbbbbbbbbbb")
+                                sample_gpu_id=sample_id)
     assert doc["gpu"]["samples"] > 100
     assert doc["verdict"]["bottleneck"] == sc.VERDICT_RUNTIME
 

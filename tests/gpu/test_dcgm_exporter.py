@@ -234,8 +234,14 @@ def test_a_host_label_no_series_carries_is_said(caplog):
         with caplog.at_level(logging.WARNING, logger="inferprof.gpu"):
             (good,) = DcgmExporterSource(server.url, host_label="pod").read()
             (typo,) = DcgmExporterSource(server.url, host_label="Pod").read()
+            # a label that merely ends in the name (exported_pod) does not count as it
+            server.body = _series("DCGM_FI_DEV_GPU_UTIL", "5", UUID="GPU-b", Hostname="n1",
+                                  exported_pod="q")
+            (other,) = DcgmExporterSource(server.url, host_label="pod").read()
     finally:
         server.stop()
     assert good.host == "p"
+    assert typo.host == other.host == "n1"  # the exporter's Hostname, as the warning says
     said = [r.getMessage() for r in caplog.records if "host label" in r.getMessage()]
-    assert len(said) == 1 and "'Pod'" in said[0] and "case sensitive" in said[0]
+    assert len(said) == 2 and "'Pod'" in said[0] and "case sensitive" in said[0]
+    assert "keep the exporter's Hostname label" in said[0]
