@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-
 #: Import names whose PyPI package is called otherwise (and where the import name is
 #: itself another, wrong package on PyPI: ``pip install pynvml`` is not NVIDIA's).
 _PACKAGES = {"pynvml": "nvidia-ml-py"}
