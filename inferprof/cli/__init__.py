@@ -24,6 +24,7 @@ log_level_option = click.option(
     help="Python logging level.",
 )
 
+
 class ExporterLogLimit(logging.Filter):
     """A handler filter for the long-running commands: the OpenTelemetry SDK's exporters log
     a line on every failed export attempt (about 20 a minute with a collector down); let

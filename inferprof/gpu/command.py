@@ -302,13 +302,14 @@ def _read_once(sampler: _sampler.GpuSampler) -> None:
     write_samples(samples, sys.stdout)
 
 
-__all__ = ["gpu"]
-
-
 def _elsewhere(src: object) -> str:
     """After a failed NVML source: where else GPU samples can come from."""
-    if getattr(src, "name", None) != "nvml":
+    if getattr(src, "name", None) != sc.GPU_SOURCE_NVML:
         return ""
     return (". Without a GPU here: --source dcgm-exporter --dcgm-url URL (a node's exporter), "
             "--source replay --replay FILE (a recording) or --source synthetic (invented "
             "readings, to try the verdicts); docs/gpu.md")
+
+
+__all__ = ["gpu"]
+

@@ -209,16 +209,23 @@ def test_request_quantile_gauge_is_the_breakdowns_latency(scraped):
     assert "End-to-end request latency quantile over the last 300 s" in text
 
 
-def test_a_window_longer_than_retention_is_read_and_named_as_the_retention():
+def _scraped_engine(n: int, window_s: float, **engine_options):
+    """(engine, clock, registry): ``n`` queue+compute requests 0.1 s apart, folded, and a
+    registry whose scrapes read the engine over ``window_s``."""
     clock = FakeClock()
-    engine = Engine(clock=clock, windows_s=(10.0,), slice_s=1.0)
+    engine = Engine(clock=clock, **engine_options)
     b = TraceBuilder()
-    for i in range(50):
+    for i in range(n):
         b.sequential(i * 0.1, [("queue", 0.02), ("compute", 0.003)])
     engine.ingest_traces(b.export())
     clock.tick(5)
     registry = CollectorRegistry()
-    registry.register(EngineCollector(engine, window_s=300))
+    registry.register(EngineCollector(engine, window_s=window_s))
+    return engine, clock, registry
+
+
+def test_a_window_longer_than_retention_is_read_and_named_as_the_retention():
+    engine, _, registry = _scraped_engine(50, 300, windows_s=(10.0,), slice_s=1.0)
     text = generate_latest(registry).decode()
     assert "Per-stage latency quantile over the last 10 s." in text
     assert "over the last 300 s" not in text
@@ -249,15 +256,7 @@ def test_windowed_series_and_the_verdict_leave_together_when_a_service_goes_quie
     # A service that stopped sending: its quantile and share gauges leave the scrape once
     # the window holds none of its requests, and so does its verdict (not an everlasting
     # "unknown" = 1 on dashboards); the cumulative histogram stays.
-    clock = FakeClock()
-    engine = Engine(clock=clock, windows_s=(60.0,), slice_s=10.0)
-    b = TraceBuilder()
-    for i in range(120):
-        b.sequential(i * 0.1, [("queue", 0.02), ("compute", 0.003)])
-    engine.ingest_traces(b.export())
-    clock.tick(5)
-    registry = CollectorRegistry()
-    registry.register(EngineCollector(engine, window_s=60))
+    _, clock, registry = _scraped_engine(120, 60, windows_s=(60.0,), slice_s=10.0)
 
     def present():
         families = {f.name: f for f in text_string_to_metric_families(
@@ -272,4 +271,4 @@ def test_windowed_series_and_the_verdict_leave_together_when_a_service_goes_quie
     later, families = present()
     assert later == set()
     hist = sc.PROM_REQUEST_DURATION
-    assert [s for s in families[hist].samples if s.name == hist + "_count"][0].value == 120
+    assert next(s for s in families[hist].samples if s.name == hist + "_count").value == 120
