@@ -14,8 +14,11 @@ docs/demo.md) runs under uvicorn on 127.0.0.1, one long-lived process per config
                   distinguishable from (a) only by more than that
   (b) otel        opentelemetry-instrumentation-fastapi alone, exporting OTLP/gRPC
   (c) full        inferprof, every stage of every request traced and exported
-  (d) production  inferprof production mode (stage timings of every request, a
-                  tail-biased weighted sample of full traces exported)
+  (d) production  inferprof production mode, its defaults: up to 100 requests a second
+                  timed (a random share above that), a tail-biased weighted sample
+                  of the timed requests' full traces exported
+  (d1) production inferprof production mode timing every request
+                  (INFERPROF_MAX_TIMED_RATE=0): what (d) was before the timing budget
   (e) off         inferprof installed and called everywhere, configured off
   (c') full, exporter down        and        (d') production, exporter down
 
@@ -85,7 +88,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 
 from inferprof import semconv
-from inferprof._config import PROTOCOL_GRPC, PROTOCOL_HTTP
+from inferprof._config import ENV_MAX_TIMED_RATE, PROTOCOL_GRPC, PROTOCOL_HTTP
 from inferprof.demo.processes import ServiceProcess, run_loadgen
 from inferprof.demo.service import HEALTH_PATH
 from inferprof.demo.settings import (
@@ -225,6 +228,8 @@ class Config:
     rss_start: int = 0
     rss_end: int = 0
     telemetry_end: dict | None = None
+    #: extra environment of the service
+    env: dict = field(default_factory=dict)
 
 
 def configs(endpoint_down: bool) -> list[Config]:
@@ -234,6 +239,8 @@ def configs(endpoint_down: bool) -> list[Config]:
         Config("b", "OTel FastAPI only", INSTRUMENTATION_OTEL, "sink"),
         Config("c", "inferprof full", semconv.MODE_FULL, "sink"),
         Config("d", "inferprof production", semconv.MODE_PRODUCTION, "sink"),
+        Config("d1", "inferprof production, every request timed", semconv.MODE_PRODUCTION,
+               "sink", env={ENV_MAX_TIMED_RATE: "0"}),
         Config("e", "inferprof off", semconv.MODE_OFF, "-"),
     ]
     if endpoint_down:
@@ -245,7 +252,8 @@ def configs(endpoint_down: bool) -> list[Config]:
 
 
 _TELEMETRY_KEYS = ("spans_emitted", "spans_exported", "spans_dropped_queue_full",
-                   "spans_dropped_export_failed", "traces_kept", "traces_discarded")
+                   "spans_dropped_export_failed", "traces_kept", "traces_discarded",
+                   "requests_untimed")
 
 
 def measure(service: ServiceProcess, duration: float, concurrency: int, seed: int,
@@ -291,7 +299,7 @@ def measure(service: ServiceProcess, duration: float, concurrency: int, seed: in
     }
     t0, t1 = h0.get("telemetry"), h1.get("telemetry")
     if t0 and t1:
-        run.update({k: t1[k] - t0[k] for k in _TELEMETRY_KEYS})
+        run.update({k: t1.get(k, 0) - t0.get(k, 0) for k in _TELEMETRY_KEYS})
     return run
 
 
@@ -397,9 +405,10 @@ def table(cfgs: list[Config], args: argparse.Namespace, sink_spans: int, pinned:
             )
     lines += [
         "",
-        ("| config | errors | traces kept | spans emitted / req | spans exported / req "
+        ("| config | errors | requests timed | traces kept (of those timed) "
+         "| spans emitted / req | spans exported / req "
          "| spans dropped (queue full + export failed) | RSS after warm-up -> end (MiB) |"),
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in cfgs:
         errors = sum(r["errors"] for r in c.runs)
@@ -408,11 +417,13 @@ def table(cfgs: list[Config], args: argparse.Namespace, sink_spans: int, pinned:
             tot = {k: sum(r[k] for r in c.runs) for k in _TELEMETRY_KEYS}
             traces = tot["traces_kept"] + tot["traces_discarded"]
             kept = f"{tot['traces_kept'] / traces:.1%}" if traces else "-"
-            tel = (f"{kept} | {tot['spans_emitted'] / reqs:.2f} "
+            timed = traces + tot["requests_untimed"]
+            timed = f"{traces / timed:.1%}" if timed else "-"
+            tel = (f"{timed} | {kept} | {tot['spans_emitted'] / reqs:.2f} "
                    f"| {tot['spans_exported'] / reqs:.2f} "
                    f"| {tot['spans_dropped_queue_full']} + {tot['spans_dropped_export_failed']}")
         else:
-            tel = "- | - | - | -"
+            tel = "- | - | - | - | -"
         lines.append(f"| ({c.key}) {c.label} | {errors} | {tel} "
                      f"| {c.rss_start / 2**20:.1f} -> {c.rss_end / 2**20:.1f} |")
     lines += ["", *thread_table(cfgs)]
@@ -522,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             # Nothing but the endpoint we chose: no OTLP env from the caller's shell.
             extra = {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint or down,
-                     "OTEL_EXPORTER_OTLP_PROTOCOL": protocol}
+                     "OTEL_EXPORTER_OTLP_PROTOCOL": protocol, **c.env}
             # The child (and every thread it ever starts) inherits the affinity it is
             # started with, so the service is pinned from its first instruction.
             _pin(server_cpu)

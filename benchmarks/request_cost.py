@@ -7,7 +7,10 @@ and ``postprocess`` stages, an ``enqueue()`` into a batcher's queue: the per-req
 of what the demo service does, without the service. Configurations: no middleware at all
 (``none``), and inferprof configured ``off``, ``production`` and ``full``, exporting
 through ``configure()``'s own path (kept traces encoded to OTLP bytes when the request
-ends and queued as bytes) into an exporter that discards them.
+ends and queued as bytes) into an exporter that discards them. This loop runs tens of
+thousands of requests a second, so ``production``'s timing budget (100 timed a second)
+leaves nearly all of them untimed: its row is the cost of a request not timed, and
+``production-timed`` (``max_timed_rate=0``) that of one timed.
 
 CPU is ``time.process_time()`` over the requests plus a flush of the export queue, so the
 export thread's work is included; ``loop`` is the requesting thread's alone. Rounds are
@@ -33,7 +36,15 @@ import inferprof  # noqa: E402
 import inferprof.fastapi  # noqa: E402
 from inferprof.batching.hooks import enqueue  # noqa: E402
 
-MODES = ("none", "off", "production", "full")
+#: configuration -> configure() arguments (None: no middleware)
+CONFIGS: dict[str, dict | None] = {
+    "none": None,
+    "off": {"mode": "off"},
+    "production": {"mode": "production"},
+    "production-timed": {"mode": "production", "max_timed_rate": 0},
+    "full": {"mode": "full"},
+}
+MODES = tuple(CONFIGS)
 
 
 class DiscardEncoded(SpanExporter):
@@ -78,11 +89,16 @@ async def drive(target, n: int) -> None:
 def one_round(mode: str, n: int) -> tuple[float, float]:
     """(process CPU, requesting-thread CPU) per request, in µs."""
     target = app
-    if mode != "none":
-        inferprof.configure(mode=mode, span_exporter=DiscardEncoded(), set_global=False,
+    settings = CONFIGS[mode]
+    if settings is not None:
+        inferprof.configure(**settings, span_exporter=DiscardEncoded(), set_global=False,
                             metric_readers=[])
         target = inferprof.fastapi.InferprofMiddleware(app, model_name="m")
-    asyncio.run(drive(target, 500))  # warm up (and the tail sampler's threshold)
+    # Warm up: the tail sampler's threshold, and a full period of the timing budget's
+    # request rate (before its first second, every request is timed).
+    warm_until = time.monotonic() + 1.2
+    while time.monotonic() < warm_until:
+        asyncio.run(drive(target, 500))
     c0, t0 = time.process_time(), time.thread_time()
     asyncio.run(drive(target, n))
     loop = time.thread_time() - t0

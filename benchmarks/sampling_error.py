@@ -36,6 +36,12 @@ sent in full to every engine: metrics are not sampled. Head coins use common ran
 numbers across settings (a request head-kept at 1% is head-kept at 5%); the overload
 guard's extra coin comes from ``random``, seeded per run. Every figure is reproducible
 from ``--seed``.
+
+The rows "N% of requests timed" add production mode's timing budget (``max_timed_rate``)
+to the default sampler: a route serving 4x or 10x its budget has that share of its
+requests timed, at random (coins of their own); the sampler sees those alone and a kept
+trace's weight is divided by the share. Their "tail kept, at weight 1" column counts the
+slow requests kept at the weight of a timed slow request (1 / the share).
 """
 
 from __future__ import annotations
@@ -98,8 +104,13 @@ _GRID = (
     (0.05, 0.95),
     (0.02, 0.99),
 )
-#: (sample_rate, tail_quantile) pairs measured; the runtime's default always among them.
-SETTINGS = _GRID if DEFAULT_SETTING in _GRID else (*_GRID, DEFAULT_SETTING)
+#: The default sampler behind production mode's timing budget (``max_timed_rate``): a
+#: route serving 4x and 10x the budget has a quarter and a tenth of its requests timed,
+#: at random; the sampler sees only those, and their weights carry the inverse share.
+_TIMED = ((*DEFAULT_SETTING, 0.25), (*DEFAULT_SETTING, 0.1))
+#: (sample_rate, tail_quantile[, share of requests timed]) measured; the runtime's default
+#: always among them.
+SETTINGS = (*(_GRID if DEFAULT_SETTING in _GRID else (*_GRID, DEFAULT_SETTING)), *_TIMED)
 #: Requests per OTLP export fed to the engines.
 EXPORT_REQUESTS = 2000
 
@@ -365,21 +376,28 @@ def breakdown(w: Workload, spans: Spans, order: np.ndarray, weights: np.ndarray)
 
 
 def tail_sample(
-    w: Workload, order: np.ndarray, coins: np.ndarray, sample_rate: float, tail_quantile: float
+    w: Workload, order: np.ndarray, coins: np.ndarray, sample_rate: float, tail_quantile: float,
+    timed: float = 1.0, timing_coins: np.ndarray | None = None,
 ) -> np.ndarray:
     """Each request's weight under a real ``TailSampler`` (NaN: not kept).
 
-    ``coins`` are uniform draws: the head decision is ``coin < sample_rate``.
+    ``coins`` are uniform draws: the head decision is ``coin < sample_rate``. With
+    ``timed`` < 1, only the requests whose ``timing_coins`` draw is below it are timed (the
+    timing budget's share): the sampler sees those alone, and their weights are divided
+    by ``timed``, as the runtime writes them.
     """
     sampler = TailSampler(sample_rate, tail_quantile)
     key = (REQUEST_NAME, MODEL)  # the runtime's key: (request name, model)
     e2e = w.e2e_ns.tolist()
     head = (coins < sample_rate).tolist()
+    is_timed = (timing_coins < timed).tolist() if timed < 1.0 else [True] * len(e2e)
     weights = np.full(len(e2e), np.nan)
     for i in order.tolist():
+        if not is_timed[i]:
+            continue
         weight = sampler.decide(e2e[i], head[i], key)
         if weight is not None:
-            weights[i] = weight
+            weights[i] = weight / timed
     return weights
 
 
@@ -488,16 +506,22 @@ def run(
     exact = exact_figures(w, truth_doc["gpu"])
     sketch = compare(truth, exact, 1.0, 1.0, 1.0)
     tail = w.e2e_ns * 1e-9 >= exact.latency["p95"]
+    # the timing budget's coins: a stream of their own, so the other settings' draws (and
+    # their figures) are those of the runs before the budget existed
+    timing_coins = np.random.default_rng([seed, zlib.crc32(scenario.name.encode()), 1]).random(n)
     sampled = {}
     errors = {}
-    for k, (rate, q) in enumerate(settings):
+    for k, setting in enumerate(settings):
+        rate, q = setting[:2]
+        timed = setting[2] if len(setting) > 2 else 1.0
         random.seed(seed * 1000 + k)  # the overload guard's coin
-        weights = tail_sample(w, order, coins, rate, q)
+        weights = tail_sample(w, order, coins, rate, q, timed, timing_coins)
         kept = float(np.mean(~np.isnan(weights)))
         tail_kept = float(np.mean(~np.isnan(weights[tail])))
-        tail_exact = float(np.mean(weights[tail] == 1.0))
-        sampled[(rate, q)] = got = figures(breakdown(w, spans, order, weights))
-        errors[(rate, q)] = compare(got, truth, kept, tail_kept, tail_exact)
+        # at the weight a slow request of this setting gets when kept for being slow
+        tail_exact = float(np.mean(weights[tail] == 1.0 / timed))
+        sampled[setting] = got = figures(breakdown(w, spans, order, weights))
+        errors[setting] = compare(got, truth, kept, tail_kept, tail_exact)
     return Run(truth, sketch, sampled, errors)
 
 
@@ -572,6 +596,8 @@ def main() -> None:
         lines.append(_row(f"{scen.name}: all kept (sketch error)", [r.sketch for r in runs]))
         for setting in SETTINGS:
             mark = " (default)" if setting == DEFAULT_SETTING else ""
+            if len(setting) > 2:
+                mark = f", {setting[2]:.0%} of requests timed"
             label = f"{scen.name}: {setting[0]:g}, {setting[1]:g}{mark}"
             lines.append(_row(label, [r.errors[setting] for r in runs]))
     print("\n".join(notes) + "\n")

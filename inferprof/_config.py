@@ -36,6 +36,7 @@ _logger = logging.getLogger(__name__)
 ENV_MODE = "INFERPROF_MODE"
 ENV_SAMPLE_RATE = "INFERPROF_SAMPLE_RATE"
 ENV_TAIL_QUANTILE = "INFERPROF_TAIL_QUANTILE"
+ENV_MAX_TIMED_RATE = "INFERPROF_MAX_TIMED_RATE"
 ENV_BATCH_ENCODING = "INFERPROF_BATCH_ENCODING"
 ENV_RECORD_CONTENT = "INFERPROF_RECORD_CONTENT"
 ENV_CONTENT_MAX_BYTES = "INFERPROF_CONTENT_MAX_BYTES"
@@ -55,6 +56,9 @@ ENV_OTEL_EXPORTER_OTLP_METRICS_ENDPOINT = "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"
 _DEFAULT_MODE = semconv.MODE_FULL
 _DEFAULT_SAMPLE_RATE = 0.05
 _DEFAULT_TAIL_QUANTILE = 0.9
+#: Requests per second, per route (HTTP path) and process, that production mode times;
+#: above it a random share is timed (sampling.TimingBudget). 0: every request.
+_DEFAULT_MAX_TIMED_RATE = 100.0
 _DEFAULT_BATCH_ENCODING = semconv.BATCH_ENCODING_CHILDREN
 _DEFAULT_PROTOCOL = "grpc"
 _DEFAULT_CONTENT_MAX_BYTES = 1024
@@ -102,6 +106,8 @@ class Config:
     #: the metrics exporter's protocol (``OTEL_EXPORTER_OTLP_METRICS_PROTOCOL``); None:
     #: ``protocol``'s.
     metrics_protocol: str | None = None
+    #: production mode: requests timed per second per route and process (0: every one)
+    max_timed_rate: float = _DEFAULT_MAX_TIMED_RATE
 
     @property
     def enabled(self) -> bool:
@@ -153,6 +159,27 @@ def _fraction(arg: Any, env: str, default: float, what: str, *, open_low: bool) 
     except ValueError:
         pass
     _logger.warning("ignoring %s=%r: not a number in (0, 1]; using %r", env, raw, default)
+    return default
+
+
+def _rate(arg: Any, env: str, default: float, what: str) -> float:
+    """A non-negative number of requests per second (0: no limit)."""
+    if arg is not None:
+        if (isinstance(arg, bool) or not isinstance(arg, (int, float)) or not arg >= 0
+                or arg == float("inf")):
+            raise ValueError(f"{what} must be a number >= 0 (requests per second; 0: no "
+                             f"limit), got {arg!r}")
+        return float(arg)
+    raw = _env(env)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+        if 0 <= value < float("inf"):
+            return value
+    except ValueError:
+        pass
+    _logger.warning("ignoring %s=%r: not a number >= 0; using %r", env, raw, default)
     return default
 
 
@@ -285,6 +312,7 @@ def _resolve(
     protocol=None,
     sample_rate=None,
     tail_quantile=None,
+    max_timed_rate=None,
     batch_encoding=None,
     record_content=None,
     content_max_bytes=None,
@@ -341,6 +369,9 @@ def _resolve(
         traces_endpoint=traces_url,
         metrics_endpoint=metrics_url,
         metrics_protocol=metrics_protocol,
+        max_timed_rate=_rate(
+            max_timed_rate, ENV_MAX_TIMED_RATE, _DEFAULT_MAX_TIMED_RATE, "max_timed_rate"
+        ),
     )
 
 
@@ -468,6 +499,7 @@ def configure(
     mode: str | None = None,
     sample_rate: float | None = None,
     tail_quantile: float | None = None,
+    max_timed_rate: float | None = None,
     batch_encoding: str | None = None,
     record_content: bool | None = None,
     content_max_bytes: int | None = None,
@@ -512,6 +544,7 @@ def configure(
         protocol=protocol,
         sample_rate=sample_rate,
         tail_quantile=tail_quantile,
+        max_timed_rate=max_timed_rate,
         batch_encoding=batch_encoding,
         record_content=record_content,
         content_max_bytes=content_max_bytes,

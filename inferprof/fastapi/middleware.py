@@ -18,6 +18,7 @@ Nothing about the request's content (bodies, header values) is recorded unless
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
@@ -30,6 +31,7 @@ from opentelemetry.trace import SpanKind
 from inferprof import _config, semconv
 from inferprof.instrumentation.records import (
     SCOPE,
+    UNTIMED,
     RequestRecord,
     RequestSpan,
     StageRecord,
@@ -42,6 +44,7 @@ from inferprof.instrumentation.stage import begin_request
 
 _logger = logging.getLogger(__name__)
 _time_ns = time.time_ns
+_random = random.random
 _PROPAGATION_HEADERS = frozenset((b"traceparent", b"tracestate", b"baggage"))
 _STAGE_RECEIVE = semconv.STAGE_RECEIVE
 _STAGE_SERIALIZE = semconv.STAGE_SERIALIZE
@@ -347,15 +350,35 @@ class InferprofMiddleware:
             await self.app(scope, receive, send)
             return
         outer = SCOPE.get()
-        if outer is not None and isinstance(outer[0], RequestRecord):  # installed twice
-            await self.app(scope, receive, send)
+        if outer is not None and (outer is UNTIMED or isinstance(outer[0], RequestRecord)):
+            await self.app(scope, receive, send)  # installed twice
             return
+        budget = rt.timing_budget
+        share = 1.0
+        # Production mode: is this request to be timed at all? (Always, under another
+        # instrumentation's span: that one's sampler decides, and inferprof enriches it.)
+        if budget is not None and not current_otel_context():
+            share = budget.share(path)
+            if share < 1.0 and _random() >= share:
+                # Not timed: its stages record nothing, as with inferprof off.
+                rt.stats.untimed += 1
+                token = SCOPE.set(UNTIMED)
+                try:
+                    await self.app(scope, receive, send)
+                finally:
+                    try:
+                        SCOPE.reset(token)
+                    except ValueError:
+                        SCOPE.set(None)
+                return
         try:
             rec = self._open(rt, scope, receive, send)
         except Exception:
             _logger.exception("inferprof could not open a request; serving it untraced")
             await self.app(scope, receive, send)
             return
+        if share < 1.0:
+            rec.weight_hint = 1.0 / share  # its weight: timed with probability `share`
         try:
             await self.app(scope, rec.receive, rec.send)
         except BaseException as exc:

@@ -109,6 +109,8 @@ class StatsSnapshot:
     spans_exported: int
     traces_kept: int
     traces_discarded: int
+    #: requests production mode's timing budget left untimed (no trace could be kept)
+    requests_untimed: int = 0
 
     @property
     def spans_dropped(self) -> int:
@@ -120,7 +122,10 @@ class Stats:
     monotonically growing statistics; a lost increment under free-threading would only
     under-count, never break serving)."""
 
-    __slots__ = ("emitted", "queue_full", "export_failed", "exported", "kept", "discarded", "_lock")
+    __slots__ = (
+        "emitted", "queue_full", "export_failed", "exported", "kept", "discarded", "untimed",
+        "_lock",
+    )
 
     def __init__(self) -> None:
         self.emitted = 0
@@ -129,6 +134,7 @@ class Stats:
         self.exported = 0
         self.kept = 0
         self.discarded = 0
+        self.untimed = 0
         self._lock = threading.Lock()
 
     def snapshot(self) -> StatsSnapshot:
@@ -139,6 +145,7 @@ class Stats:
             spans_exported=self.exported,
             traces_kept=self.kept,
             traces_discarded=self.discarded,
+            requests_untimed=self.untimed,
         )
 
 

@@ -309,8 +309,23 @@ def detach_context(token: Any) -> None:
 
 #: The innermost open scope of this context: (owner, enclosing stage record or None). The
 #: owner is a RequestRecord (request stages) or a BatchRecord (inside ``inferprof.batch``/the
-#: batcher).
+#: batcher); or the scope is :data:`UNTIMED`.
 SCOPE: ContextVar[tuple[Any, StageRecord | None] | None] = ContextVar("inferprof_scope", default=None)
+
+
+class _Untimed:
+    """The owner in :data:`UNTIMED`: a request production mode left untimed."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<inferprof untimed request>"
+
+
+#: The scope of a request that ``production`` mode's timing budget left untimed
+#: (sampling.TimingBudget): its stages, queue handles and nested requests record nothing,
+#: as with inferprof off, and are not mistaken for work outside any request.
+UNTIMED: tuple[Any, None] = (_Untimed(), None)
 
 
 def current_owner() -> Any:
@@ -324,6 +339,7 @@ __all__ = [
     "RequestSpan",
     "BatchRecord",
     "SCOPE",
+    "UNTIMED",
     "MEMBERSHIP_LOCK",
     "NO_BATCHES",
     "current_owner",

@@ -53,7 +53,7 @@ from inferprof.instrumentation.records import (
     StageRecord,
     span_id_of,
 )
-from inferprof.instrumentation.sampling import TailSampler
+from inferprof.instrumentation.sampling import TailSampler, TimingBudget
 
 _logger = logging.getLogger(__name__)
 
@@ -171,6 +171,9 @@ class Runtime:
             TailSampler(config.sample_rate, config.tail_quantile) if self.production else None
         )
         self._sample_rate = config.sample_rate
+        #: production mode's cap on the requests timed (None: every request is timed)
+        rate = getattr(config, "max_timed_rate", 0.0)
+        self.timing_budget = TimingBudget(rate) if self.production and rate > 0 else None
         self._scope = InstrumentationScope(semconv.INSTRUMENTATION_SCOPE, __version__)
         paths = tuple(config.excluded_paths)
         #: (exact, prefixes) for the HTTP middleware; a trailing ``*`` marks a prefix.
@@ -320,6 +323,8 @@ class Runtime:
                         self._leave_batches(rec)
                     return
                 kept = True
+                # 1 / the probability it was timed at all (TimingBudget): part of its weight
+                weight *= rec.weight_hint
             else:
                 kept, weight = rec.head, rec.weight_hint
             self._finish(rec, kept, weight)

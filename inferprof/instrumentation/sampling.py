@@ -35,6 +35,8 @@ from __future__ import annotations
 import array
 import random
 import threading
+import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -156,4 +158,83 @@ class TailSampler:
         return self._fast_weight if head else None
 
 
-__all__ = ["TailSampler"]
+#: Seconds over which a key's request rate is counted for :class:`TimingBudget`. Short, so
+#: that a burst after an idle spell is timed in full for a tenth of a second, not a second.
+_BUDGET_PERIOD_S = 0.1
+#: Keys (paths, request names) with a rate of their own per period; later keys share one.
+#: Small: a route with an id in its path makes a key per request, and those must share
+#: the budget once there are more of them than routes a service has.
+_BUDGET_MAX_KEYS = 64
+
+
+class TimingBudget:
+    """Caps the requests ``production`` mode times at ``rate`` per second per key (the
+    HTTP path, or an ``inferprof.request()``'s name and model): above it, each request is
+    timed with probability ``rate / (the key's requests per second)``, counted over the
+    previous tenth of a second. A request not timed costs about what ``off`` costs; a
+    timed one carries the inverse of that probability in its weight, so weighted figures
+    stay unbiased. The probability comes from earlier requests only, so it is exact for the
+    request it is drawn for, whatever the counts' races between threads.
+
+    This bounds the telemetry CPU in absolute terms: a process serving 2,000 requests a
+    second times ``rate`` of them, not 2,000 (docs/overhead.md, "Timing budget").
+    """
+
+    __slots__ = ("rate", "_counts", "_shares", "_default", "_period_end", "_period_start",
+                 "_lock", "_clock")
+
+    def __init__(self, rate: float, clock: Callable[[], float] = time.monotonic) -> None:
+        if not rate > 0:
+            raise ValueError(f"rate must be > 0, got {rate!r}")
+        self.rate = float(rate)
+        #: requests per key in the current period
+        self._counts: dict[object, int] = {}
+        #: share timed per key, from the previous period (keys under budget absent: 1)
+        self._shares: dict[object, float] = {}
+        #: share timed for a key absent from ``_shares`` (that of the overflow key, when
+        #: the previous period had more keys than ``_BUDGET_MAX_KEYS``)
+        self._default = 1.0
+        self._clock = clock
+        now = clock()
+        self._period_start = now
+        self._period_end = now + _BUDGET_PERIOD_S
+        self._lock = threading.Lock()
+
+    def share(self, key: object) -> float:
+        """Probability with which this request of ``key`` is to be timed (1: always)."""
+        now = self._clock()
+        if now >= self._period_end:
+            self._roll(now)
+        counts = self._counts
+        n = counts.get(key)
+        if n is not None:
+            counts[key] = n + 1
+        elif len(counts) < _BUDGET_MAX_KEYS:
+            counts[key] = 1
+        else:  # unbounded keys (paths with ids in them) must not grow memory
+            counts[_OVERFLOW_KEY] = counts.get(_OVERFLOW_KEY, 0) + 1
+        return self._shares.get(key, self._default)
+
+    def _roll(self, now: float) -> None:
+        with self._lock:
+            if now < self._period_end:  # another thread rolled it
+                return
+            # The period ends at the first request after its end: after an idle spell it
+            # is longer than one, and the rate is the mean over it.
+            budget = self.rate * (now - self._period_start)
+            counts = self._counts
+            overflowed = _OVERFLOW_KEY in counts
+            shares = {}
+            for key, n in counts.items():
+                if n > budget:
+                    shares[key] = budget / n
+                elif overflowed:
+                    shares[key] = 1.0  # under budget itself: not the overflow key's share
+            self._default = shares.pop(_OVERFLOW_KEY, 1.0)
+            self._shares = shares
+            self._counts = {}
+            self._period_start = now
+            self._period_end = now + _BUDGET_PERIOD_S
+
+
+__all__ = ["TailSampler", "TimingBudget"]

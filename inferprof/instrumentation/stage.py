@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import random
 import time
 from collections.abc import Callable, Mapping
 from contextvars import Token
@@ -30,6 +31,7 @@ from inferprof import semconv
 from inferprof._config import active_runtime
 from inferprof.instrumentation.records import (
     SCOPE,
+    UNTIMED,
     RequestRecord,
     RequestSpan,
     StageRecord,
@@ -40,6 +42,7 @@ from inferprof.instrumentation.records import (
 
 _logger = logging.getLogger(__name__)
 _time_ns = time.time_ns
+_random = random.random
 _VALID: set[str] = set()
 _VALID_MAX = 4096
 #: Most stages recorded per request (and per batch); the rest are counted in
@@ -62,6 +65,13 @@ def _warn_outlived(owner: Any) -> None:
         "collector counts such traces as incomplete and drops them). Start such tasks in a "
         "fresh context: contextvars.Context().run(loop.create_task, coro) (docs/batching.md)",
         getattr(owner, "name", "?"))
+
+
+def _reset_scope(token: Token) -> None:
+    try:
+        SCOPE.reset(token)
+    except ValueError:  # exited in another context
+        SCOPE.set(None)
 
 
 def _check_stage(name: str) -> None:
@@ -106,6 +116,8 @@ class Stage(StageRecord):
         scope = SCOPE.get()
         if scope is None:
             self._enter_standalone()
+            return self
+        if scope is UNTIMED:  # a request production mode does not time
             return self
         owner, parent = scope
         if owner.finished:
@@ -248,9 +260,11 @@ def stage(name: str, *, device: Any = None, **attributes: Any) -> Stage:
         from inferprof.batching.device import parse_cuda_device
 
         parse_cuda_device(device)  # ValueError for a bad device, at the call site
-    elif not attributes and SCOPE.get() is None and active_runtime() is None:
-        # Off / unconfigured, outside any request: a shared do-nothing object, so the
-        # uninstrumented path costs no allocation.
+    elif not attributes and (
+        (scope := SCOPE.get()) is UNTIMED or (scope is None and active_runtime() is None)
+    ):
+        # Off / unconfigured, outside any request, or in a request not timed: a shared
+        # do-nothing object, so the uninstrumented path costs no allocation.
         noop = _NOOPS.get(name)
         if noop is None:
             noop = _NOOPS[name] = _NoopStage(name)
@@ -364,16 +378,29 @@ class RequestScope:
         self.attrs = attrs
         self.carrier = carrier
         self._rec: RequestRecord | None = None
+        self._token = None
         self._otel_token = None
 
     def __enter__(self) -> RequestRecord | None:
         scope = SCOPE.get()
-        if scope is not None and isinstance(scope[0], RequestRecord):
-            scope[0].set_attributes(self.attrs)  # nested: one request, more attributes
-            return scope[0]
+        if scope is not None:
+            if isinstance(scope[0], RequestRecord):
+                scope[0].set_attributes(self.attrs)  # nested: one request, more attributes
+                return scope[0]
+            if scope is UNTIMED:  # nested in a request production mode does not time
+                return None
         rt = active_runtime()
         if rt is None:
             return None
+        share = 1.0
+        budget = rt.timing_budget
+        if budget is not None and not current_otel_context():  # (see the middleware)
+            share = budget.share((self.name, self.attrs.get(semconv.ATTR_MODEL_NAME)))
+            if share < 1.0 and _random() >= share:
+                rt.stats.untimed += 1
+                self._rec = None
+                self._token = SCOPE.set(UNTIMED)
+                return None
         try:
             parent = None
             if self.carrier is not None:
@@ -383,6 +410,8 @@ class RequestScope:
                 parent = parent if parent.is_valid else None
             context = current_otel_context()
             rec = begin_request(rt, self.name, self.kind, dict(self.attrs), parent, None, context)
+            if share < 1.0:
+                rec.weight_hint = 1.0 / share  # timed with probability `share`
             if rec.live_span is None:
                 self._otel_token = attach_span(RequestSpan(rec), context)
         except Exception:
@@ -396,6 +425,9 @@ class RequestScope:
     def __exit__(self, exc_type, exc, tb) -> bool:
         rec = self._rec
         if rec is None:
+            if self._token is not None:  # a request not timed
+                _reset_scope(self._token)
+                self._token = None
             return False
         rec.end = _time_ns()
         if exc is not None:

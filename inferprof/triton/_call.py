@@ -31,6 +31,7 @@ from inferprof import semconv
 from inferprof._config import active_runtime
 from inferprof.instrumentation.records import (
     SCOPE,
+    UNTIMED,
     RequestRecord,
     StageRecord,
     current_otel_context,
@@ -75,7 +76,10 @@ def with_trace_context(headers: Any, context: trace_api.SpanContext) -> dict:
 
 def recording() -> bool:
     """Whether a call made here would be recorded: the check a call costs when it is not."""
-    return SCOPE.get() is not None or active_runtime() is not None
+    scope = SCOPE.get()
+    if scope is not None:
+        return scope is not UNTIMED
+    return active_runtime() is not None
 
 
 class NetworkCall:
@@ -159,6 +163,8 @@ def begin(attrs: dict) -> NetworkCall | None:
     try:
         scope = SCOPE.get()
         if scope is not None:
+            if scope is UNTIMED:  # a request production mode does not time
+                return None
             return _begin_in_scope(scope, attrs)
         rt = active_runtime()
         if rt is None:

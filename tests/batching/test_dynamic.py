@@ -109,7 +109,8 @@ async def test_links_encoding_one_span_per_stage_linked_to_every_member():
 
 
 async def test_links_encoding_links_only_sampled_members():
-    with captured(batch_encoding="links", mode="production", sample_rate=0.5) as cap:
+    with captured(batch_encoding="links", mode="production", sample_rate=0.5,
+                  max_timed_rate=0) as cap:
         import random
 
         random.seed(3)

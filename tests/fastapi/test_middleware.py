@@ -421,7 +421,7 @@ async def test_production_mode_builds_http_stages_and_attributes_only_for_kept_r
         return {"n": n}
 
     inferprof.fastapi.instrument(app, model_name="llm")
-    with captured(mode="production", sample_rate=0.001, tail_quantile=0.9) as cap:
+    with captured(mode="production", sample_rate=0.001, tail_quantile=0.9, max_timed_rate=0) as cap:
         rt = inferprof._config.active_runtime()
         async with client(app) as c:
             # past the tail sampler's warm-up (which keeps every trace)
@@ -552,7 +552,7 @@ async def test_instrument_turns_fastapis_own_request_tracing_off_so_production_m
         caplog):
     import logging
 
-    with captured(mode="production", sample_rate=0.001, tail_quantile=0.9) as cap:
+    with captured(mode="production", sample_rate=0.001, tail_quantile=0.9, max_timed_rate=0) as cap:
         app = _app_with_fastapi_tracing(cap.provider)
         assert app._telemetry["tracing"] is False
         rt = inferprof._config.active_runtime()
@@ -573,7 +573,7 @@ async def test_fastapi_tracing_kept_on_request_is_enriched_and_production_mode_w
         caplog):
     import logging
 
-    with captured(mode="production", sample_rate=0.001, tail_quantile=0.9) as cap:
+    with captured(mode="production", sample_rate=0.001, tail_quantile=0.9, max_timed_rate=0) as cap:
         app = _app_with_fastapi_tracing(cap.provider, fastapi_tracing=True)
         with caplog.at_level(logging.WARNING, logger="inferprof"):
             async with client(app) as c:
@@ -592,7 +592,7 @@ async def test_fastapi_tracing_kept_on_request_is_enriched_and_production_mode_w
 async def test_add_middleware_under_fastapi_tracing_warns_with_the_way_to_turn_it_off(caplog):
     import logging
 
-    with captured(mode="production", sample_rate=0.001, tail_quantile=0.9) as cap:
+    with captured(mode="production", sample_rate=0.001, tail_quantile=0.9, max_timed_rate=0) as cap:
         app = FastAPI(telemetry={"tracer_provider": cap.provider, "metrics": False,
                                  "logs": False})
 

@@ -63,7 +63,8 @@ def test_bad_sampler_arguments(kwargs):
 
 def test_production_mode_end_to_end_weights_and_tail(cap):
     inferprof.configure(
-        tracer_provider=cap.provider, mode="production", sample_rate=0.2, tail_quantile=0.9
+        tracer_provider=cap.provider, mode="production", sample_rate=0.2, tail_quantile=0.9,
+        max_timed_rate=0,  # every request timed: the tail sampler alone decides
     )
     random.seed(11)
     rng = np.random.default_rng(11)
@@ -90,7 +91,8 @@ def test_production_mode_end_to_end_weights_and_tail(cap):
 
 
 def test_production_mode_head_decision_sets_traceparent_sampled_flag(cap):
-    inferprof.configure(tracer_provider=cap.provider, mode="production", sample_rate=0.5)
+    inferprof.configure(tracer_provider=cap.provider, mode="production", sample_rate=0.5,
+                        max_timed_rate=0)
     flags = []
     for _ in range(400):
         with inferprof.request() as req:

@@ -1,0 +1,204 @@
+"""Production mode's timing budget: above ``max_timed_rate`` requests a second per route, a
+random share of requests is timed, the rest cost what ``off`` costs, and the kept traces'
+weights include the share so that weighted figures stay unbiased."""
+
+import asyncio
+import logging
+import random
+
+import httpx
+import pytest
+from fastapi import FastAPI
+
+import inferprof
+import inferprof.fastapi
+from inferprof import semconv
+from inferprof.batching.hooks import enqueue
+from inferprof.instrumentation import sampling
+from inferprof.instrumentation.sampling import TimingBudget
+from tests.instrumentation.helpers import captured
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_share_is_the_budget_over_the_previous_periods_rate():
+    clock = Clock()
+    budget = TimingBudget(100, clock=clock)
+    assert [budget.share("/a") for _ in range(400)] == [1.0] * 400  # first period: all
+    for _ in range(50):
+        budget.share("/b")
+    clock.now += 1.0
+    assert budget.share("/a") == pytest.approx(0.25)  # 400 a second, 100 to time
+    assert budget.share("/b") == 1.0  # under budget: every request
+    assert budget.share("/new") == 1.0
+    clock.now += 1.0  # a quiet second for /a (one request): back to every request
+    assert budget.share("/a") == 1.0
+
+
+def test_the_rate_is_the_mean_over_an_idle_spell():
+    clock = Clock()
+    budget = TimingBudget(10, clock=clock)
+    for _ in range(100):
+        budget.share("/a")
+    clock.now += 5.0  # the period ends at the first request after it: 100 in 5 s
+    assert budget.share("/a") == pytest.approx(0.5)  # 20 a second, twice the budget
+
+
+def test_keys_beyond_the_cap_share_one_rate_and_memory_stays_bounded(monkeypatch):
+    monkeypatch.setattr(sampling, "_BUDGET_MAX_KEYS", 8)
+    clock = Clock()
+    budget = TimingBudget(10, clock=clock)
+    for i in range(1000):
+        budget.share(f"/items/{i}")
+    assert len(budget._counts) <= 9
+    clock.now += 1.0
+    # the 992 overflowed paths made 992 a second together: a new path gets their share
+    assert budget.share("/items/5000") == pytest.approx(10 / 992)
+    # the paths that had a count of their own were under budget
+    assert budget.share("/items/3") == 1.0
+
+
+@pytest.mark.parametrize("bad", [-1, float("inf"), "100", True])
+def test_bad_max_timed_rate_is_refused(bad):
+    with pytest.raises(ValueError, match="max_timed_rate"):
+        inferprof.configure(mode="production", max_timed_rate=bad, span_exporter=None,
+                            set_global=False, metric_readers=[])
+
+
+def test_settings_and_environment(monkeypatch, caplog):
+    with captured(mode="production") as _:
+        rt = inferprof._config.active_runtime()
+        assert rt.timing_budget is not None and rt.timing_budget.rate == 100.0
+    with captured(mode="production", max_timed_rate=0):
+        assert inferprof._config.active_runtime().timing_budget is None
+    with captured(mode="full"):  # full mode times and traces every request
+        assert inferprof._config.active_runtime().timing_budget is None
+    monkeypatch.setenv("INFERPROF_MAX_TIMED_RATE", "250")
+    with captured(mode="production"):
+        assert inferprof._config.active_runtime().timing_budget.rate == 250.0
+    monkeypatch.setenv("INFERPROF_MAX_TIMED_RATE", "lots")
+    with caplog.at_level(logging.WARNING), captured(mode="production") as _:
+        assert inferprof._config.active_runtime().timing_budget.rate == 100.0
+    assert "INFERPROF_MAX_TIMED_RATE" in caplog.text
+
+
+def _app(record: list) -> FastAPI:
+    app = FastAPI()
+
+    @app.post("/v1/run")
+    async def run(body: dict):
+        with inferprof.stage("tokenize"):
+            pass
+        handle = enqueue(depth=0)
+        record.append((inferprof.current_request(), handle.request))
+        with inferprof.request(model="inner") as nested:  # nested: the same request
+            record.append(nested)
+        with inferprof.stage("postprocess"):
+            pass
+        return {"ok": body["i"]}
+
+    inferprof.fastapi.instrument(app, model_name="m")
+    return app
+
+
+async def _post(app: FastAPI, n: int) -> None:
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+        for i in range(n):
+            assert (await c.post("/v1/run", json={"i": i})).status_code == 200
+
+
+def test_requests_over_budget_are_timed_at_the_share_and_weighted_by_its_inverse(caplog):
+    random.seed(5)
+    clock = Clock()
+    record: list = []
+    app = _app(record)
+    # sample_rate 1: every timed request is kept, so the kept traces are the timed ones
+    with captured(mode="production", sample_rate=1.0) as cap:
+        rt = inferprof._config.active_runtime()
+        rt.timing_budget = TimingBudget(100, clock=clock)
+        with caplog.at_level(logging.WARNING, logger="inferprof"):
+            asyncio.run(_post(app, 400))  # the first second: every request timed
+            assert len(cap.requests()) == 400 and rt.stats.untimed == 0
+            cap.clear()
+            record.clear()
+            clock.now += 1.0
+            asyncio.run(_post(app, 400))  # 400 a second before: a quarter timed
+        requests = cap.requests()
+        spans = cap.spans()
+        snap = inferprof.instrumentation.stats()
+    timed = 400 - snap.requests_untimed
+    assert len(requests) == timed
+    assert 60 <= timed <= 140  # binomial(400, 0.25): 100 +- 4.3 sd
+    assert {r.attributes[semconv.ATTR_SAMPLE_WEIGHT] for r in requests} == {4.0}
+    # every span belongs to a timed request's trace: an untimed request's stages made
+    # no span of their own (outside any request they would have)
+    traces = {r.context.trace_id for r in requests}
+    assert {s.context.trace_id for s in spans} == traces
+    assert len(cap.stages("tokenize")) == len(cap.stages("postprocess")) == timed
+    assert len(cap.stages("queue")) == timed
+    # in an untimed request: no request handle, a queue handle that records nothing, and a
+    # nested inferprof.request() that opens nothing (not a request of its own)
+    handles = [r for r in record if isinstance(r, tuple)]
+    nested = [r for r in record if not isinstance(r, tuple)]
+    assert sum(1 for cur, q in handles if cur is None and q is None) == 400 - timed
+    assert sum(1 for n in nested if n is None) == 400 - timed
+    assert not any(s.attributes.get(semconv.ATTR_MODEL_NAME) == "inner" and
+                   s.attributes.get(semconv.ATTR_REQUEST) for s in spans)
+    assert "ended" not in caplog.text
+    # FastAPI keeps endpoint functions (and so this list, in run()'s closure) in a cache
+    record.clear()
+
+
+def test_untimed_members_of_a_batch_are_counted_in_its_size_and_copy_nothing():
+    random.seed(9)
+    clock = Clock()
+    app = FastAPI()
+
+    async def model(items):
+        return [x * 2 for x in items]
+
+    batcher = inferprof.DynamicBatcher(model, max_batch_size=8, max_delay_ms=20)
+
+    @app.post("/v1/run")
+    async def run(body: dict):
+        return {"y": await batcher.submit(body["i"])}
+
+    inferprof.fastapi.instrument(app)
+
+    async def burst() -> None:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            for _ in range(10):
+                codes = await asyncio.gather(*(c.post("/v1/run", json={"i": i})
+                                               for i in range(8)))
+                assert all(r.status_code == 200 for r in codes)
+        await batcher.stop()
+
+    with captured(mode="production", sample_rate=1.0) as cap:
+        rt = inferprof._config.active_runtime()
+        rt.timing_budget = TimingBudget(100, clock=clock)
+        for _ in range(400):
+            rt.timing_budget.share("/v1/run")
+        clock.now += 1.0  # 400 a second before: a quarter of the 80 requests timed
+        asyncio.run(burst())
+        requests = cap.requests()
+        assemblies = cap.stages(semconv.STAGE_BATCH_ASSEMBLY)
+    assert 0 < len(requests) < 40
+    assert {r.attributes[semconv.ATTR_SAMPLE_WEIGHT] for r in requests} == {4.0}
+    # each timed member carries its batch's stages; the batch size counts every member
+    assert len(assemblies) == len(requests)
+    copies: dict = {}
+    sizes: dict = {}
+    for a in assemblies:
+        batch_id = a.attributes[semconv.ATTR_BATCH_ID]
+        copies[batch_id] = copies.get(batch_id, 0) + 1
+        sizes[batch_id] = a.attributes[semconv.ATTR_BATCH_SIZE]
+    assert all(copies[b] <= sizes[b] for b in copies)
+    assert any(copies[b] < sizes[b] for b in copies)  # timed and untimed in one batch
