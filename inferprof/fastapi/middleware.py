@@ -40,7 +40,7 @@ from inferprof.instrumentation.records import (
     detach_context,
 )
 from inferprof.instrumentation.runtime import Runtime
-from inferprof.instrumentation.stage import begin_request
+from inferprof.instrumentation.stage import begin_request, under_live_span
 
 _logger = logging.getLogger(__name__)
 _time_ns = time.time_ns
@@ -357,7 +357,7 @@ class InferprofMiddleware:
         share = 1.0
         # Production mode: is this request to be timed at all? (Always, under another
         # instrumentation's span: that one's sampler decides, and inferprof enriches it.)
-        if budget is not None and not current_otel_context():
+        if budget is not None and not under_live_span(current_otel_context()):
             share = budget.share(path)
             if share < 1.0 and _random() >= share:
                 # Not timed: its stages record nothing, as with inferprof off.

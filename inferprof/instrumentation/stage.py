@@ -318,6 +318,13 @@ def _live_server_span(span: Any) -> Any:
     return None
 
 
+def under_live_span(context: Any) -> bool:
+    """Whether ``context`` (the current OpenTelemetry context) holds another
+    instrumentation's request span, which inferprof would enrich: its sampler, not
+    production mode's timing budget, decides about that request."""
+    return bool(context) and _live_server_span(trace_api.get_current_span(context)) is not None
+
+
 def begin_request(
     rt: Any,
     name: str,
@@ -394,7 +401,7 @@ class RequestScope:
             return None
         share = 1.0
         budget = rt.timing_budget
-        if budget is not None and not current_otel_context():  # (see the middleware)
+        if budget is not None and not under_live_span(current_otel_context()):
             share = budget.share((self.name, self.attrs.get(semconv.ATTR_MODEL_NAME)))
             if share < 1.0 and _random() >= share:
                 rt.stats.untimed += 1
@@ -499,4 +506,7 @@ def current_request() -> RequestRecord | None:
     return owner if isinstance(owner, RequestRecord) else None
 
 
-__all__ = ["stage", "request", "current_request", "Stage", "RequestScope", "begin_request"]
+__all__ = [
+    "stage", "request", "current_request", "Stage", "RequestScope", "begin_request",
+    "under_live_span",
+]

@@ -202,3 +202,47 @@ def test_untimed_members_of_a_batch_are_counted_in_its_size_and_copy_nothing():
         sizes[batch_id] = a.attributes[semconv.ATTR_BATCH_SIZE]
     assert all(copies[b] <= sizes[b] for b in copies)
     assert any(copies[b] < sizes[b] for b in copies)  # timed and untimed in one batch
+
+
+def test_a_context_value_does_not_bypass_the_budget_but_another_request_span_does():
+    from opentelemetry import baggage
+    from opentelemetry import context as context_api
+
+    from tests.fastapi.test_middleware import _app_with_fastapi_tracing
+
+    random.seed(13)
+    clock = Clock()
+    record: list = []
+    app = _app(record)
+    with captured(mode="production", sample_rate=1.0) as cap:
+        rt = inferprof._config.active_runtime()
+        rt.timing_budget = TimingBudget(100, clock=clock)
+        for _ in range(400):
+            rt.timing_budget.share("/v1/run")
+        clock.now += 1.0
+        # baggage set for the whole process (no span): requests are still budgeted
+        token = context_api.attach(baggage.set_baggage("tenant", "a"))
+        try:
+            asyncio.run(_post(app, 200))
+        finally:
+            context_api.detach(token)
+        assert 0 < len(cap.requests()) < 100
+        record.clear()
+        # FastAPI's own request span (fastapi_tracing=True): inferprof enriches it, and
+        # its sampler (always on here) decides, so every request is recorded
+        traced = _app_with_fastapi_tracing(cap.provider, fastapi_tracing=True)
+        cap.clear()
+        untimed = rt.stats.untimed
+        for _ in range(400):
+            rt.timing_budget.share("/v1/run")
+        clock.now += 1.0
+
+        async def post() -> None:
+            transport = httpx.ASGITransport(app=traced)
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+                for _ in range(50):
+                    await c.post("/v1/run", json={"prompt": "a b"})
+
+        asyncio.run(post())
+        assert rt.stats.untimed == untimed
+        assert len(cap.stages("tokenize")) == 50
