@@ -94,9 +94,9 @@ def one_round(mode: str, n: int) -> tuple[float, float]:
         inferprof.configure(**settings, span_exporter=DiscardEncoded(), set_global=False,
                             metric_readers=[])
         target = inferprof.fastapi.InferprofMiddleware(app, model_name="m")
-    # Warm up: the tail sampler's threshold, and a full period of the timing budget's
-    # request rate (before its first second, every request is timed).
-    warm_until = time.monotonic() + 1.2
+    # Warm up: the tail sampler's threshold, and the timing budget's request rate (in its
+    # first tenth of a second, every request is timed).
+    warm_until = time.monotonic() + 0.3
     while time.monotonic() < warm_until:
         asyncio.run(drive(target, 500))
     c0, t0 = time.process_time(), time.thread_time()

@@ -23,6 +23,7 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from opentelemetry import context as context_api
 from opentelemetry import propagate
 from opentelemetry import trace as trace_api
 from opentelemetry.semconv.attributes import http_attributes, url_attributes
@@ -360,8 +361,10 @@ class InferprofMiddleware:
         if budget is not None and not under_live_span(current_otel_context()):
             share = budget.share(path)
             if share < 1.0 and _random() >= share:
-                # Not timed: its stages record nothing, as with inferprof off.
+                # Not timed: its stages record nothing, as with inferprof off; a trace
+                # context it came with stays current, for the calls it makes downstream.
                 rt.stats.untimed += 1
+                otel_token = _attach_incoming(scope)
                 token = SCOPE.set(UNTIMED)
                 try:
                     await self.app(scope, receive, send)
@@ -370,6 +373,8 @@ class InferprofMiddleware:
                         SCOPE.reset(token)
                     except ValueError:
                         SCOPE.set(None)
+                    if otel_token is not None:
+                        detach_context(otel_token)
                 return
         try:
             rec = self._open(rt, scope, receive, send)
@@ -404,14 +409,8 @@ class InferprofMiddleware:
     def _open(self, rt: Runtime, scope: Scope, receive: Receive, send: Send) -> _HttpRequest:
         start = _time_ns()
         parent = None
-        headers = scope.get("headers") or ()
-        # Most requests carry no trace context: one C-level pass over the header names
-        # decides, instead of a Python loop over every header.
-        if not _PROPAGATION_HEADERS.isdisjoint(dict(headers)):
-            carrier = {}
-            for key, value in headers:
-                if key in _PROPAGATION_HEADERS:
-                    carrier[key.decode("latin-1")] = value.decode("latin-1")
+        carrier = _incoming_carrier(scope)
+        if carrier is not None:
             sc = trace_api.get_current_span(propagate.extract(carrier)).get_span_context()
             parent = sc if sc.is_valid else None
         method = scope.get("method", "GET")
@@ -489,6 +488,33 @@ class InferprofMiddleware:
             _logger.exception("inferprof could not name a request")
         rec.end = rec.ser_end or now
         rt.finish_request(rec)
+
+
+def _incoming_carrier(scope: Scope) -> dict[str, str] | None:
+    """The request's ``traceparent``/``tracestate``/``baggage`` headers; None without any.
+    Most requests carry no trace context: one C-level pass over the header names decides,
+    instead of a Python loop over every header."""
+    headers = scope.get("headers") or ()
+    if _PROPAGATION_HEADERS.isdisjoint(dict(headers)):
+        return None
+    carrier = {}
+    for key, value in headers:
+        if key in _PROPAGATION_HEADERS:
+            carrier[key.decode("latin-1")] = value.decode("latin-1")
+    return carrier
+
+
+def _attach_incoming(scope: Scope) -> Any:
+    """Make a request's incoming trace context current (a request production mode does not
+    time: downstream calls continue the caller's trace); the token, or None."""
+    try:
+        carrier = _incoming_carrier(scope)
+        if carrier is None:
+            return None
+        return context_api.attach(propagate.extract(carrier))
+    except Exception:
+        _logger.exception("inferprof could not read a request's trace context")
+        return None
 
 
 def split_paths(paths: tuple[str, ...]) -> tuple[frozenset, tuple]:

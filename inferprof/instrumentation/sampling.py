@@ -161,10 +161,11 @@ class TailSampler:
 #: Seconds over which a key's request rate is counted for :class:`TimingBudget`. Short, so
 #: that a burst after an idle spell is timed in full for a tenth of a second, not a second.
 _BUDGET_PERIOD_S = 0.1
-#: Keys (paths, request names) with a rate of their own per period; later keys share one.
-#: Small: a route with an id in its path makes a key per request, and those must share
-#: the budget once there are more of them than routes a service has.
+#: Keys (paths, request names) counted on their own per period; later keys are counted
+#: with the rare ones (:class:`TimingBudget`), so memory stays bounded.
 _BUDGET_MAX_KEYS = 64
+#: The budget of the keys seen once in a period (paths with ids in them, rare routes).
+_RARE_KEY = ("<rare>",)
 
 
 class TimingBudget:
@@ -176,12 +177,16 @@ class TimingBudget:
     stay unbiased. The probability comes from earlier requests only, so it is exact for the
     request it is drawn for, whatever the counts' races between threads.
 
-    This bounds the telemetry CPU in absolute terms: a process serving 2,000 requests a
-    second times ``rate`` of them, not 2,000 (docs/overhead.md, "Timing budget").
+    Keys seen once in a period (a path with an id in it makes a key per request; a route
+    at a few requests a second) share one budget, as do keys beyond the first
+    ``_BUDGET_MAX_KEYS`` of a period: a service whose paths carry ids is capped like one
+    with a single route. So the telemetry CPU is bounded in absolute terms: a process
+    serving 2,000 requests a second on one route times ``rate`` of them, not 2,000
+    (docs/overhead.md, "The timing budget").
     """
 
-    __slots__ = ("rate", "_counts", "_shares", "_default", "_period_end", "_period_start",
-                 "_lock", "_clock")
+    __slots__ = ("_clock", "_counts", "_default", "_lock", "_period_end", "_period_start",
+                 "_shares", "rate")
 
     def __init__(self, rate: float, clock: Callable[[], float] = time.monotonic) -> None:
         if not rate > 0:
@@ -189,10 +194,9 @@ class TimingBudget:
         self.rate = float(rate)
         #: requests per key in the current period
         self._counts: dict[object, int] = {}
-        #: share timed per key, from the previous period (keys under budget absent: 1)
+        #: share timed per key seen more than once in the previous period
         self._shares: dict[object, float] = {}
-        #: share timed for a key absent from ``_shares`` (that of the overflow key, when
-        #: the previous period had more keys than ``_BUDGET_MAX_KEYS``)
+        #: share timed for any other key: the rare keys' budget over their requests
         self._default = 1.0
         self._clock = clock
         now = clock()
@@ -201,38 +205,54 @@ class TimingBudget:
         self._lock = threading.Lock()
 
     def share(self, key: object) -> float:
-        """Probability with which this request of ``key`` is to be timed (1: always)."""
-        now = self._clock()
-        if now >= self._period_end:
-            self._roll(now)
-        counts = self._counts
-        n = counts.get(key)
-        if n is not None:
-            counts[key] = n + 1
-        elif len(counts) < _BUDGET_MAX_KEYS:
-            counts[key] = 1
-        else:  # unbounded keys (paths with ids in them) must not grow memory
-            counts[_OVERFLOW_KEY] = counts.get(_OVERFLOW_KEY, 0) + 1
-        return self._shares.get(key, self._default)
+        """Probability with which this request of ``key`` is to be timed (1: always).
+        Never raises: on any error the request is timed (weight unchanged)."""
+        try:
+            now = self._clock()
+            if now >= self._period_end:
+                self._roll(now)
+            counts = self._counts
+            n = counts.get(key)
+            if n is not None:
+                counts[key] = n + 1
+            elif len(counts) < _BUDGET_MAX_KEYS:
+                counts[key] = 1
+            else:  # unbounded keys must not grow memory: counted with the rare ones
+                counts[_RARE_KEY] = counts.get(_RARE_KEY, 0) + 1
+                return self._default
+            return self._shares.get(key, self._default)
+        except Exception:  # telemetry never fails a request
+            return 1.0
 
     def _roll(self, now: float) -> None:
         with self._lock:
             if now < self._period_end:  # another thread rolled it
                 return
+            # Swapped first, then copied in one C-level step: threads still counting into
+            # the old dict cannot change it under the loop below.
+            counts, self._counts = self._counts, {}
+            counts = counts.copy()
             # The period ends at the first request after its end: after an idle spell it
             # is longer than one, and the rate is the mean over it.
             budget = self.rate * (now - self._period_start)
-            counts = self._counts
-            overflowed = _OVERFLOW_KEY in counts
-            shares = {}
+            rare = counts.pop(_RARE_KEY, 0)
+            own = {}
             for key, n in counts.items():
+                if n > 1:
+                    own[key] = n
+                else:
+                    rare += 1
+            default = budget / rare if rare > budget else 1.0
+            # Keys over their budget get their share; under it, 1 (stored only when the
+            # default, for the keys absent, is less).
+            shares = {}
+            for key, n in own.items():
                 if n > budget:
                     shares[key] = budget / n
-                elif overflowed:
-                    shares[key] = 1.0  # under budget itself: not the overflow key's share
-            self._default = shares.pop(_OVERFLOW_KEY, 1.0)
+                elif default < 1.0:
+                    shares[key] = 1.0
+            self._default = default
             self._shares = shares
-            self._counts = {}
             self._period_start = now
             self._period_end = now + _BUDGET_PERIOD_S
 

@@ -406,6 +406,11 @@ class RequestScope:
             if share < 1.0 and _random() >= share:
                 rt.stats.untimed += 1
                 self._rec = None
+                if self.carrier is not None:  # downstream calls continue the caller's trace
+                    try:
+                        self._otel_token = context_api.attach(propagate.extract(self.carrier))
+                    except Exception:
+                        _logger.exception("inferprof could not read a request's trace context")
                 self._token = SCOPE.set(UNTIMED)
                 return None
         try:
@@ -435,6 +440,9 @@ class RequestScope:
             if self._token is not None:  # a request not timed
                 _reset_scope(self._token)
                 self._token = None
+                if self._otel_token is not None:
+                    detach_context(self._otel_token)
+                    self._otel_token = None
             return False
         rec.end = _time_ns()
         if exc is not None:

@@ -76,10 +76,7 @@ def with_trace_context(headers: Any, context: trace_api.SpanContext) -> dict:
 
 def recording() -> bool:
     """Whether a call made here would be recorded: the check a call costs when it is not."""
-    scope = SCOPE.get()
-    if scope is not None:
-        return scope is not UNTIMED
-    return active_runtime() is not None
+    return SCOPE.get() is not None or active_runtime() is not None
 
 
 class NetworkCall:
@@ -164,7 +161,7 @@ def begin(attrs: dict) -> NetworkCall | None:
         scope = SCOPE.get()
         if scope is not None:
             if scope is UNTIMED:  # a request production mode does not time
-                return None
+                return _untimed_call()
             return _begin_in_scope(scope, attrs)
         rt = active_runtime()
         if rt is None:
@@ -200,6 +197,13 @@ def _begin_in_scope(scope: tuple, attrs: dict) -> NetworkCall:
     owner.stages.append(rec)
     rec.start = _time_ns()
     return NetworkCall(rec, None, context)
+
+
+def _untimed_call() -> NetworkCall:
+    """In a request production mode does not time: nothing recorded, and the trace
+    context it came with (current, if it had one) goes on to Triton."""
+    context = trace_api.get_current_span(current_otel_context()).get_span_context()
+    return NetworkCall(None, None, context if context.is_valid else None)
 
 
 def _begin_standalone(rt: Any, attrs: dict) -> NetworkCall | None:

@@ -50,7 +50,8 @@ def test_the_rate_is_the_mean_over_an_idle_spell():
     assert budget.share("/a") == pytest.approx(0.5)  # 20 a second, twice the budget
 
 
-def test_keys_beyond_the_cap_share_one_rate_and_memory_stays_bounded(monkeypatch):
+def test_keys_beyond_the_cap_are_counted_with_the_rare_ones_and_memory_stays_bounded(
+        monkeypatch):
     monkeypatch.setattr(sampling, "_BUDGET_MAX_KEYS", 8)
     clock = Clock()
     budget = TimingBudget(10, clock=clock)
@@ -58,10 +59,36 @@ def test_keys_beyond_the_cap_share_one_rate_and_memory_stays_bounded(monkeypatch
         budget.share(f"/items/{i}")
     assert len(budget._counts) <= 9
     clock.now += 1.0
-    # the 992 overflowed paths made 992 a second together: a new path gets their share
-    assert budget.share("/items/5000") == pytest.approx(10 / 992)
-    # the paths that had a count of their own were under budget
-    assert budget.share("/items/3") == 1.0
+    # 1 000 paths seen once (8 counted on their own, 992 past the cap): one budget of 10
+    assert budget.share("/items/5000") == pytest.approx(10 / 1000)
+    assert budget.share("/items/3") == pytest.approx(10 / 1000)
+
+
+def test_paths_with_ids_are_capped_like_one_route():
+    random.seed(21)
+    clock = Clock()
+    budget = TimingBudget(100, clock=clock)
+    timed = {}
+    for rate in (300, 1000, 5000):
+        start = clock.now
+        n = 0
+        for i in range(2 * rate):  # two seconds of requests, each to a path of its own
+            clock.now = start + i / rate
+            n += random.random() < budget.share(f"/v1/jobs/{rate}-{i}")
+        timed[rate] = n / 2
+    # every request timed in the first tenth of a second of each rate, then ~100 a second
+    assert timed[300] <= 0.7 * 300
+    assert 80 <= timed[1000] <= 160
+    assert 80 <= timed[5000] <= 400
+    # a route seen more than once per period keeps a budget of its own beside them
+    clock.now += 1.0
+    budget.share("/v1/warm")  # a fresh period starts here
+    for i in range(100):  # a tenth of a second: 1 000 a second of each
+        budget.share(f"/v1/jobs/x-{i}")
+        budget.share("/v1/generate")
+        clock.now += 0.001
+    assert budget.share("/v1/generate") == pytest.approx(0.1, rel=0.02)
+    assert budget.share("/v1/jobs/new") == pytest.approx(0.1 / 1.01, rel=0.02)
 
 
 @pytest.mark.parametrize("bad", [-1, float("inf"), "100", True])
@@ -246,3 +273,84 @@ def test_a_context_value_does_not_bypass_the_budget_but_another_request_span_doe
         asyncio.run(post())
         assert rt.stats.untimed == untimed
         assert len(cap.stages("tokenize")) == 50
+
+
+def test_top_level_requests_are_budgeted_by_name_and_model_and_stay_unbiased(cap):
+    from inferprof.instrumentation.records import SCOPE
+
+    random.seed(17)
+    rng = random.Random(17)
+    clock = Clock()
+    inferprof.configure(tracer_provider=cap.provider, mode="production", sample_rate=0.05,
+                        tail_quantile=0.9)
+    rt = inferprof._config.active_runtime()
+    rt.timing_budget = TimingBudget(100, clock=clock)
+    for _ in range(400):
+        rt.timing_budget.share((semconv.REQUEST_SPAN_NAME, "m"))
+    clock.now += 1.0  # 400 a second of ("inferprof.request", "m"): a quarter timed
+    n, untimed = 4000, 0
+    for _ in range(n):
+        with inferprof.request(model="m") as req:
+            with inferprof.stage("compute"):
+                pass
+            if req is None:
+                untimed += 1
+            else:  # a synthetic latency, lognormal around 3 ms
+                req.start -= int(rng.lognormvariate(15, 1.0))
+        assert SCOPE.get() is None
+    assert untimed == inferprof.instrumentation.stats().requests_untimed
+    assert 0.2 * n < n - untimed < 0.3 * n
+    weights = [r.attributes.get(semconv.ATTR_SAMPLE_WEIGHT, 1.0) for r in cap.requests()]
+    # 1/0.25 for a slow request (or the sampler's warm-up), 1/(0.25 x 0.05) for a fast one
+    assert set(weights) == {4.0, 80.0}
+    assert abs(sum(weights) - n) / n < 0.2  # unbiased (sd ~ 7%)
+    assert len(cap.stages("compute")) == len(weights)
+
+
+def test_an_untimed_request_passes_its_trace_context_downstream():
+    from opentelemetry import trace as trace_api
+
+    from inferprof.triton import _call
+
+    random.seed(3)
+    clock = Clock()
+    trace_id = 0x0AF7651916CD43DD8448EB211C80319C
+    seen: list = []
+    app = FastAPI()
+
+    @app.post("/v1/run")
+    async def run(body: dict):
+        call = _call.begin({})
+        current = trace_api.get_current_span().get_span_context()
+        seen.append((inferprof.current_request() is None, call, current))
+        if call is not None:
+            call.end()
+        return {}
+
+    inferprof.fastapi.instrument(app)
+    headers = {"traceparent": f"00-{trace_id:032x}-b7ad6b7169203331-01"}
+
+    async def post(n: int) -> None:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            for _ in range(n):
+                await c.post("/v1/run", json={}, headers=headers)
+
+    with captured(mode="production", sample_rate=1.0) as cap:
+        rt = inferprof._config.active_runtime()
+        rt.timing_budget = TimingBudget(100, clock=clock)
+        for _ in range(1000):
+            rt.timing_budget.share("/v1/run")
+        clock.now += 1.0  # a tenth timed
+        asyncio.run(post(40))
+        networks = cap.stages(semconv.STAGE_NETWORK)
+    untimed = [(call, current) for none, call, current in seen if none]
+    assert untimed and len(untimed) < 40
+    for call, current in untimed:
+        # nothing recorded, and the caller's trace goes on to Triton and to any
+        # OpenTelemetry-instrumented client
+        assert call.rec is None and call.span is None
+        assert call.context.trace_id == trace_id == current.trace_id
+    assert len(networks) == 40 - len(untimed)  # the timed ones' network stages
+    assert trace_api.get_current_span().get_span_context().is_valid is False
+    seen.clear()

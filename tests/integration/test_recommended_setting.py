@@ -97,6 +97,8 @@ def test_production_mode_over_otlp_http_into_the_collector_gives_every_stage():
     assert body["traced_requests"] < 0.5 * REQUESTS
     # Only a sample is exported, each trace with its weight: the weighted request count
     # estimates every request served, not just the kept ones (5% of fast requests,
-    # weight 20, stand for the rest: a loose bound, the estimate is a random variable).
-    assert 0.4 * REQUESTS < body["requests"] < 2.5 * REQUESTS
+    # weight 20, stand for the rest; above the timing budget of 100 a second, a random
+    # share of requests is timed and the weights grow by its inverse: a loose bound, the
+    # estimate is a random variable, about 400 +- 100 when a quarter is timed).
+    assert 0.25 * REQUESTS < body["requests"] < 2.5 * REQUESTS
     assert body["requests"] > body["traced_requests"]
