@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,15 +139,13 @@ def _choice(arg: Any, env: str, allowed: tuple[str, ...], default: str, what: st
     return default
 
 
-def _fraction(arg: Any, env: str, default: float, what: str, *, open_low: bool) -> float:
-    def ok(v: float) -> bool:
-        return (0.0 < v if open_low else 0.0 <= v) and v <= 1.0
-
+def _number(arg: Any, env: str, default: float, what: str, ok: Callable[[float], bool],
+            expected: str) -> float:
+    """A number setting: ``arg`` (``ValueError`` unless ``ok``), else the variable ``env``
+    (ignored with a warning unless ``ok``), else ``default``."""
     if arg is not None:
         if isinstance(arg, bool) or not isinstance(arg, (int, float)) or not ok(float(arg)):
-            raise ValueError(
-                f"{what} must be a number in {'(0, 1]' if open_low else '[0, 1]'}, got {arg!r}"
-            )
+            raise ValueError(f"{what} must be {expected}, got {arg!r}")
         return float(arg)
     raw = _env(env)
     if raw is None:
@@ -158,29 +156,22 @@ def _fraction(arg: Any, env: str, default: float, what: str, *, open_low: bool) 
             return value
     except ValueError:
         pass
-    _logger.warning("ignoring %s=%r: not a number in (0, 1]; using %r", env, raw, default)
+    _logger.warning("ignoring %s=%r: not %s; using %r", env, raw, expected, default)
     return default
+
+
+def _fraction(arg: Any, env: str, default: float, what: str, *, open_low: bool) -> float:
+    def ok(v: float) -> bool:
+        return (0.0 < v if open_low else 0.0 <= v) and v <= 1.0
+
+    interval = "(0, 1]" if open_low else "[0, 1]"
+    return _number(arg, env, default, what, ok, f"a number in {interval}")
 
 
 def _rate(arg: Any, env: str, default: float, what: str) -> float:
     """A non-negative number of requests per second (0: no limit)."""
-    if arg is not None:
-        if (isinstance(arg, bool) or not isinstance(arg, (int, float)) or not arg >= 0
-                or arg == float("inf")):
-            raise ValueError(f"{what} must be a number >= 0 (requests per second; 0: no "
-                             f"limit), got {arg!r}")
-        return float(arg)
-    raw = _env(env)
-    if raw is None:
-        return default
-    try:
-        value = float(raw)
-        if 0 <= value < float("inf"):
-            return value
-    except ValueError:
-        pass
-    _logger.warning("ignoring %s=%r: not a number >= 0; using %r", env, raw, default)
-    return default
+    return _number(arg, env, default, what, lambda v: 0.0 <= v < float("inf"),
+                   "a number >= 0 (requests per second; 0: no limit)")
 
 
 def _flag(arg: Any, env: str, default: bool) -> bool:

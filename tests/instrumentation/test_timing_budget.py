@@ -27,6 +27,16 @@ class Clock:
         return self.now
 
 
+def _over_budget(clock: Clock, key: object, seen: int) -> None:
+    """Give the active runtime a budget of 100 a second on ``clock`` that has just seen
+    ``seen`` requests of ``key`` in a second: the next ones are timed at 100 / ``seen``."""
+    rt = inferprof._config.active_runtime()
+    rt.timing_budget = TimingBudget(100, clock=clock)
+    for _ in range(seen):
+        rt.timing_budget.share(key)
+    clock.now += 1.0
+
+
 def test_share_is_the_budget_over_the_previous_periods_rate():
     clock = Clock()
     budget = TimingBudget(100, clock=clock)
@@ -209,11 +219,7 @@ def test_untimed_members_of_a_batch_are_counted_in_its_size_and_copy_nothing():
         await batcher.stop()
 
     with captured(mode="production", sample_rate=1.0) as cap:
-        rt = inferprof._config.active_runtime()
-        rt.timing_budget = TimingBudget(100, clock=clock)
-        for _ in range(400):
-            rt.timing_budget.share("/v1/run")
-        clock.now += 1.0  # 400 a second before: a quarter of the 80 requests timed
+        _over_budget(clock, "/v1/run", 400)  # a quarter of the 80 requests timed
         asyncio.run(burst())
         requests = cap.requests()
         assemblies = cap.stages(semconv.STAGE_BATCH_ASSEMBLY)
@@ -243,10 +249,7 @@ def test_a_context_value_does_not_bypass_the_budget_but_another_request_span_doe
     app = _app(record)
     with captured(mode="production", sample_rate=1.0) as cap:
         rt = inferprof._config.active_runtime()
-        rt.timing_budget = TimingBudget(100, clock=clock)
-        for _ in range(400):
-            rt.timing_budget.share("/v1/run")
-        clock.now += 1.0
+        _over_budget(clock, "/v1/run", 400)
         # baggage set for the whole process (no span): requests are still budgeted
         token = context_api.attach(baggage.set_baggage("tenant", "a"))
         try:
@@ -283,11 +286,7 @@ def test_top_level_requests_are_budgeted_by_name_and_model_and_stay_unbiased(cap
     clock = Clock()
     inferprof.configure(tracer_provider=cap.provider, mode="production", sample_rate=0.05,
                         tail_quantile=0.9)
-    rt = inferprof._config.active_runtime()
-    rt.timing_budget = TimingBudget(100, clock=clock)
-    for _ in range(400):
-        rt.timing_budget.share((semconv.REQUEST_SPAN_NAME, "m"))
-    clock.now += 1.0  # 400 a second of ("inferprof.request", "m"): a quarter timed
+    _over_budget(clock, (semconv.REQUEST_SPAN_NAME, "m"), 400)  # a quarter timed
     n, untimed = 4000, 0
     for _ in range(n):
         with inferprof.request(model="m") as req:
@@ -337,11 +336,7 @@ def test_an_untimed_request_passes_its_trace_context_downstream():
                 await c.post("/v1/run", json={}, headers=headers)
 
     with captured(mode="production", sample_rate=1.0) as cap:
-        rt = inferprof._config.active_runtime()
-        rt.timing_budget = TimingBudget(100, clock=clock)
-        for _ in range(1000):
-            rt.timing_budget.share("/v1/run")
-        clock.now += 1.0  # a tenth timed
+        _over_budget(clock, "/v1/run", 1000)  # a tenth timed
         asyncio.run(post(40))
         networks = cap.stages(semconv.STAGE_NETWORK)
     untimed = [(call, current) for none, call, current in seen if none]
