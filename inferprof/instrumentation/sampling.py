@@ -1,8 +1,9 @@
 """Tail-biased trace sampling for ``production`` mode, with unbiased weights.
 
-Every request is timed; at its end the trace is kept with probability 1 when its latency is
-at or above a running estimate of the ``tail_quantile`` of recent latencies (per request
-name and model), else with probability ``sample_rate``.
+Every timed request (all of them, up to :class:`TimingBudget`'s rate per route) is kept, at
+its end, with probability 1 when its latency is at or above a running estimate of the
+``tail_quantile`` of recent latencies (per request name and model), else with probability
+``sample_rate``.
 
 Overload guard: the estimate lags when latency climbs (a queue building up under
 overload), and then nearly every request is "slow" — keeping them all would spend the
