@@ -349,3 +349,39 @@ def test_an_untimed_request_passes_its_trace_context_downstream():
     assert len(networks) == 40 - len(untimed)  # the timed ones' network stages
     assert trace_api.get_current_span().get_span_context().is_valid is False
     seen.clear()
+
+
+def test_threads_sharing_a_budget_get_valid_shares_and_memory_stays_bounded():
+    # (The race the roll guards against, a dict growing under its loop, is too narrow to
+    # hit on purpose here: this checks the budget under threads, not that race.)
+    import sys
+    import threading
+
+    import itertools
+
+    ticks = itertools.count()
+    # a clock 10 µs on at every read: the budget rolls every 10 000 calls, mid-traffic
+    budget = TimingBudget(50, clock=lambda: next(ticks) * 1e-5)
+    errors: list = []
+    shares: list = []
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible, mid-roll included
+    try:
+        def work(t: int) -> None:
+            try:
+                for i in range(20000):
+                    shares.append(budget.share(f"/k/{t}-{i % 200}" if i % 3 else "/hot"))
+            except Exception as exc:  # share() must never raise
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert not errors
+    assert len(shares) == 80000 and all(0.0 < s <= 1.0 for s in shares)
+    assert min(shares) < 1.0  # the budget did cut in
+    assert len(budget._counts) <= sampling._BUDGET_MAX_KEYS + 1
