@@ -354,10 +354,9 @@ def test_an_untimed_request_passes_its_trace_context_downstream():
 def test_threads_sharing_a_budget_get_valid_shares_and_memory_stays_bounded():
     # (The race the roll guards against, a dict growing under its loop, is too narrow to
     # hit on purpose here: this checks the budget under threads, not that race.)
+    import itertools
     import sys
     import threading
-
-    import itertools
 
     ticks = itertools.count()
     # a clock 10 µs on at every read: the budget rolls every 10 000 calls, mid-traffic
