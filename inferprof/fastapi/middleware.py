@@ -18,7 +18,6 @@ Nothing about the request's content (bodies, header values) is recorded unless
 from __future__ import annotations
 
 import logging
-import random
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
@@ -41,11 +40,10 @@ from inferprof.instrumentation.records import (
     detach_context,
 )
 from inferprof.instrumentation.runtime import Runtime
-from inferprof.instrumentation.stage import begin_request, under_live_span
+from inferprof.instrumentation.stage import begin_request, reset_scope, timed_share
 
 _logger = logging.getLogger(__name__)
 _time_ns = time.time_ns
-_random = random.random
 _PROPAGATION_HEADERS = frozenset((b"traceparent", b"tracestate", b"baggage"))
 _STAGE_RECEIVE = semconv.STAGE_RECEIVE
 _STAGE_SERIALIZE = semconv.STAGE_SERIALIZE
@@ -354,28 +352,19 @@ class InferprofMiddleware:
         if outer is not None and (outer is UNTIMED or isinstance(outer[0], RequestRecord)):
             await self.app(scope, receive, send)  # installed twice
             return
-        budget = rt.timing_budget
-        share = 1.0
-        # Production mode: is this request to be timed at all? (Always, under another
-        # instrumentation's span: that one's sampler decides, and inferprof enriches it.)
-        if budget is not None and not under_live_span(current_otel_context()):
-            share = budget.share(path)
-            if share < 1.0 and _random() >= share:
-                # Not timed: its stages record nothing, as with inferprof off; a trace
-                # context it came with stays current, for the calls it makes downstream.
-                rt.stats.untimed += 1
-                otel_token = _attach_incoming(scope)
-                token = SCOPE.set(UNTIMED)
-                try:
-                    await self.app(scope, receive, send)
-                finally:
-                    try:
-                        SCOPE.reset(token)
-                    except ValueError:
-                        SCOPE.set(None)
-                    if otel_token is not None:
-                        detach_context(otel_token)
-                return
+        share = timed_share(rt, path)  # production mode's timing budget
+        if not share:
+            # Not timed: its stages record nothing, as with inferprof off; a trace context
+            # it came with stays current, for the calls it makes downstream.
+            otel_token = _attach_incoming(scope)
+            token = SCOPE.set(UNTIMED)
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                reset_scope(token)
+                if otel_token is not None:
+                    detach_context(otel_token)
+            return
         try:
             rec = self._open(rt, scope, receive, send)
         except Exception:

@@ -172,7 +172,7 @@ class Runtime:
         )
         self._sample_rate = config.sample_rate
         #: production mode's cap on the requests timed (None: every request is timed)
-        rate = getattr(config, "max_timed_rate", 0.0)
+        rate = config.max_timed_rate
         self.timing_budget = TimingBudget(rate) if self.production and rate > 0 else None
         self._scope = InstrumentationScope(semconv.INSTRUMENTATION_SCOPE, __version__)
         paths = tuple(config.excluded_paths)

@@ -67,7 +67,8 @@ def _warn_outlived(owner: Any) -> None:
         getattr(owner, "name", "?"))
 
 
-def _reset_scope(token: Token) -> None:
+def reset_scope(token: Token) -> None:
+    """``SCOPE.reset(token)``; outside the context that set it, ``SCOPE.set(None)``."""
     try:
         SCOPE.reset(token)
     except ValueError:  # exited in another context
@@ -325,6 +326,20 @@ def under_live_span(context: Any) -> bool:
     return bool(context) and _live_server_span(trace_api.get_current_span(context)) is not None
 
 
+def timed_share(rt: Any, key: object) -> float:
+    """Production mode's timing budget for one request of ``key``: the probability it was
+    timed with (1.0 with no budget, under it, or under another instrumentation's request
+    span, whose sampler decides), or 0.0 when it is not to be timed (counted)."""
+    budget = rt.timing_budget
+    if budget is None or under_live_span(current_otel_context()):
+        return 1.0
+    share = budget.share(key)
+    if share < 1.0 and _random() >= share:
+        rt.stats.untimed += 1
+        return 0.0
+    return share
+
+
 def begin_request(
     rt: Any,
     name: str,
@@ -399,20 +414,16 @@ class RequestScope:
         rt = active_runtime()
         if rt is None:
             return None
-        share = 1.0
-        budget = rt.timing_budget
-        if budget is not None and not under_live_span(current_otel_context()):
-            share = budget.share((self.name, self.attrs.get(semconv.ATTR_MODEL_NAME)))
-            if share < 1.0 and _random() >= share:
-                rt.stats.untimed += 1
-                self._rec = None
-                if self.carrier is not None:  # downstream calls continue the caller's trace
-                    try:
-                        self._otel_token = context_api.attach(propagate.extract(self.carrier))
-                    except Exception:
-                        _logger.exception("inferprof could not read a request's trace context")
-                self._token = SCOPE.set(UNTIMED)
-                return None
+        share = timed_share(rt, (self.name, self.attrs.get(semconv.ATTR_MODEL_NAME)))
+        if not share:
+            self._rec = None
+            if self.carrier is not None:  # downstream calls continue the caller's trace
+                try:
+                    self._otel_token = context_api.attach(propagate.extract(self.carrier))
+                except Exception:
+                    _logger.exception("inferprof could not read a request's trace context")
+            self._token = SCOPE.set(UNTIMED)
+            return None
         try:
             parent = None
             if self.carrier is not None:
@@ -438,7 +449,7 @@ class RequestScope:
         rec = self._rec
         if rec is None:
             if self._token is not None:  # a request not timed
-                _reset_scope(self._token)
+                reset_scope(self._token)
                 self._token = None
                 if self._otel_token is not None:
                     detach_context(self._otel_token)
@@ -516,5 +527,5 @@ def current_request() -> RequestRecord | None:
 
 __all__ = [
     "stage", "request", "current_request", "Stage", "RequestScope", "begin_request",
-    "under_live_span",
+    "reset_scope", "timed_share", "under_live_span",
 ]
