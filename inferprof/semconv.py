@@ -92,7 +92,7 @@ ATTR_BATCH_ID: Final = "inferprof.batch.id"
 ATTR_BATCH_SIZE: Final = "inferprof.batch.size"
 ATTR_BATCH_MAX_SIZE: Final = "inferprof.batch.max_size"
 ATTR_QUEUE_DEPTH: Final = "inferprof.queue.depth"
-#: Extension (§7): seconds of a ``queue`` span during which every batch slot of its batcher
+#: Extension (§8): seconds of a ``queue`` span during which every batch slot of its batcher
 #: was running a batch: the request waited behind batches, not for the batcher.
 ATTR_QUEUE_BEHIND_BATCHES_S: Final = "inferprof.queue.behind_batches_s"
 ATTR_TOKENS_EFFECTIVE: Final = "inferprof.tokens.effective"
@@ -126,9 +126,9 @@ METRIC_DCGM_DRAM_ACTIVE: Final = "inferprof.gpu.dcgm.dram_active"
 ATTR_HW_ID: Final = "hw.id"
 #: Share of time the memory controller was busy (NVML ``utilization.memory``, DCGM
 #: ``DCGM_FI_DEV_MEM_COPY_UTIL``), ratio 0..1. Not ``hw.gpu.memory.utilization``: the
-#: OpenTelemetry convention defines that one as memory *used* over memory size (§9).
+#: OpenTelemetry convention defines that one as memory *used* over memory size (§10).
 METRIC_DCGM_MEM_COPY_UTIL: Final = "inferprof.gpu.dcgm.mem_copy_util"
-#: Resource attribute of GPU samples naming what produced them (§9): live sources
+#: Resource attribute of GPU samples naming what produced them (§10): live sources
 #: ``nvml`` and ``dcgm-exporter``; ``replay`` and ``synthetic`` are not live GPU data.
 RESOURCE_GPU_SOURCE: Final = "inferprof.gpu.source"
 GPU_SOURCE_NVML: Final = "nvml"
