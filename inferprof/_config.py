@@ -250,6 +250,8 @@ _lock = threading.Lock()
 _runtime: Any = None  # inferprof.instrumentation.runtime.Runtime | None
 _auto: tuple[Any, Any] | None = None  # (global SDK provider, Runtime built on it)
 _installed_providers: set[int] = set()  # ids of providers inferprof itself created
+#: the counters of the runtime ``shutdown()`` closed last: its final counts stay readable
+_final_stats: Any = None  # inferprof.instrumentation.accounting.Stats | None
 
 
 def active_runtime() -> Any:
@@ -658,7 +660,8 @@ def shutdown(timeout_millis: int = 5000) -> None:
     At most ``timeout_millis`` for spans and metrics together: with a healthy exporter
     the flush takes milliseconds; against one that is down, the SDK's exporters retry
     each export for up to 10 s, and a service being stopped (Kubernetes allows 30 s
-    before SIGKILL) must not spend that. What is not exported in time is dropped.
+    before SIGKILL) must not spend that. What is not exported in time is dropped, and
+    counted: ``inferprof.instrumentation.stats()`` keeps returning the final counts.
 
     Providers inferprof did not create (passed in, or the application's globals) are
     flushed but left running: they belong to the application (their processors may not
@@ -667,7 +670,7 @@ def shutdown(timeout_millis: int = 5000) -> None:
     GPU samplers started in this process (``inferprof.gpu``) are stopped first, their
     buffered readings exported, within a fifth of the timeout.
     """
-    global _runtime, _auto
+    global _runtime, _auto, _final_stats
     started = time.monotonic()
     samplers = sys.modules.get("inferprof.gpu.sampler")  # loaded only if one was used
     if samplers is not None:
@@ -678,6 +681,8 @@ def shutdown(timeout_millis: int = 5000) -> None:
     with _lock:
         rt, _runtime = _runtime, None
         _auto = None
+        if rt is not None:
+            _final_stats = rt.stats
     if rt is None:
         return
     left_ms = max(0, int(timeout_millis - (time.monotonic() - started) * 1000))

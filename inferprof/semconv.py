@@ -262,6 +262,7 @@ METRIC_SPANS_EMITTED: Final = "inferprof.spans.emitted"
 ATTR_DROP_REASON: Final = "reason"
 DROP_REASON_QUEUE_FULL: Final = "queue_full"
 DROP_REASON_EXPORT_FAILED: Final = "export_failed"
+DROP_REASON_SHUTDOWN: Final = "shutdown"
 
 # --- Triton client wrapper (inferprof.triton; extensions beyond the v1 contract) --------
 

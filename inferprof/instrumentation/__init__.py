@@ -11,11 +11,15 @@ from typing import Any
 
 def stats() -> Any:
     """A :class:`~inferprof.instrumentation.accounting.StatsSnapshot` (all zero with
-    ``mode="off"``), or None when inferprof is not configured."""
+    ``mode="off"``); after ``inferprof.shutdown()``, the final counts of the configuration
+    it shut down; None when inferprof has not been configured."""
     from inferprof import _config
 
     rt = _config._runtime if _config._runtime is not None else _config.active_runtime()
-    return rt.snapshot() if rt is not None else None
+    if rt is not None:
+        return rt.snapshot()
+    final = _config._final_stats
+    return final.snapshot() if final is not None else None
 
 
 __all__ = ["stats"]

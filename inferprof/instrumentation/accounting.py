@@ -111,10 +111,13 @@ class StatsSnapshot:
     traces_discarded: int
     #: requests production mode's timing budget left untimed (no trace could be kept)
     requests_untimed: int = 0
+    #: spans still queued when ``inferprof.shutdown()``'s time ran out
+    spans_dropped_shutdown: int = 0
 
     @property
     def spans_dropped(self) -> int:
-        return self.spans_dropped_queue_full + self.spans_dropped_export_failed
+        return (self.spans_dropped_queue_full + self.spans_dropped_export_failed
+                + self.spans_dropped_shutdown)
 
 
 class Stats:
@@ -124,7 +127,7 @@ class Stats:
 
     __slots__ = (
         "emitted", "queue_full", "export_failed", "exported", "kept", "discarded", "untimed",
-        "_lock",
+        "shutdown", "_lock",
     )
 
     def __init__(self) -> None:
@@ -135,6 +138,7 @@ class Stats:
         self.kept = 0
         self.discarded = 0
         self.untimed = 0
+        self.shutdown = 0
         self._lock = threading.Lock()
 
     def snapshot(self) -> StatsSnapshot:
@@ -146,6 +150,7 @@ class Stats:
             traces_kept=self.kept,
             traces_discarded=self.discarded,
             requests_untimed=self.untimed,
+            spans_dropped_shutdown=self.shutdown,
         )
 
 
@@ -296,11 +301,29 @@ class CountingBatchSpanProcessor(BatchSpanProcessor):
     def shutdown(self, timeout_millis: int | None = None) -> None:
         """Flush and stop, waiting at most ``timeout_millis`` (the SDK's processor, called
         by its provider, has no bound of its own: 30 s, each export retrying for up to 10 s
-        against a dead endpoint). What is not exported by then is dropped."""
+        against a dead endpoint). What is not exported by then is dropped, and counted."""
         inner = self._inner
         if timeout_millis is None or not callable(getattr(inner, "shutdown", None)):
-            return super().shutdown()
-        return inner.shutdown(timeout_millis=timeout_millis)
+            super().shutdown()
+        else:
+            inner.shutdown(timeout_millis=timeout_millis)
+        self._count_left_behind()
+
+    def _count_left_behind(self) -> None:
+        """Count the entries the shut-down queue will never export. Each is popped, so an
+        entry is counted once: here, or by the exporter wrapper if the export thread took it."""
+        queue = self._queue
+        if queue is None:
+            return
+        left = 0
+        while True:
+            try:
+                entry = queue.pop()
+            except IndexError:
+                break
+            left += entry.n if type(entry) in _TRACE_ENTRIES else 1
+        with self._stats._lock:
+            self._stats.shutdown += left
 
     def on_end(self, span: Any) -> None:
         entry = type(span) in _TRACE_ENTRIES

@@ -225,6 +225,9 @@ class Runtime:
                     stats.export_failed,
                     {semconv.ATTR_DROP_REASON: semconv.DROP_REASON_EXPORT_FAILED},
                 )
+                yield Observation(
+                    stats.shutdown, {semconv.ATTR_DROP_REASON: semconv.DROP_REASON_SHUTDOWN}
+                )
 
             def emitted(_options):
                 yield Observation(stats.emitted)

@@ -140,3 +140,57 @@ def test_shutdown_against_a_dead_endpoint_keeps_to_its_timeout():
     took = time.perf_counter() - t0
     assert took < 4, took  # the bound plus slack for a loaded machine; 20 s unbounded
     assert _config._runtime is None  # shut down all the same
+
+
+def test_final_counts_stay_readable_after_shutdown(monkeypatch):
+    """Spans still queued when ``shutdown()`` gives up are counted, and ``stats()`` keeps
+    answering with the final counts afterwards."""
+    monkeypatch.setenv("OTEL_BSP_MAX_QUEUE_SIZE", "4096")
+    monkeypatch.setenv("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "8")
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "10")
+    exporter = HungExporter()
+    inferprof.configure(span_exporter=exporter, set_global=False, metric_readers=[])
+    burst(20)
+    assert exporter.entered.wait(10)  # one batch is stuck in the exporter
+    burst(200)
+    inferprof.shutdown(timeout_millis=200)
+    exporter.release.set()  # the stuck batch now completes, after shutdown
+    snap = inferprof.instrumentation.stats()
+    assert snap is not None
+    assert snap.spans_emitted == 220 * 5
+    assert snap.spans_dropped_shutdown > 0
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        snap = inferprof.instrumentation.stats()
+        if snap.spans_exported + snap.spans_dropped == snap.spans_emitted:
+            break
+        time.sleep(0.02)
+    # Every span is accounted for: exported (the batch that was in flight) or dropped.
+    assert snap.spans_exported > 0
+    assert snap.spans_exported + snap.spans_dropped == snap.spans_emitted
+    assert snap.spans_dropped == snap.spans_dropped_shutdown
+
+
+def test_stats_after_a_clean_shutdown_show_everything_exported():
+    exporter = _Recording()
+    inferprof.configure(span_exporter=exporter, set_global=False, metric_readers=[])
+    burst(30)
+    inferprof.shutdown(timeout_millis=5000)
+    snap = inferprof.instrumentation.stats()
+    assert snap is not None
+    assert snap.spans_emitted == 30 * 5 == snap.spans_exported == exporter.count
+    assert snap.spans_dropped == 0
+    inferprof.configure(span_exporter=_Recording(), set_global=False, metric_readers=[])
+    try:  # a new configuration counts from zero again
+        assert inferprof.instrumentation.stats().spans_emitted == 0
+    finally:
+        inferprof.shutdown()
+
+
+class _Recording(SpanExporter):
+    def __init__(self) -> None:
+        self.count = 0
+
+    def export(self, spans):
+        self.count += len(spans)
+        return SpanExportResult.SUCCESS
