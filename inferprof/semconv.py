@@ -25,6 +25,8 @@ STAGE_D2H: Final = "d2h"
 STAGE_POSTPROCESS: Final = "postprocess"
 STAGE_SERIALIZE: Final = "serialize"
 STAGE_NETWORK: Final = "network"
+#: §7: evicted from the KV cache, waiting to be re-admitted (a queueing stage).
+STAGE_PREEMPTED: Final = "preempted"
 #: Pseudo-stage: the part of a request's end-to-end time no stage span covers.
 STAGE_UNATTRIBUTED: Final = "unattributed"
 
@@ -42,6 +44,7 @@ CANONICAL_STAGES: Final = (
     STAGE_POSTPROCESS,
     STAGE_SERIALIZE,
     STAGE_NETWORK,
+    STAGE_PREEMPTED,
 )
 
 #: Stages that run once per batch and carry ``inferprof.batch.*`` (§2).
@@ -50,11 +53,20 @@ BATCH_STAGES: Final = frozenset(
 )
 #: Stages that run once per request (§2).
 REQUEST_STAGES: Final = frozenset(
-    {STAGE_RECEIVE, STAGE_TOKENIZE, STAGE_QUEUE, STAGE_POSTPROCESS, STAGE_SERIALIZE, STAGE_NETWORK}
+    {
+        STAGE_RECEIVE,
+        STAGE_TOKENIZE,
+        STAGE_QUEUE,
+        STAGE_POSTPROCESS,
+        STAGE_SERIALIZE,
+        STAGE_NETWORK,
+        STAGE_PREEMPTED,
+    }
 )
 
 # Stage groups the verdict reads (§6).
-BATCHING_STAGES: Final = frozenset({STAGE_QUEUE, STAGE_BATCH_ASSEMBLY})
+#: ``preempted`` queues like ``queue`` (§7: "a queueing stage, not a compute stage", §14).
+BATCHING_STAGES: Final = frozenset({STAGE_QUEUE, STAGE_BATCH_ASSEMBLY, STAGE_PREEMPTED})
 HOST_STAGES: Final = frozenset({STAGE_RECEIVE, STAGE_TOKENIZE, STAGE_POSTPROCESS, STAGE_SERIALIZE})
 TRANSFER_STAGES: Final = frozenset({STAGE_H2D, STAGE_D2H})
 NETWORK_STAGES: Final = frozenset({STAGE_NETWORK})
@@ -233,6 +245,83 @@ VERDICTS: Final = (
     VERDICT_NETWORK,
     VERDICT_UNKNOWN,
 )
+
+# --- §7 Generation, and inferprof's encoding of it (§14) ---------------------------------
+
+#: Token counts on a generating request span (§7).
+ATTR_TOKENS_PROMPT: Final = "inferprof.tokens.prompt"
+ATTR_TOKENS_OUTPUT: Final = "inferprof.tokens.output"
+#: Request span (§14): for each output chunk that left the service, its time in seconds
+#: since the request span's start (double[]); the first one is the ttft.
+ATTR_GEN_EMIT_OFFSETS_S: Final = "inferprof.gen.emit_offsets_s"
+#: Request span (§14): tokens carried by each chunk (int[], same length); absent: 1 each.
+ATTR_GEN_EMIT_TOKENS: Final = "inferprof.gen.emit_tokens"
+#: Request span (§14): consecutive chunk pairs merged to stay within GEN_MAX_EMIT_ENTRIES.
+ATTR_GEN_EMIT_MERGED: Final = "inferprof.gen.emit_merged"
+#: Most entries ``inferprof.gen.emit_offsets_s`` carries (§14).
+GEN_MAX_EMIT_ENTRIES: Final = 16384
+#: Request span (§14): times the request was evicted from the KV cache (0: absent).
+ATTR_GEN_PREEMPTIONS: Final = "inferprof.gen.preemptions"
+#: Request span and engine step spans (§14): the engine instance within the service
+#: instance; joins a request to its engine's steps. Absent: "0".
+ATTR_ENGINE_ID: Final = "inferprof.engine.id"
+DEFAULT_ENGINE_ID: Final = "0"
+#: ``prefill`` stage spans (§14).
+ATTR_PREFILL_TOKENS: Final = "inferprof.prefill.tokens"
+ATTR_PREFILL_CHUNKS: Final = "inferprof.prefill.chunks"
+ATTR_PREFILL_RECOMPUTE: Final = "inferprof.prefill.recompute"
+#: Engine step spans (§14): one root span per engine step, a trace of its own.
+ENGINE_STEP_SPAN_NAME: Final = "inferprof.engine_step"
+ATTR_STEP_PREFILL_TOKENS: Final = "inferprof.step.prefill_tokens"
+ATTR_STEP_DECODE_TOKENS: Final = "inferprof.step.decode_tokens"
+ATTR_STEP_REQUESTS: Final = "inferprof.step.requests"
+ATTR_STEP_KV_CACHE_USAGE: Final = "inferprof.step.kv_cache.usage"
+#: KV-cache gauge (§14): blocks in use over blocks in total, 0..1, attribute
+#: ``inferprof.engine.id``, joined by time like the GPU samples.
+METRIC_ENGINE_KV_CACHE_USAGE: Final = "inferprof.engine.kv_cache.usage"
+
+#: Engines' own request spans (§7): vLLM's ``llm_request``, SGLang's request span.
+GEN_AI_REQUEST_SPAN_NAME: Final = "llm_request"
+ATTR_GEN_AI_LATENCY_TIME_IN_QUEUE: Final = "gen_ai.latency.time_in_queue"
+ATTR_GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN: Final = "gen_ai.latency.time_to_first_token"
+ATTR_GEN_AI_LATENCY_TIME_IN_MODEL_PREFILL: Final = "gen_ai.latency.time_in_model_prefill"
+ATTR_GEN_AI_LATENCY_TIME_IN_MODEL_DECODE: Final = "gen_ai.latency.time_in_model_decode"
+ATTR_GEN_AI_LATENCY_E2E: Final = "gen_ai.latency.e2e"
+ATTR_GEN_AI_USAGE_PROMPT_TOKENS: Final = "gen_ai.usage.prompt_tokens"
+ATTR_GEN_AI_USAGE_COMPLETION_TOKENS: Final = "gen_ai.usage.completion_tokens"
+#: The model an engine's request span names (read when ``inferprof.model.name`` is absent).
+ATTR_GEN_AI_RESPONSE_MODEL: Final = "gen_ai.response.model"
+ATTR_GEN_AI_REQUEST_MODEL: Final = "gen_ai.request.model"
+
+#: Causes of ``itl.share_of_p95`` (§7), in the breakdown's order.
+ITL_CAUSE_DECODE: Final = "decode"
+ITL_CAUSE_PREFILL_INTERFERENCE: Final = "prefill_interference"
+ITL_CAUSE_PREEMPTED: Final = "preempted"
+ITL_CAUSE_HOST: Final = "host"
+ITL_CAUSE_UNATTRIBUTED: Final = "unattributed"
+ITL_CAUSES: Final = (
+    ITL_CAUSE_DECODE,
+    ITL_CAUSE_PREFILL_INTERFERENCE,
+    ITL_CAUSE_PREEMPTED,
+    ITL_CAUSE_HOST,
+    ITL_CAUSE_UNATTRIBUTED,
+)
+
+#: Generation outputs (§7).
+PROM_TTFT: Final = "inferprof_ttft_seconds"
+PROM_ITL: Final = "inferprof_itl_seconds"
+PROM_TPOT: Final = "inferprof_tpot_seconds"
+PROM_TTFT_SHARE_OF_P95: Final = "inferprof_ttft_share_of_p95"
+PROM_ITL_SHARE_OF_P95: Final = "inferprof_itl_share_of_p95"
+PROM_GEN_AI_TTFT: Final = "gen_ai_server_time_to_first_token_seconds"
+PROM_GEN_AI_TPOT: Final = "gen_ai_server_time_per_output_token_seconds"
+PROM_GEN_AI_REQUEST_DURATION: Final = "gen_ai_server_request_duration_seconds"
+PROM_LABEL_CAUSE: Final = "cause"
+
+#: Generation verdict classes (§7), besides §6's.
+VERDICT_KV_CACHE: Final = "kv_cache"
+VERDICT_SCHEDULING: Final = "scheduling"
+GENERATION_VERDICTS: Final = (VERDICT_KV_CACHE, VERDICT_SCHEDULING)
 
 # --- In-process instrumentation (extensions beyond the v1 contract) -----------
 
