@@ -79,6 +79,12 @@ class TransportMetrics:
             [semconv.PROM_LABEL_DESTINATION],
             registry=registry,
         )
+        self.forward_queue_bytes = prom.Gauge(
+            semconv.PROM_FORWARD_QUEUE_BYTES,
+            "Bytes of the export requests waiting to be forwarded.",
+            [semconv.PROM_LABEL_DESTINATION],
+            registry=registry,
+        )
         # The series the alert rules watch exist from the start, at 0: the first overload
         # is then an increase that rate() sees (a series born at 1 shows none).
         for transport in (semconv.TRANSPORT_GRPC, semconv.TRANSPORT_HTTP):
@@ -256,6 +262,7 @@ class CollectorApp:
             f = Forwarder(
                 url,
                 queue_size=s.forward_queue_size,
+                queue_bytes=s.forward_queue_bytes,
                 timeout_s=s.forward_timeout_s,
                 compression=s.forward_compression,
                 headers=s.forward_headers,
@@ -264,6 +271,7 @@ class CollectorApp:
                 on_dropped=self.metrics.dropped,
             )
             self.metrics.forward_queue.labels(f.destination).set_function(f.queue_length)
+            self.metrics.forward_queue_bytes.labels(f.destination).set_function(f.queue_bytes)
             forwarders.append(f)
         self._forwarders = ForwardSet(forwarders)
         intake = Intake(self.engine, self.metrics, self._forwarders, s.retry_after_s)

@@ -47,6 +47,10 @@ def _windows(ctx: click.Context, param: click.Parameter, value: str | None) -> A
 @click.option(
     "--max-concurrent-requests", type=int, help="Exports processed at once per transport."
 )
+@click.option(
+    "--body-timeout-s", type=float,
+    help="Longest an OTLP/HTTP request body may take to arrive (408 after).",
+)
 @click.option("--grpc-workers", type=int, help="Threads serving OTLP/gRPC.")
 @click.option("--retry-after-s", type=float, help="Delay clients are told to wait when overloaded.")
 @click.option("--auth-token", help="Bearer token required on every listener (prefer the env var).")
@@ -75,6 +79,10 @@ def _windows(ctx: click.Context, param: click.Parameter, value: str | None) -> A
 @click.option(
     "--forward-queue-size", type=int, help="Exports queued per destination before dropping."
 )
+@click.option(
+    "--forward-queue-bytes", type=int,
+    help="Bytes of exports queued per destination before dropping.",
+)
 @click.option("--forward-timeout-s", type=float, help="Timeout of one forwarded export.")
 @click.option(
     "--forward-compression",
@@ -94,6 +102,11 @@ def _windows(ctx: click.Context, param: click.Parameter, value: str | None) -> A
 )
 @click.option("--max-spans-per-trace", type=int, help="Spans kept per trace.")
 @click.option("--max-pending-spans", type=int, help="Spans held unfolded before answering 429.")
+@click.option(
+    "--max-gpu-samples", type=int, help="GPU samples retained before answering 429."
+)
+@click.option("--max-gpus-per-host", type=int, help="Distinct GPUs (hw.id) kept per host.")
+@click.option("--max-gpu-hosts", type=int, help="Distinct hosts GPU samples are kept for.")
 @click.option(
     "--metrics-window-s", type=float,
     help="Window of the /metrics gauges, and of the API when a request names none.",

@@ -189,6 +189,9 @@ class Engine:
         max_stages: int = DEFAULT_MAX_STAGES,
         max_spans_per_trace: int = 10_000,
         max_pending_spans: int = 1_000_000,
+        max_gpu_samples: int = 1_000_000,
+        max_gpus_per_host: int = 64,
+        max_gpu_hosts: int = 1024,
         retention_s: float | None = None,
         triton_spans: bool = True,
         share_pending_cap: bool = True,
@@ -209,6 +212,9 @@ class Engine:
             ("max_series", max_series),
             ("max_spans_per_trace", max_spans_per_trace),
             ("max_pending_spans", max_pending_spans),
+            ("max_gpu_samples", max_gpu_samples),
+            ("max_gpus_per_host", max_gpus_per_host),
+            ("max_gpu_hosts", max_gpu_hosts),
         ):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

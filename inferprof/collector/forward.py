@@ -2,8 +2,8 @@
 
 Each destination has its own bounded queue and sender thread. Receivers hand over
 the request's protobuf bytes with :meth:`Forwarder.submit`, which never blocks:
-when the queue is full the payload is dropped and counted, so a slow or dead
-downstream costs ingest nothing. A payload that fails to send is retried a few
+when the queue is full, in exports or in bytes, the payload is dropped and counted,
+so a slow or dead downstream costs ingest nothing and holds a bounded amount of memory. A payload that fails to send is retried a few
 times (for retryable failures only) and then dropped and counted. Drops are
 visible as ``inferprof_forward_dropped_total{destination,reason}``.
 
@@ -187,6 +187,7 @@ class Forwarder:
         *,
         queue_size: int,
         timeout_s: float,
+        queue_bytes: int = 64 * 1024 * 1024,
         headers: Sequence[tuple[str, str]] = (),
         ca_file: str | None = None,
         compression: str = "gzip",
@@ -200,6 +201,12 @@ class Forwarder:
             )
         if queue_size < 1:
             raise ValueError(f"queue_size must be positive, got {queue_size!r}")
+        if queue_bytes < 1:
+            raise ValueError(f"queue_bytes must be positive, got {queue_bytes!r}")
+        self._max_bytes = queue_bytes
+        #: bytes of the payloads queued (not yet taken by the sender thread)
+        self._bytes = 0
+        self._bytes_lock = threading.Lock()
         self.url = url
         self.destination = destination_label(url)
         self._timeout_s = timeout_s
@@ -231,14 +238,28 @@ class Forwarder:
     def queue_length(self) -> int:
         return self._queue.qsize()
 
+    def queue_bytes(self) -> int:
+        return self._bytes
+
     def submit(self, signal: str, payload: bytes) -> bool:
-        """Queue ``payload`` for sending; never blocks. False (and counted) when full."""
-        try:
-            self._queue.put_nowait((signal, payload))
-            return True
-        except queue.Full:
+        """Queue ``payload`` for sending; never blocks. False (and counted) when the queue
+        is full: ``queue_size`` exports, or ``queue_bytes`` bytes with this one."""
+        size = len(payload)
+        with self._bytes_lock:
+            fits = self._bytes + size <= self._max_bytes
+            if fits:
+                try:
+                    self._queue.put_nowait((signal, payload))
+                    self._bytes += size
+                except queue.Full:
+                    fits = False
+        if not fits:
             self._count_drop(DROP_QUEUE_FULL, 1)
-            return False
+        return fits
+
+    def _taken(self, payload: bytes) -> None:
+        with self._bytes_lock:
+            self._bytes -= len(payload)
 
     def start(self) -> None:
         self._thread = threading.Thread(
@@ -257,7 +278,8 @@ class Forwarder:
         left = 0
         while True:
             try:
-                self._queue.get_nowait()
+                _, payload = self._queue.get_nowait()
+                self._taken(payload)
                 left += 1
             except queue.Empty:
                 break
@@ -274,6 +296,7 @@ class Forwarder:
                 signal, payload = self._queue.get(timeout=0.1)
             except queue.Empty:
                 continue
+            self._taken(payload)
             self._busy = 1
             try:
                 self._send_with_retries(signal, payload)

@@ -35,6 +35,13 @@ _DEFAULT_MAX_CONCURRENT_REQUESTS = 64
 _DEFAULT_GRPC_WORKERS = 8
 _DEFAULT_RETRY_AFTER_S = 1.0
 _DEFAULT_FORWARD_QUEUE_SIZE = 1000
+#: Bytes queued per destination: with --max-body-bytes of 16 MiB, 1000 queued exports
+#: could otherwise hold 16 GiB for a hung downstream.
+_DEFAULT_FORWARD_QUEUE_BYTES = 64 * 1024 * 1024
+#: Longest an OTLP/HTTP body may take to arrive. The OpenTelemetry exporters give up on
+#: an export after 10 s (OTEL_EXPORTER_OTLP_TIMEOUT): a body still arriving after that is
+#: answered to nobody, and a connection trickling one holds a reader meanwhile.
+_DEFAULT_BODY_TIMEOUT_S = 10.0
 _DEFAULT_FORWARD_TIMEOUT_S = 5.0
 _DEFAULT_FORWARD_COMPRESSION = "gzip"  # what the OpenTelemetry Collector's exporters default to
 _DEFAULT_SETTLE_S = 2.0
@@ -46,6 +53,12 @@ _DEFAULT_MAX_SERIES = 1000
 _DEFAULT_MAX_STAGES = DEFAULT_MAX_STAGES
 _DEFAULT_MAX_SPANS_PER_TRACE = 10_000
 _DEFAULT_MAX_PENDING_SPANS = 1_000_000
+#: GPU samples (contract section 4 data points) retained, all GPUs together.
+_DEFAULT_MAX_GPU_SAMPLES = 1_000_000
+#: Distinct GPUs (hw.id) per host, and hosts, that GPU samples are kept for: 8 GPUs of 7
+#: MIG instances each fit a host; a fleet of 1024 GPU hosts fits one collector's samples.
+_DEFAULT_MAX_GPUS_PER_HOST = 64
+_DEFAULT_MAX_GPU_HOSTS = 1024
 _DEFAULT_METRICS_WINDOW_S = 300.0
 _DEFAULT_ADVANCE_INTERVAL_S = 0.5
 _DEFAULT_TRITON_SPANS = True  # Triton's own spans become stages of the Triton service
@@ -71,6 +84,8 @@ ENV_FORWARD = "INFERPROF_COLLECTOR_FORWARD"  # comma-separated URLs
 ENV_FORWARD_HEADERS = "INFERPROF_COLLECTOR_FORWARD_HEADERS"  # comma-separated key=value
 ENV_FORWARD_CA = "INFERPROF_COLLECTOR_FORWARD_CA"
 ENV_FORWARD_QUEUE_SIZE = "INFERPROF_COLLECTOR_FORWARD_QUEUE_SIZE"
+ENV_FORWARD_QUEUE_BYTES = "INFERPROF_COLLECTOR_FORWARD_QUEUE_BYTES"
+ENV_BODY_TIMEOUT_S = "INFERPROF_COLLECTOR_BODY_TIMEOUT_S"
 ENV_FORWARD_TIMEOUT_S = "INFERPROF_COLLECTOR_FORWARD_TIMEOUT_S"
 ENV_FORWARD_COMPRESSION = "INFERPROF_COLLECTOR_FORWARD_COMPRESSION"
 ENV_SETTLE_S = "INFERPROF_COLLECTOR_SETTLE_S"
@@ -82,6 +97,9 @@ ENV_MAX_SERIES = "INFERPROF_COLLECTOR_MAX_SERIES"
 ENV_MAX_STAGES = "INFERPROF_COLLECTOR_MAX_STAGES"
 ENV_MAX_SPANS_PER_TRACE = "INFERPROF_COLLECTOR_MAX_SPANS_PER_TRACE"
 ENV_MAX_PENDING_SPANS = "INFERPROF_COLLECTOR_MAX_PENDING_SPANS"
+ENV_MAX_GPU_SAMPLES = "INFERPROF_COLLECTOR_MAX_GPU_SAMPLES"
+ENV_MAX_GPUS_PER_HOST = "INFERPROF_COLLECTOR_MAX_GPUS_PER_HOST"
+ENV_MAX_GPU_HOSTS = "INFERPROF_COLLECTOR_MAX_GPU_HOSTS"
 ENV_METRICS_WINDOW_S = "INFERPROF_COLLECTOR_METRICS_WINDOW_S"
 ENV_ADVANCE_INTERVAL_S = "INFERPROF_COLLECTOR_ADVANCE_INTERVAL_S"
 ENV_TRITON_SPANS = "INFERPROF_COLLECTOR_TRITON_SPANS"  # true/false, 1/0, yes/no, on/off
@@ -158,6 +176,8 @@ _ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
     "forward_headers": (ENV_FORWARD_HEADERS, _parse_headers),
     "forward_ca": (ENV_FORWARD_CA, _parse_str),
     "forward_queue_size": (ENV_FORWARD_QUEUE_SIZE, _parse_int),
+    "forward_queue_bytes": (ENV_FORWARD_QUEUE_BYTES, _parse_int),
+    "body_timeout_s": (ENV_BODY_TIMEOUT_S, _parse_float),
     "forward_timeout_s": (ENV_FORWARD_TIMEOUT_S, _parse_float),
     "forward_compression": (ENV_FORWARD_COMPRESSION, _parse_str),
     "settle_s": (ENV_SETTLE_S, _parse_float),
@@ -169,6 +189,9 @@ _ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
     "max_stages": (ENV_MAX_STAGES, _parse_int),
     "max_spans_per_trace": (ENV_MAX_SPANS_PER_TRACE, _parse_int),
     "max_pending_spans": (ENV_MAX_PENDING_SPANS, _parse_int),
+    "max_gpu_samples": (ENV_MAX_GPU_SAMPLES, _parse_int),
+    "max_gpus_per_host": (ENV_MAX_GPUS_PER_HOST, _parse_int),
+    "max_gpu_hosts": (ENV_MAX_GPU_HOSTS, _parse_int),
     "metrics_window_s": (ENV_METRICS_WINDOW_S, _parse_float),
     "advance_interval_s": (ENV_ADVANCE_INTERVAL_S, _parse_float),
     "triton_spans": (ENV_TRITON_SPANS, _parse_bool),
@@ -200,6 +223,8 @@ class CollectorSettings:
     forward_headers: tuple[tuple[str, str], ...] = field(default=(), repr=False)
     forward_ca: str | None = None
     forward_queue_size: int = _DEFAULT_FORWARD_QUEUE_SIZE
+    forward_queue_bytes: int = _DEFAULT_FORWARD_QUEUE_BYTES
+    body_timeout_s: float = _DEFAULT_BODY_TIMEOUT_S
     forward_timeout_s: float = _DEFAULT_FORWARD_TIMEOUT_S
     forward_compression: str = _DEFAULT_FORWARD_COMPRESSION
     settle_s: float = _DEFAULT_SETTLE_S
@@ -211,6 +236,9 @@ class CollectorSettings:
     max_stages: int = _DEFAULT_MAX_STAGES
     max_spans_per_trace: int = _DEFAULT_MAX_SPANS_PER_TRACE
     max_pending_spans: int = _DEFAULT_MAX_PENDING_SPANS
+    max_gpu_samples: int = _DEFAULT_MAX_GPU_SAMPLES
+    max_gpus_per_host: int = _DEFAULT_MAX_GPUS_PER_HOST
+    max_gpu_hosts: int = _DEFAULT_MAX_GPU_HOSTS
     metrics_window_s: float = _DEFAULT_METRICS_WINDOW_S
     advance_interval_s: float = _DEFAULT_ADVANCE_INTERVAL_S
     triton_spans: bool = _DEFAULT_TRITON_SPANS
@@ -274,6 +302,9 @@ class CollectorSettings:
             "max_stages": self.max_stages,
             "max_spans_per_trace": self.max_spans_per_trace,
             "max_pending_spans": self.max_pending_spans,
+            "max_gpu_samples": self.max_gpu_samples,
+            "max_gpus_per_host": self.max_gpus_per_host,
+            "max_gpu_hosts": self.max_gpu_hosts,
             "triton_spans": self.triton_spans,
             "share_pending_cap": self.share_pending_cap,
         }
@@ -409,14 +440,19 @@ _POSITIVE_INTS = (
     "max_concurrent_requests",
     "grpc_workers",
     "forward_queue_size",
+    "forward_queue_bytes",
     "max_series",
     "max_stages",
     "max_spans_per_trace",
     "max_pending_spans",
+    "max_gpu_samples",
+    "max_gpus_per_host",
+    "max_gpu_hosts",
 )
 _POSITIVE_SECONDS = (
     "retry_after_s",
     "forward_timeout_s",
+    "body_timeout_s",
     "settle_s",
     "trace_timeout_s",
     "slice_s",

@@ -284,3 +284,48 @@ def test_a_failed_forward_is_logged_in_one_line_with_the_grpc_code():
 
     assert _reason(Refused()) == "UNAUTHENTICATED: missing or wrong bearer token"
     assert _reason(ConnectionError("refused\n  by peer")) == "refused by peer"
+
+
+def _log_export(nbytes: int, tag: int) -> bytes:
+    """An OTLP logs export of about ``nbytes`` (one record, a string body)."""
+    from opentelemetry.proto.collector.logs.v1 import logs_service_pb2
+
+    request = logs_service_pb2.ExportLogsServiceRequest()
+    record = request.resource_logs.add().scope_logs.add().log_records.add()
+    record.time_unix_nano = 1_700_000_000_000_000_000 + tag
+    record.body.string_value = "x" * nbytes
+    return request.SerializeToString()
+
+
+def test_a_hung_downstream_holds_at_most_the_queue_bytes_and_the_rest_is_counted(black_hole):
+    # Logs skip the engine's pending cap: only the forwarding queue bounds what they hold.
+    cap = 1_000_000
+    with running_app(forward=(black_hole,), forward_queue_size=1000, forward_queue_bytes=cap,
+                     forward_timeout_s=30.0) as app:
+        url = f"{app.otlp_http_endpoint}/v1/logs"
+        statuses = [httpx.post(url, content=_log_export(200_000, i), headers=PB).status_code
+                    for i in range(20)]
+        assert statuses == [200] * 20  # ingest is never refused for a full forwarding queue
+        destination = destination_label(black_hole)
+        queued = app.registry.get_sample_value(
+            "inferprof_forward_queue_bytes", {"destination": destination})
+        assert 0 < queued <= cap
+        dropped = app.registry.get_sample_value(
+            "inferprof_forward_dropped_total",
+            {"destination": destination, "reason": "queue_full"})
+        # 1 in flight (taken off the queue) + at most 4 of ~200 KB queued under 1 MB
+        assert dropped >= 20 - 1 - cap // 200_000
+        app.stop(timeout_s=0.5)
+
+
+def test_one_export_larger_than_the_queue_bytes_is_dropped_and_counted():
+    dropped = []
+    f = Forwarder("http://127.0.0.1:1", queue_size=10, queue_bytes=100, timeout_s=1.0,
+                  on_dropped=lambda dest, reason, n: dropped.append((reason, n)))
+    assert f.submit("logs", b"x" * 60)
+    assert not f.submit("logs", b"x" * 60)  # 120 bytes would exceed the 100-byte bound
+    assert not f.submit("logs", b"x" * 101)
+    assert f.queue_bytes() == 60
+    assert [d for d in dropped if d[1]] == [("queue_full", 1), ("queue_full", 1)]
+    with pytest.raises(ValueError):
+        Forwarder("http://127.0.0.1:1", queue_size=10, queue_bytes=0, timeout_s=1.0)
