@@ -25,6 +25,7 @@ _LAZY = {
     "stage": "inferprof.instrumentation.stage",
     "request": "inferprof.instrumentation.stage",
     "current_request": "inferprof.instrumentation.stage",
+    "Engine": "inferprof.instrumentation.engine",
     "DynamicBatcher": "inferprof.batching.dynamic",
     "enqueue": "inferprof.batching.hooks",
     "batch": "inferprof.batching.hooks",
@@ -45,6 +46,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from inferprof._config import configure, shutdown
     from inferprof.batching.dynamic import DynamicBatcher
     from inferprof.batching.hooks import batch, enqueue
+    from inferprof.instrumentation.engine import Engine
     from inferprof.instrumentation.stage import current_request, request, stage
 
 

@@ -102,6 +102,7 @@ class RequestRecord:
         "kept",
         "stages_dropped",
         "trace_state",
+        "generation",
     )
 
     def __init__(
@@ -143,6 +144,8 @@ class RequestRecord:
         self.stages_dropped = 0
         #: W3C tracestate inherited from the remote parent (propagated, put on every span)
         self.trace_state: trace_api.TraceState | None = None
+        #: the engine's handle of a generating request (instrumentation.generation), or None
+        self.generation: Any = None
 
     # --- public -----------------------------------------------------------------------
     @property
@@ -170,6 +173,8 @@ class RequestRecord:
     def _complete(self) -> None:
         """The request is kept: add what only its trace needs (a subclass's deferred
         stages and attributes). Called once, by the runtime, before the spans are built."""
+        if self.generation is not None:
+            self.generation.complete(self)
 
 
 class RequestSpan(trace_api.NonRecordingSpan):

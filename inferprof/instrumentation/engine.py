@@ -1,0 +1,353 @@
+"""The step API for continuous-batching engines: ``inferprof.Engine``.
+
+An engine loop takes one step after another; each step runs one batch whose members are
+requests in prefill (a chunk of their prompt) or in decode (one token each). Requests join
+and leave between steps, and may be evicted from the KV cache and taken again later. The
+loop reports that as it happens::
+
+    engine = inferprof.Engine("0")
+
+    gen = engine.request(prompt_tokens=len(ids))        # where the request arrives
+    ...
+    with engine.step(kv_cache_usage=used / total) as step:   # in the engine loop
+        step.prefill(gen_a, 512)                        # a prefill chunk of 512 tokens
+        step.decode(gen_b)                              # one decode token
+        with inferprof.stage("compute"):
+            logits = model(batch)
+    gen_b.preempt()                                     # evicted
+    gen_a.finish()                                      # or gen_a.cancel()
+
+Each step becomes one ``inferprof.engine_step`` span, the root of a trace of its own, with
+the step's stages (``h2d``, ``compute``, ``d2h``) as children; each request gets its
+``queue``, ``prefill``, ``decode`` and ``preempted`` stage spans and, per output token, one
+timestamp (:mod:`inferprof.instrumentation.generation`). Contract §14 is the encoding.
+
+Cost: per token, a few attribute updates and one list append (no span, no lock); per step,
+one span built like the request spans (runtime module docstring), less than the
+OpenTelemetry SDK's ``start_span()``/``end()``. ``benchmarks/generation_cost.py`` measures
+both. In ``production`` mode a step none of whose members is timed records nothing; with
+inferprof off (or not configured) every call returns at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from opentelemetry.trace import SpanKind
+
+from inferprof import semconv
+from inferprof._config import active_runtime
+from inferprof.instrumentation.accounting import DeferredTrace
+from inferprof.instrumentation.generation import DECODING, DONE, PREFILL, Generation
+from inferprof.instrumentation.records import (
+    SCOPE,
+    UNTIMED,
+    RequestRecord,
+    StageRecord,
+    span_id_of,
+)
+from inferprof.instrumentation.runtime import _error_parts, new_span_id, new_trace_id
+from inferprof.instrumentation.stage import begin_request, timed_share
+
+_logger = logging.getLogger(__name__)
+_time_ns = time.time_ns
+_INTERNAL = SpanKind.INTERNAL
+
+#: The handle of a request that is not recorded (one, shared: it records nothing).
+_UNTIMED = Generation("", None, False, None, 0)
+
+
+class Engine:
+    """The recorder of one engine instance: ``inferprof.Engine(engine_id="0")``.
+
+    ``engine_id`` (``inferprof.engine.id``) tells apart engines of one service instance;
+    ``model``: ``inferprof.model.name`` of the requests this engine opens itself (those
+    that arrive outside any request, see :meth:`request`).
+    """
+
+    __slots__ = ("engine_id", "model", "_warned_second")
+
+    def __init__(self, engine_id: str = "0", *, model: str | None = None) -> None:
+        if not isinstance(engine_id, str) or not engine_id:
+            raise ValueError(f"engine_id must be a non-empty string, got {engine_id!r}")
+        if model is not None and not isinstance(model, str):
+            raise ValueError(f"model must be a string, got {model!r}")
+        self.engine_id = engine_id
+        self.model = model
+        self._warned_second = False
+
+    def request(self, *, prompt_tokens: int | None = None) -> Generation:
+        """A request arrives for this engine: its handle. Its ``queue`` stage starts now.
+
+        Call it in the request's context (the FastAPI handler, ``inferprof.request()``):
+        the stages and attributes go into that request. Outside any request, the handle
+        opens a request of its own (``inferprof.request``), ended by ``finish()`` or
+        ``cancel()``. ``prompt_tokens`` lets the recorder see where prefill ends.
+        """
+        if prompt_tokens is not None and (
+            isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int)
+            or prompt_tokens < 0
+        ):
+            raise ValueError(f"prompt_tokens must be a non-negative int, got {prompt_tokens!r}")
+        scope = SCOPE.get()
+        if scope is UNTIMED:
+            return _UNTIMED
+        rt = active_runtime()
+        if rt is None:
+            return _UNTIMED
+        try:
+            return self._open(rt, scope, prompt_tokens)
+        except Exception:
+            _logger.exception("inferprof could not record a generating request")
+            return _UNTIMED
+
+    def _open(self, rt: Any, scope: Any, prompt_tokens: int | None) -> Generation:
+        now = _time_ns()
+        owner = scope[0] if scope is not None else None
+        if isinstance(owner, RequestRecord) and not owner.finished:
+            if owner.generation is not None:
+                self._warn_second()
+                return _UNTIMED
+            gen = Generation(self.engine_id, owner, False, prompt_tokens, now)
+            owner.generation = gen
+            return gen
+        name = semconv.REQUEST_SPAN_NAME
+        share = timed_share(rt, (name, self.model))
+        if not share:
+            return _UNTIMED
+        attrs: dict[str, Any] = {}
+        if self.model is not None:
+            attrs[semconv.ATTR_MODEL_NAME] = self.model
+        rec = begin_request(rt, name, _INTERNAL, attrs, None, now)
+        if share < 1.0:
+            rec.weight_hint = 1.0 / share
+        gen = Generation(self.engine_id, rec, True, prompt_tokens, now)
+        rec.generation = gen
+        return gen
+
+    def _warn_second(self) -> None:
+        if not self._warned_second:
+            self._warned_second = True
+            _logger.warning(
+                "inferprof: Engine.request() was called twice in one request; the second "
+                "generation records nothing (one generation per request)")
+
+    def step(self, *, kv_cache_usage: float | None = None) -> Step | _NoopStep:
+        """One engine step: ``with engine.step() as step:``. ``kv_cache_usage``: KV-cache
+        blocks in use over the total at the step's start (0..1), when the engine knows."""
+        rt = active_runtime()
+        if rt is None:
+            return _NOOP_STEP
+        return Step(rt, self.engine_id, kv_cache_usage)
+
+
+class Step:
+    """One engine step (``Engine.step()``): its members and its stages.
+
+    ``prefill()``/``decode()`` add a member; ``inferprof.stage()`` blocks inside the
+    ``with`` become the step's stages. Exceptions are recorded on the step span and
+    re-raised unchanged.
+    """
+
+    __slots__ = (
+        "rt", "engine_id", "kv", "start", "end", "prefill_tokens", "decode_tokens",
+        "requests", "timed", "stages", "stages_dropped", "finished", "_decoders",
+        "_prefills", "_token", "error",
+    )
+
+    def __init__(self, rt: Any, engine_id: str, kv_cache_usage: float | None) -> None:
+        self.rt = rt
+        self.engine_id = engine_id
+        self.kv = kv_cache_usage
+        self.start = self.end = 0
+        self.prefill_tokens = self.decode_tokens = self.requests = 0
+        #: a member is recorded (production mode emits only such steps)
+        self.timed = False
+        # What Stage.__enter__ reads and writes of its owner.
+        self.stages: list[StageRecord] = []
+        self.stages_dropped = 0
+        self.finished = False
+        #: decode members whose tokens are emitted at the step's end: (handle, tokens)
+        self._decoders: list[tuple[Generation, int]] = []
+        #: prefill members: (handle, emit its first token / None: its prompt goes on)
+        self._prefills: list[tuple[Generation, bool | None]] = []
+        self._token: Any = None
+        self.error: Any = None
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        """``Stage.__enter__`` treats the step like a batch; nothing else is settable."""
+
+    # --- members ----------------------------------------------------------------------
+    def prefill(self, gen: Generation, tokens: int, *, final: bool | None = None,
+                emit: bool = True) -> None:
+        """``gen`` processes a prefill chunk of ``tokens`` prompt tokens in this step.
+
+        ``final``: this chunk completes the prompt, and the step samples the request's
+        first token (emitted at the step's end, unless ``emit=False``). Default: when the
+        request's ``prompt_tokens`` are known, once this run has processed them all (plus
+        the tokens generated before an eviction, when it recomputes); else the prefill
+        ends when the request first decodes.
+        """
+        self.prefill_tokens += tokens
+        self.requests += 1
+        if gen.rec is None:
+            return
+        self.timed = True
+        state = gen.state
+        if state != PREFILL:
+            if state == DONE or state == DECODING:
+                return
+            gen._admit(self.start)  # QUEUED or PREEMPTED: admitted in this step
+        gen.prefilled += tokens
+        gen.prefill_chunks += 1
+        if final is None:
+            target = gen._prefill_target()
+            final = target is not None and gen.prefilled >= target
+        # (handle, whether its first token is emitted; None: the prompt is not done yet)
+        self._prefills.append((gen, emit if final else None))
+
+    def decode(self, gen: Generation, tokens: int = 1, *, emit: bool = True) -> None:
+        """``gen`` generates ``tokens`` (usually 1; more with speculative decoding) in this
+        step; emitted at the step's end unless ``emit=False`` (then ``gen.emit()``)."""
+        self.decode_tokens += tokens
+        self.requests += 1
+        if gen.rec is None:
+            return
+        self.timed = True
+        if gen.state != DECODING:
+            if gen.state == DONE:
+                return
+            gen._resume_decode(self.start)
+        self._decoders.append((gen, tokens if emit else 0))
+
+    # --- context manager -----------------------------------------------------------------
+    def __enter__(self) -> Step:
+        self._token = SCOPE.set((self, None))
+        self.start = _time_ns()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        end = self.end = _time_ns()
+        self.finished = True
+        try:
+            SCOPE.reset(self._token)
+        except ValueError:  # exited in another context
+            SCOPE.set(None)
+        self._token = None
+        if exc is not None:
+            self.error = exc
+        try:
+            self._members_done(end)
+            if self.timed or not self.rt.production:
+                self._emit()
+        except Exception:
+            _logger.exception("inferprof could not record an engine step")
+        return False
+
+    async def __aenter__(self) -> Step:
+        return self.__enter__()
+
+    async def __aexit__(self, exc_type, exc, tb) -> bool:
+        return self.__exit__(exc_type, exc, tb)
+
+    def _members_done(self, end: int) -> None:
+        for gen, tokens in self._decoders:
+            gen.last_step_end = end
+            if tokens:
+                gen._emit(end, tokens)
+        for gen, emit in self._prefills:
+            gen.prefill_end = end
+            if emit is not None:
+                gen._prefill_done(end, emit)
+
+    # --- the step's span -------------------------------------------------------------------
+    def _emit(self) -> None:
+        rt = self.rt
+        if self.stages:
+            _resolve_device(self.stages)
+        trace_id = new_trace_id()
+        attrs: dict[str, Any] = {
+            semconv.ATTR_ENGINE_ID: self.engine_id,
+            semconv.ATTR_STEP_PREFILL_TOKENS: self.prefill_tokens,
+            semconv.ATTR_STEP_DECODE_TOKENS: self.decode_tokens,
+            semconv.ATTR_STEP_REQUESTS: self.requests,
+        }
+        if self.kv is not None:
+            attrs[semconv.ATTR_STEP_KV_CACHE_USAGE] = float(self.kv)
+        if self.stages_dropped:
+            attrs[semconv.ATTR_STAGES_DROPPED] = self.stages_dropped
+        error = self.error
+        if error is not None:
+            error = _error_parts(error, self.end)  # frozen now: no traceback kept queued
+        root = new_span_id()
+        specs = [(semconv.ENGINE_STEP_SPAN_NAME, root, None, _INTERNAL, self.start, self.end,
+                  attrs, error, ())]
+        for st in self.stages:
+            st_attrs = {semconv.ATTR_STAGE: st.name}
+            st_attrs.update(st.attrs)
+            st_error = st.error
+            if st_error is not None:
+                st_error = _error_parts(st_error, st.end or self.end)
+            parent = st.parent
+            specs.append((semconv.span_name(st.name), span_id_of(st),
+                          span_id_of(parent) if parent is not None else root, _INTERNAL,
+                          st.start, st.end or self.end, st_attrs, st_error, ()))
+        emit_trace(rt, trace_id, specs)
+
+
+def emit_trace(rt: Any, trace_id: int, specs: list) -> None:
+    """Hand a trace of ``specs`` (``Runtime._spans``'s tuples) to ``rt``'s span sink, as
+    the runtime hands its batch traces."""
+    if rt._encode:
+        rt._defer_encoded(trace_id, specs, None)
+    elif rt._deferred is not None:
+        rt._defer(DeferredTrace(rt, _as_trace, (trace_id, specs, None), len(specs)))
+    else:
+        rt._emit_spans(rt._spans(trace_id, specs))
+
+
+def _as_trace(trace_id: int, specs: list, trace_state: Any) -> tuple:
+    return trace_id, specs, trace_state
+
+
+def _resolve_device(stages: list[StageRecord]) -> None:
+    """Device-timed stages (``stage(device="cuda")``) get their GPU times."""
+    if any(st.device is not None for st in stages):
+        from inferprof.batching.device import resolve_stages
+
+        resolve_stages(stages)
+
+
+class _NoopStep:
+    """``Engine.step()`` with inferprof off or not configured: records nothing."""
+
+    __slots__ = ()
+
+    def prefill(self, gen: Generation, tokens: int, *, final: bool | None = None,
+                emit: bool = True) -> None:
+        pass
+
+    def decode(self, gen: Generation, tokens: int = 1, *, emit: bool = True) -> None:
+        pass
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        pass
+
+    def __enter__(self) -> _NoopStep:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        return False
+
+    async def __aenter__(self) -> _NoopStep:
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb) -> bool:
+        return False
+
+
+_NOOP_STEP = _NoopStep()
+
+__all__ = ["Engine", "Step", "Generation", "emit_trace"]
