@@ -255,6 +255,8 @@ class Step:
     def _members_done(self, end: int) -> None:
         for gen, tokens in self._decoders:
             gen.last_step_end = end
+            if gen.run_start:
+                gen._open_run()
             if tokens:
                 gen._emit(end, tokens)
         for gen, emit in self._prefills:

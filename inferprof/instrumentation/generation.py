@@ -53,7 +53,7 @@ class Generation:
     __slots__ = (
         "engine_id", "rec", "own", "state", "stage", "prompt_tokens", "output", "emits",
         "emit_tokens", "merged", "preemptions", "prefilled", "prefill_chunks", "prefill_end",
-        "last_step_end", "cancelled",
+        "last_step_end", "run_start", "cancelled",
     )
 
     def __init__(self, engine_id: str, rec: Any, own: bool, prompt_tokens: int | None,
@@ -80,6 +80,9 @@ class Generation:
         self.prefill_end = 0
         #: end of the last step this request decoded in (the current decode run's end)
         self.last_step_end = 0
+        #: start of a decode run whose stage opens with its first decode step (a run of
+        #: one token, the prefill's, has no decode stage); 0: none pending
+        self.run_start = 0
         self.cancelled = False
         #: the open stage (its record, in the request's stages), or None
         self.stage: StageRecord | None = None
@@ -157,7 +160,8 @@ class Generation:
             st.end = step_end
         self.state = DECODING
         self.last_step_end = step_end
-        self.stage = self._open(_DECODE, step_end)
+        self.stage = None
+        self.run_start = step_end
         if emit:
             self._emit(step_end, 1)
 
@@ -171,7 +175,12 @@ class Generation:
             return
         self._close(step_start)
         self.state = DECODING
-        self.stage = self._open(_DECODE, step_start)
+        self.run_start = step_start
+
+    def _open_run(self) -> None:
+        """The decode run's first decode step ended: its stage, from the run's start."""
+        self.stage = self._open(_DECODE, self.run_start)
+        self.run_start = 0
 
     def _prefill_target(self) -> int | None:
         """Tokens the current prefill run must process: the prompt, plus what was
@@ -200,6 +209,7 @@ class Generation:
     def _close_run(self, now: int) -> None:
         """End the open run: a decode run at its last step, a prefill run (cut short by an
         eviction) now, a wait (queue, preempted) now."""
+        self.run_start = 0
         st = self.stage
         if st is None:
             return

@@ -1,0 +1,446 @@
+"""The step API for continuous-batching engines (``inferprof.Engine``): the spans and
+attributes of contract §14, from the steps an engine loop reports."""
+
+import logging
+import time
+
+import pytest
+from opentelemetry.trace import StatusCode
+
+import inferprof
+from inferprof import semconv
+from inferprof.instrumentation.generation import emission_attributes, merge_pairs
+from inferprof.instrumentation.sampling import TimingBudget
+from tests.instrumentation.helpers import captured, children_of
+from tests.otlp_sink import attributes
+
+
+def _request_of(cap, request_span):
+    """{stage name: [its spans, by start]} of one request span."""
+    out = {}
+    for s in sorted(children_of(cap.spans(), request_span), key=lambda s: s.start_time):
+        out.setdefault(s.attributes[semconv.ATTR_STAGE], []).append(s)
+    return out
+
+
+def _steps(cap):
+    return sorted(cap.by_name(semconv.ENGINE_STEP_SPAN_NAME), key=lambda s: s.start_time)
+
+
+def _offsets_ns(request_span):
+    return [
+        round(x * 1e9) + request_span.start_time
+        for x in request_span.attributes[semconv.ATTR_GEN_EMIT_OFFSETS_S]
+    ]
+
+
+def _no_overlap(stage_spans):
+    spans = sorted(stage_spans, key=lambda s: s.start_time)
+    for a, b in zip(spans, spans[1:]):
+        assert a.end_time <= b.start_time, (a.name, b.name)
+
+
+def test_a_request_gets_queue_prefill_decode_and_one_offset_per_token():
+    with captured() as cap:
+        engine = inferprof.Engine("e1")
+        gen = engine.request(prompt_tokens=5)
+        time.sleep(0.002)  # waits in the queue
+        for n in range(4):  # the prompt in one step, then three decode tokens
+            with engine.step(kv_cache_usage=0.25) as step:
+                if n == 0:
+                    step.prefill(gen, 5)
+                else:
+                    step.decode(gen)
+                with inferprof.stage("compute"):
+                    time.sleep(0.001)
+        gen.finish()
+
+    (request,) = cap.requests()
+    steps = _steps(cap)
+    assert len(steps) == 4
+    attrs = request.attributes
+    assert attrs[semconv.ATTR_ENGINE_ID] == "e1"
+    assert attrs[semconv.ATTR_TOKENS_PROMPT] == 5
+    assert attrs[semconv.ATTR_TOKENS_OUTPUT] == 4
+    assert semconv.ATTR_GEN_EMIT_TOKENS not in attrs  # every emission carried one token
+    assert semconv.ATTR_GEN_PREEMPTIONS not in attrs
+    # each token left at the end of the step that made it (1 µs: the double's rounding)
+    assert _offsets_ns(request) == pytest.approx([s.end_time for s in steps], abs=1000)
+    stages = _request_of(cap, request)
+    assert sorted(stages) == ["decode", "prefill", "queue"]
+    (queue,), (prefill,), (decode,) = stages["queue"], stages["prefill"], stages["decode"]
+    assert queue.start_time == request.start_time
+    assert queue.end_time == prefill.start_time == steps[0].start_time  # admitted in step 1
+    assert queue.end_time - queue.start_time >= 2_000_000
+    assert prefill.end_time == steps[0].end_time == decode.start_time  # the first token
+    assert decode.end_time == steps[-1].end_time  # the last token
+    assert prefill.attributes[semconv.ATTR_PREFILL_TOKENS] == 5
+    assert prefill.attributes[semconv.ATTR_PREFILL_CHUNKS] == 1
+    assert semconv.ATTR_PREFILL_RECOMPUTE not in prefill.attributes
+    _no_overlap([queue, prefill, decode])
+    # the step spans: roots of their own traces, with their stages under them
+    for step in steps:
+        assert step.parent is None
+        assert step.context.trace_id != request.context.trace_id
+        (compute,) = children_of(cap.spans(), step)
+        assert compute.attributes[semconv.ATTR_STAGE] == "compute"
+        assert step.attributes[semconv.ATTR_STEP_KV_CACHE_USAGE] == 0.25
+        assert step.attributes[semconv.ATTR_STEP_REQUESTS] == 1
+    assert steps[0].attributes[semconv.ATTR_STEP_PREFILL_TOKENS] == 5
+    assert steps[0].attributes[semconv.ATTR_STEP_DECODE_TOKENS] == 0
+    assert steps[1].attributes[semconv.ATTR_STEP_PREFILL_TOKENS] == 0
+    assert steps[1].attributes[semconv.ATTR_STEP_DECODE_TOKENS] == 1
+
+
+def test_chunked_prefill_is_one_prefill_span_over_its_steps():
+    with captured() as cap:
+        engine = inferprof.Engine()
+        long, short = engine.request(prompt_tokens=10), engine.request(prompt_tokens=2)
+        with engine.step() as step:
+            step.prefill(long, 4)
+            step.prefill(short, 2)  # done in one chunk: its first token
+        with engine.step() as step:
+            step.prefill(long, 4)
+            step.decode(short)
+        with engine.step() as step:
+            step.prefill(long, 2)  # the prompt's last chunk
+            step.decode(short)
+        with engine.step() as step:
+            step.decode(long)
+            step.decode(short)
+        long.finish()
+        short.finish()
+
+    steps = _steps(cap)
+    assert [s.attributes[semconv.ATTR_STEP_PREFILL_TOKENS] for s in steps] == [6, 4, 2, 0]
+    assert [s.attributes[semconv.ATTR_STEP_DECODE_TOKENS] for s in steps] == [0, 1, 1, 2]
+    assert [s.attributes[semconv.ATTR_STEP_REQUESTS] for s in steps] == [2, 2, 2, 2]
+    by_prompt = {r.attributes[semconv.ATTR_TOKENS_PROMPT]: r for r in cap.requests()}
+    stages = _request_of(cap, by_prompt[10])
+    (prefill,) = stages["prefill"]
+    assert prefill.attributes[semconv.ATTR_PREFILL_TOKENS] == 10
+    assert prefill.attributes[semconv.ATTR_PREFILL_CHUNKS] == 3
+    assert (prefill.start_time, prefill.end_time) == (steps[0].start_time, steps[2].end_time)
+    assert by_prompt[10].attributes[semconv.ATTR_TOKENS_OUTPUT] == 2
+    assert _offsets_ns(by_prompt[10]) == pytest.approx(
+        [steps[2].end_time, steps[3].end_time], abs=1000)
+    assert by_prompt[2].attributes[semconv.ATTR_TOKENS_OUTPUT] == 4
+
+
+def test_eviction_then_recompute_gives_preempted_and_a_recompute_prefill():
+    with captured() as cap:
+        engine = inferprof.Engine()
+        gen = engine.request(prompt_tokens=3)
+        with engine.step() as step:
+            step.prefill(gen, 3)
+        with engine.step() as step:
+            step.decode(gen)
+        gen.preempt()  # KV cache full: evicted after 2 tokens
+        time.sleep(0.002)
+        with engine.step() as step:  # re-admitted: prompt + the 2 tokens recomputed
+            step.prefill(gen, 5)
+        with engine.step() as step:
+            step.decode(gen)
+        gen.finish()
+
+    (request,) = cap.requests()
+    steps = _steps(cap)
+    assert request.attributes[semconv.ATTR_GEN_PREEMPTIONS] == 1
+    assert request.attributes[semconv.ATTR_TOKENS_OUTPUT] == 4  # 2, then 1 + 1 after
+    stages = _request_of(cap, request)
+    assert [len(stages[k]) for k in ("queue", "prefill", "decode", "preempted")] == [1, 2, 2, 1]
+    first, again = stages["prefill"]
+    (preempted,) = stages["preempted"]
+    assert semconv.ATTR_PREFILL_RECOMPUTE not in first.attributes
+    assert again.attributes[semconv.ATTR_PREFILL_RECOMPUTE] is True
+    assert again.attributes[semconv.ATTR_PREFILL_TOKENS] == 5
+    assert stages["decode"][0].end_time == steps[1].end_time  # the run's last token
+    assert stages["decode"][0].end_time <= preempted.start_time
+    assert preempted.end_time == again.start_time == steps[2].start_time
+    assert preempted.end_time - preempted.start_time >= 2_000_000
+    assert again.end_time == steps[2].end_time == stages["decode"][1].start_time
+    _no_overlap([s for group in stages.values() for s in group])
+    assert _offsets_ns(request) == pytest.approx([s.end_time for s in steps], abs=1000)
+
+
+def test_a_request_swapped_back_in_decodes_on_without_a_prefill():
+    with captured() as cap:
+        engine = inferprof.Engine()
+        gen = engine.request(prompt_tokens=1)
+        with engine.step() as step:
+            step.prefill(gen, 1)
+        gen.preempt()
+        with engine.step() as step:
+            step.decode(gen)
+        gen.finish()
+    (request,) = cap.requests()
+    stages = _request_of(cap, request)
+    # the first run was the prefill's token alone: no decode stage for it
+    assert len(stages["prefill"]) == 1 and len(stages["decode"]) == 1
+    (preempted,) = stages["preempted"]
+    assert preempted.end_time == stages["decode"][0].start_time == _steps(cap)[1].start_time
+    assert request.attributes[semconv.ATTR_TOKENS_OUTPUT] == 2
+
+
+def test_prefill_ends_at_the_first_decode_when_the_prompt_length_is_unknown():
+    with captured() as cap:
+        engine = inferprof.Engine()
+        gen = engine.request()
+        for _ in range(2):
+            with engine.step() as step:
+                step.prefill(gen, 8)
+        with engine.step() as step:
+            step.decode(gen)
+        gen.finish()
+    (request,) = cap.requests()
+    steps = _steps(cap)
+    (prefill,) = _request_of(cap, request)["prefill"]
+    assert prefill.end_time == steps[1].end_time
+    assert prefill.attributes[semconv.ATTR_PREFILL_CHUNKS] == 2
+    assert semconv.ATTR_TOKENS_PROMPT not in request.attributes
+    # the last prefill step's token, then the decode step's
+    assert _offsets_ns(request) == pytest.approx([steps[1].end_time, steps[2].end_time], abs=1000)
+
+
+def test_cancellation_mid_stream_keeps_what_was_recorded():
+    with captured() as cap:
+        engine = inferprof.Engine()
+        gen = engine.request(prompt_tokens=2)
+        with engine.step() as step:
+            step.prefill(gen, 2)
+        for _ in range(2):
+            with engine.step() as step:
+                step.decode(gen)
+        gen.cancel()  # the client went away
+        gen.finish()  # the engine's own clean-up: no second end
+        with engine.step() as step:
+            step.decode(gen)  # a late step: records nothing into the request
+    (request,) = cap.requests()
+    assert request.attributes[semconv.ATTR_CANCELLED] is True
+    assert request.attributes[semconv.ATTR_TOKENS_OUTPUT] == 3
+    assert len(request.attributes[semconv.ATTR_GEN_EMIT_OFFSETS_S]) == 3
+    stages = _request_of(cap, request)
+    assert [len(stages[k]) for k in ("queue", "prefill", "decode")] == [1, 1, 1]
+    assert stages["decode"][0].end_time == _steps(cap)[2].end_time
+    assert request.status.status_code is StatusCode.UNSET
+
+
+def test_a_request_cancelled_in_the_queue_has_only_its_queue_stage():
+    with captured() as cap:
+        gen = inferprof.Engine().request(prompt_tokens=4)
+        gen.cancel()
+    (request,) = cap.requests()
+    assert list(_request_of(cap, request)) == ["queue"]
+    assert request.attributes[semconv.ATTR_TOKENS_OUTPUT] == 0
+    assert semconv.ATTR_GEN_EMIT_OFFSETS_S not in request.attributes
+
+
+def test_k_token_chunks_and_manual_emissions():
+    with captured() as cap:
+        engine = inferprof.Engine()
+        gen = engine.request(prompt_tokens=1)
+        with engine.step() as step:
+            step.prefill(gen, 1)
+        with engine.step() as step:
+            step.decode(gen, 4)  # speculative decoding: 4 tokens in one step
+        with engine.step() as step:
+            step.decode(gen, emit=False)  # held back (a stop string?), sent with the next
+        with engine.step() as step:
+            step.decode(gen, emit=False)
+        gen.emit(2)
+        gen.finish()
+    (request,) = cap.requests()
+    assert request.attributes[semconv.ATTR_GEN_EMIT_TOKENS] == [1, 4, 2]
+    assert request.attributes[semconv.ATTR_TOKENS_OUTPUT] == 7
+    offsets = _offsets_ns(request)
+    assert offsets[2] > _steps(cap)[3].end_time  # emitted after the step, when emit() said
+
+
+def test_inside_a_request_the_generation_goes_into_that_request(caplog):
+    with captured() as cap:
+        engine = inferprof.Engine("7")
+        with inferprof.request(model="m") as req:
+            gen = engine.request(prompt_tokens=1)
+            with caplog.at_level(logging.WARNING, logger="inferprof"):
+                second = engine.request(prompt_tokens=1)
+            with inferprof.stage("tokenize"):
+                pass
+            with engine.step() as step:
+                step.prefill(gen, 1)
+                step.prefill(second, 1)
+            gen.finish()
+            second.finish()
+    assert not second.timed
+    assert "twice in one request" in caplog.text
+    (request,) = cap.requests()
+    assert request.context.span_id == req.span_id
+    assert request.attributes[semconv.ATTR_MODEL_NAME] == "m"
+    assert request.attributes[semconv.ATTR_ENGINE_ID] == "7"
+    assert request.attributes[semconv.ATTR_TOKENS_OUTPUT] == 1
+    assert sorted(_request_of(cap, request)) == ["prefill", "queue", "tokenize"]
+    # the step's span is not in the request's trace (no copies, no links)
+    assert _steps(cap)[0].context.trace_id != request.context.trace_id
+
+
+def test_an_exception_in_a_step_is_recorded_on_its_span_and_re_raised():
+    with captured() as cap:
+        engine = inferprof.Engine()
+        gen = engine.request(prompt_tokens=1)
+        with pytest.raises(RuntimeError, match="oom"):
+            with engine.step() as step:
+                step.prefill(gen, 1)
+                raise RuntimeError("oom")
+        gen.finish()
+    (step,) = _steps(cap)
+    assert step.status.status_code is StatusCode.ERROR
+    assert step.events[0].name == "exception"
+
+
+def test_off_and_unconfigured_record_nothing():
+    engine = inferprof.Engine()
+    gen = engine.request(prompt_tokens=1)  # not configured
+    assert not gen.timed
+    with engine.step() as step:
+        step.prefill(gen, 1)
+    gen.finish()
+    with captured(mode="off") as cap:
+        gen = engine.request(prompt_tokens=1)
+        assert not gen.timed
+        with engine.step() as step:
+            step.prefill(gen, 1)
+            step.decode(gen)
+        gen.cancel()
+    assert cap.spans() == []
+
+
+def _untimed_budget():
+    """The active runtime's timing budget, past a second of a million requests a second
+    (every key): the next requests are timed with probability 1e-9."""
+
+    class Clock:
+        now = 100.0
+
+        def __call__(self):
+            return self.now
+
+    clock = Clock()
+    rt = inferprof._config.active_runtime()
+    rt.timing_budget = TimingBudget(0.001, clock=clock)
+    for key in ((semconv.REQUEST_SPAN_NAME, None), (semconv.REQUEST_SPAN_NAME, "m")):
+        for _ in range(1_000_000 // 1000):
+            rt.timing_budget.share(key)
+    clock.now += 1000.0
+
+
+def test_production_records_nothing_of_an_untimed_request_and_skips_its_steps():
+    with captured(mode="production", sample_rate=1.0) as cap:
+        engine = inferprof.Engine()
+        timed = engine.request(prompt_tokens=1)
+        with engine.step() as step:
+            step.prefill(timed, 1)
+        timed.finish()
+        kept = len(cap.spans())
+        assert kept == 4  # the request, its queue and prefill, and the step
+        _untimed_budget()
+        gen = engine.request(prompt_tokens=1)
+        with inferprof.request(model="m") as req:  # also inside an untimed request
+            inner = engine.request(prompt_tokens=1)
+        assert req is None
+        assert not gen.timed and not inner.timed
+        for _ in range(3):
+            with engine.step() as step:
+                step.decode(gen)
+                step.decode(inner)
+        gen.finish()
+        inner.finish()
+        assert len(cap.spans()) == kept  # no member timed: no step span
+
+
+def test_production_keeps_a_step_with_a_timed_member_and_its_untimed_tokens():
+    with captured(mode="production", sample_rate=1.0) as cap:
+        engine = inferprof.Engine()
+        timed = engine.request(prompt_tokens=1)
+        _untimed_budget()
+        untimed = engine.request(prompt_tokens=1)
+        with engine.step() as step:
+            step.prefill(timed, 1)
+            step.prefill(untimed, 1)
+        timed.finish()
+        untimed.finish()
+    (step,) = _steps(cap)
+    assert step.attributes[semconv.ATTR_STEP_REQUESTS] == 2
+    assert step.attributes[semconv.ATTR_STEP_PREFILL_TOKENS] == 2
+    assert len(cap.requests()) == 1
+
+
+def test_bad_arguments_raise():
+    with pytest.raises(ValueError):
+        inferprof.Engine("")
+    with pytest.raises(ValueError):
+        inferprof.Engine().request(prompt_tokens=-1)
+
+
+def test_merging_keeps_the_first_time_the_span_and_the_tokens():
+    times, tokens = list(range(10, 17)), [1, 2, 1, 1, 3, 1, 1]
+    assert merge_pairs(times, tokens) == 3
+    assert times == [10, 12, 14, 16]
+    assert tokens == [1, 3, 4, 2]
+
+
+def test_the_emission_list_is_capped_by_pairwise_merges():
+    cap_n = semconv.GEN_EMIT_MAX_ENTRIES
+    start = 1_000_000_000
+    times = [start + 1000 * (i + 1) for i in range(cap_n + 100)]
+    attrs = emission_attributes(start, times, None)
+    offsets = attrs[semconv.ATTR_GEN_EMIT_OFFSETS_S]
+    assert len(offsets) <= cap_n
+    assert offsets[0] == pytest.approx(1e-6)  # the first token: exact
+    assert offsets[-1] == pytest.approx((times[-1] - start) / 1e9)
+    assert sum(attrs[semconv.ATTR_GEN_EMIT_TOKENS]) == len(times)
+    assert attrs[semconv.ATTR_GEN_EMIT_MERGED] == (cap_n + 100 - 1) // 2
+
+
+def test_a_runaway_stream_keeps_bounded_memory_and_every_token():
+    with captured() as cap:
+        gen = inferprof.Engine().request(prompt_tokens=1)
+        with inferprof.Engine().step() as step:
+            step.prefill(gen, 1)
+        n = 3 * semconv.GEN_EMIT_MAX_ENTRIES
+        for _ in range(n):
+            gen.emit()
+        assert len(gen.emits) < 2 * semconv.GEN_EMIT_MAX_ENTRIES
+        gen.finish()
+    (request,) = cap.requests()
+    attrs = request.attributes
+    assert len(attrs[semconv.ATTR_GEN_EMIT_OFFSETS_S]) <= semconv.GEN_EMIT_MAX_ENTRIES
+    assert sum(attrs[semconv.ATTR_GEN_EMIT_TOKENS]) == n + 1 == attrs[semconv.ATTR_TOKENS_OUTPUT]
+    assert attrs[semconv.ATTR_GEN_EMIT_MERGED] > 0
+
+
+def test_the_encoding_reaches_an_otlp_receiver(otlp_sink):
+    """With configure()'s own exporter the spans are encoded straight to OTLP bytes: the
+    arrays and the step traces arrive as the collector reads them."""
+    inferprof.configure(service_name="gen", endpoint=otlp_sink.endpoint, set_global=False)
+    engine = inferprof.Engine("e9")
+    gen = engine.request(prompt_tokens=2)
+    with engine.step() as step:
+        step.prefill(gen, 2)
+        with inferprof.stage("compute"):
+            pass
+    with engine.step() as step:
+        step.decode(gen, 3)
+    gen.finish()
+    inferprof.shutdown()
+    assert otlp_sink.wait_for(lambda s: len(s.spans()) >= 7)
+    spans = [s for _, s in otlp_sink.spans()]
+    (request,) = [s for s in spans if s.name == semconv.REQUEST_SPAN_NAME]
+    attrs = attributes(request)
+    assert [v.int_value for v in attrs[semconv.ATTR_GEN_EMIT_TOKENS].values] == [1, 3]
+    offsets = [v.double_value for v in attrs[semconv.ATTR_GEN_EMIT_OFFSETS_S].values]
+    assert len(offsets) == 2 and 0 < offsets[0] < offsets[1]
+    assert attrs[semconv.ATTR_TOKENS_OUTPUT] == 4
+    steps = [s for s in spans if s.name == semconv.ENGINE_STEP_SPAN_NAME]
+    assert len(steps) == 2 and all(not s.parent_span_id for s in steps)
+    assert {attributes(s)[semconv.ATTR_ENGINE_ID] for s in steps} == {"e9"}
+    (compute,) = [s for s in spans if s.name == "inferprof.compute"]
+    assert compute.parent_span_id in {s.span_id for s in steps}
