@@ -354,32 +354,6 @@ DROP_REASON_QUEUE_FULL: Final = "queue_full"
 DROP_REASON_EXPORT_FAILED: Final = "export_failed"
 DROP_REASON_SHUTDOWN: Final = "shutdown"
 
-# --- §14 Generation encoding (inferprof's producer; extensions beyond §7) ----------------
-
-#: Stage (§7): evicted from the KV cache, waiting to be re-admitted (a queueing stage).
-STAGE_PREEMPTED: Final = "preempted"
-ATTR_TOKENS_PROMPT: Final = "inferprof.tokens.prompt"
-ATTR_TOKENS_OUTPUT: Final = "inferprof.tokens.output"
-#: Request span: each output chunk's time (s) since the request span's start, in order.
-ATTR_GEN_EMIT_OFFSETS_S: Final = "inferprof.gen.emit_offsets_s"
-#: Request span: tokens each chunk carried (same length); omitted when all carry 1.
-ATTR_GEN_EMIT_TOKENS: Final = "inferprof.gen.emit_tokens"
-#: Request span: consecutive chunks merged pairwise past the cap of entries.
-ATTR_GEN_EMIT_MERGED: Final = "inferprof.gen.emit_merged"
-ATTR_GEN_PREEMPTIONS: Final = "inferprof.gen.preemptions"
-#: Most entries of ``inferprof.gen.emit_offsets_s``.
-GEN_EMIT_MAX_ENTRIES: Final = 16384
-ATTR_ENGINE_ID: Final = "inferprof.engine.id"
-ATTR_PREFILL_TOKENS: Final = "inferprof.prefill.tokens"
-ATTR_PREFILL_CHUNKS: Final = "inferprof.prefill.chunks"
-ATTR_PREFILL_RECOMPUTE: Final = "inferprof.prefill.recompute"
-ENGINE_STEP_SPAN_NAME: Final = "inferprof.engine_step"
-ATTR_STEP_PREFILL_TOKENS: Final = "inferprof.step.prefill_tokens"
-ATTR_STEP_DECODE_TOKENS: Final = "inferprof.step.decode_tokens"
-ATTR_STEP_REQUESTS: Final = "inferprof.step.requests"
-ATTR_STEP_KV_CACHE_USAGE: Final = "inferprof.step.kv_cache.usage"
-METRIC_ENGINE_KV_CACHE_USAGE: Final = "inferprof.engine.kv_cache.usage"
-
 # --- Triton client wrapper (inferprof.triton; extensions beyond the v1 contract) --------
 
 #: Model name and version a Triton call's ``network`` stage asked Triton for (the request

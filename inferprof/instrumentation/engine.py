@@ -69,7 +69,7 @@ class Engine:
 
     __slots__ = ("engine_id", "model", "_warned_second")
 
-    def __init__(self, engine_id: str = "0", *, model: str | None = None) -> None:
+    def __init__(self, engine_id: str = semconv.DEFAULT_ENGINE_ID, *, model: str | None = None) -> None:
         if not isinstance(engine_id, str) or not engine_id:
             raise ValueError(f"engine_id must be a non-empty string, got {engine_id!r}")
         if model is not None and not isinstance(model, str):
@@ -287,7 +287,8 @@ class Step:
         specs = [(semconv.ENGINE_STEP_SPAN_NAME, root, None, _INTERNAL, self.start, self.end,
                   attrs, error, ())]
         for st in self.stages:
-            st_attrs = {semconv.ATTR_STAGE: st.name}
+            # the engine id marks them as step stages to the collector (contract §14)
+            st_attrs = {semconv.ATTR_STAGE: st.name, semconv.ATTR_ENGINE_ID: self.engine_id}
             st_attrs.update(st.attrs)
             st_error = st.error
             if st_error is not None:

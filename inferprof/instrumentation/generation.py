@@ -34,7 +34,7 @@ _DECODE = semconv.STAGE_DECODE
 _PREEMPTED = semconv.STAGE_PREEMPTED
 #: Entries of the emission list that trigger a pairwise merge while recording: a runaway
 #: stream keeps bounded memory (the merge halves it; the cap applies again at the end).
-_COMPACT_AT = 2 * semconv.GEN_EMIT_MAX_ENTRIES
+_COMPACT_AT = 2 * semconv.GEN_MAX_EMIT_ENTRIES
 
 # Generation states.
 QUEUED, PREFILL, DECODING, PREEMPTED, DONE = range(5)
@@ -270,10 +270,10 @@ def emission_attributes(
 ) -> dict[str, Any]:
     """``inferprof.gen.emit_offsets_s`` (and ``emit_tokens``, ``emit_merged``) of a request
     that started at ``start`` (ns) and emitted at ``times`` (ns); capped at
-    ``GEN_EMIT_MAX_ENTRIES`` entries by pairwise merges."""
+    ``GEN_MAX_EMIT_ENTRIES`` entries by pairwise merges."""
     times = list(times)
     tokens = list(tokens) if tokens is not None else None
-    while len(times) > semconv.GEN_EMIT_MAX_ENTRIES:
+    while len(times) > semconv.GEN_MAX_EMIT_ENTRIES:
         if tokens is None:
             tokens = [1] * len(times)
         merged += merge_pairs(times, tokens)

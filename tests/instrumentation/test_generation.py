@@ -84,6 +84,7 @@ def test_a_request_gets_queue_prefill_decode_and_one_offset_per_token():
         assert step.context.trace_id != request.context.trace_id
         (compute,) = children_of(cap.spans(), step)
         assert compute.attributes[semconv.ATTR_STAGE] == "compute"
+        assert compute.attributes[semconv.ATTR_ENGINE_ID] == "e1"
         assert step.attributes[semconv.ATTR_STEP_KV_CACHE_USAGE] == 0.25
         assert step.attributes[semconv.ATTR_STEP_REQUESTS] == 1
     assert steps[0].attributes[semconv.ATTR_STEP_PREFILL_TOKENS] == 5
@@ -388,7 +389,7 @@ def test_merging_keeps_the_first_time_the_span_and_the_tokens():
 
 
 def test_the_emission_list_is_capped_by_pairwise_merges():
-    cap_n = semconv.GEN_EMIT_MAX_ENTRIES
+    cap_n = semconv.GEN_MAX_EMIT_ENTRIES
     start = 1_000_000_000
     times = [start + 1000 * (i + 1) for i in range(cap_n + 100)]
     attrs = emission_attributes(start, times, None)
@@ -405,14 +406,14 @@ def test_a_runaway_stream_keeps_bounded_memory_and_every_token():
         gen = inferprof.Engine().request(prompt_tokens=1)
         with inferprof.Engine().step() as step:
             step.prefill(gen, 1)
-        n = 3 * semconv.GEN_EMIT_MAX_ENTRIES
+        n = 3 * semconv.GEN_MAX_EMIT_ENTRIES
         for _ in range(n):
             gen.emit()
-        assert len(gen.emits) < 2 * semconv.GEN_EMIT_MAX_ENTRIES
+        assert len(gen.emits) < 2 * semconv.GEN_MAX_EMIT_ENTRIES
         gen.finish()
     (request,) = cap.requests()
     attrs = request.attributes
-    assert len(attrs[semconv.ATTR_GEN_EMIT_OFFSETS_S]) <= semconv.GEN_EMIT_MAX_ENTRIES
+    assert len(attrs[semconv.ATTR_GEN_EMIT_OFFSETS_S]) <= semconv.GEN_MAX_EMIT_ENTRIES
     assert sum(attrs[semconv.ATTR_GEN_EMIT_TOKENS]) == n + 1 == attrs[semconv.ATTR_TOKENS_OUTPUT]
     assert attrs[semconv.ATTR_GEN_EMIT_MERGED] > 0
 
