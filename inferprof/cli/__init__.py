@@ -63,6 +63,29 @@ def configure_logging(level: str) -> None:
             handler.addFilter(ExporterLogLimit())
 
 
+def as_flags(message: str, names) -> str:
+    """A settings error as the command line says it: a leading setting name among ``names``
+    becomes its flag (``grpc_port`` -> ``--grpc-port``), and a tuple of values after
+    ``, got `` is written as typed (``(0.0,)`` -> ``0``)."""
+    name, sep, rest = message.partition(" ")
+    if name in names:
+        message = f"--{name.replace('_', '-')}{sep}{rest}"
+    head, got, value = message.rpartition(", got ")
+    if got and value.startswith("(") and value.endswith(")"):
+        items = [v.strip().strip("'\"") for v in value[1:-1].split(",") if v.strip()]
+        message = f"{head}, got {','.join(_plain(v) for v in items)}"
+    elif got:
+        message = f"{head}, got {_plain(value)}"
+    return message
+
+
+def _plain(value: str) -> str:
+    try:
+        return f"{float(value):g}"
+    except ValueError:
+        return value
+
+
 # subcommand -> "module:attribute" of its click command.
 _SUBCOMMANDS = {
     "demo": ("inferprof.demo.command:demo", "Run the demo service under load and print its breakdown."),
@@ -93,6 +116,11 @@ class _LazyGroup(click.Group):
 @click.version_option(package_name="inferprof")
 def main() -> None:
     """inferprof: per-stage tail-latency attribution for model-serving services."""
+    from inferprof._shadowing import shadowing_folder, shadowing_message
+
+    folder = shadowing_folder()
+    if folder is not None:
+        click.echo(shadowing_message(folder), err=True)
 
 
-__all__ = ["main"]
+__all__ = ["as_flags", "main"]

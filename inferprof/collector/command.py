@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from inferprof.cli import log_level_option
+from inferprof.cli import as_flags, log_level_option
 from inferprof.cli.signals import until_signal
 from inferprof.collector import settings as _settings
 
@@ -141,7 +141,7 @@ def collect(config: str | None, log_level: str, **options: Any) -> None:
     try:
         settings = _settings.CollectorSettings.from_env(config=config, **options)
     except ValueError as exc:
-        raise click.UsageError(str(exc)) from None
+        raise click.UsageError(as_flags(str(exc), options)) from None
 
     from inferprof.collector.app import CollectorApp
 

@@ -8,9 +8,12 @@ client saw (throughput, p50/p95/p99) and what the collector attributes, stage by
 stage, at the tail (each stage's p50/p95/p99, its share of p95, the verdict and its
 evidence). Everything it starts is stopped before it returns, on errors too.
 
-The default load is a closed loop with more concurrent clients than the batcher's
-maximum batch, so requests wait for a batch slot: the run shows queuing at the tail,
-which is what a service near saturation looks like.
+The default load is an open loop well below the service's capacity against a batcher
+that holds each batch up to 50 ms to fill: the tail is requests waiting for the batcher,
+and the run ends with a definite verdict (``batching``) and what to do next. A closed loop
+of more clients than a batch holds (``--concurrency 48 --max-delay-ms 5 --model-size
+small``) shows the other
+case: requests waiting behind the model.
 """
 
 from __future__ import annotations
@@ -33,6 +36,11 @@ from inferprof.demo.settings import (
 
 DEFAULT_DURATION_S = 20.0
 DEFAULT_CONCURRENCY = 48
+#: The command's default load: an open loop at this rate, against a batcher that holds a
+#: batch up to ``DEFAULT_CLI_MAX_DELAY_MS`` to fill.
+DEFAULT_RATE = 50.0
+DEFAULT_CLI_MAX_DELAY_MS = 50.0
+DEFAULT_CLI_MODEL_SIZE = "tiny"
 SERVICE_NAME = "inferprof-demo"
 # How long to wait for the collector to have folded every request the client saw.
 _DRAIN_TIMEOUT_S = 10.0
@@ -53,9 +61,9 @@ def _echo(message: str, quiet: bool) -> None:
 @click.option("--duration", type=click.FloatRange(min=0.5), default=DEFAULT_DURATION_S,
               show_default=True, help="Seconds of load.")
 @click.option("--concurrency", type=click.IntRange(min=1), default=None,
-              help=f"Closed loop: concurrent clients [default: {DEFAULT_CONCURRENCY}].")
+              help="Closed loop: this many concurrent clients instead of the open loop.")
 @click.option("--rate", type=click.FloatRange(min=0.1), default=None,
-              help="Open loop: requests per second (Poisson arrivals) instead of --concurrency.")
+              help=f"Open loop: requests per second (Poisson arrivals) [default: {DEFAULT_RATE:g}].")
 @click.option("--burst", type=click.IntRange(min=1), default=1, show_default=True,
               help="Open loop: requests arriving together.")
 @click.option("--mode", type=click.Choice(INSTRUMENTATIONS), default=semconv.MODE_FULL,
@@ -63,10 +71,11 @@ def _echo(message: str, quiet: bool) -> None:
               help="Instrumentation of the service: inferprof full/production/off, "
                    "otel (opentelemetry-instrumentation-fastapi only) or none.")
 @click.option("--model-size", type=click.Choice(["tiny", "small", "medium", "large"]),
-              default="small", show_default=True, help="Size of the demo model.")
+              default=DEFAULT_CLI_MODEL_SIZE, show_default=True, help="Size of the demo model.")
 @click.option("--max-batch-size", type=click.IntRange(min=1), default=16, show_default=True,
               help="The dynamic batcher's largest batch.")
-@click.option("--max-delay-ms", type=click.FloatRange(min=0), default=5.0, show_default=True,
+@click.option("--max-delay-ms", type=click.FloatRange(min=0), default=DEFAULT_CLI_MAX_DELAY_MS,
+              show_default=True,
               help="A batch runs when full or when its oldest request has waited this long.")
 @click.option("--forward", "forward", multiple=True, metavar="URL",
               help="Also re-export every span to this OTLP endpoint, e.g. Jaeger's "
@@ -86,7 +95,7 @@ def demo(duration: float, concurrency: int | None, rate: float | None, burst: in
     if concurrency is not None and rate is not None:
         raise click.UsageError("choose --concurrency (closed loop) or --rate (open loop), not both")
     if rate is None and concurrency is None:
-        concurrency = DEFAULT_CONCURRENCY
+        rate = DEFAULT_RATE
     if forward_headers and not forward:
         raise click.UsageError("--forward-header needs --forward")
     if not service_name.strip():
@@ -209,7 +218,20 @@ def render(result: dict[str, Any]) -> str:
             lines.append("the collector received no complete request traces")
         return "\n".join(lines)
     lines.append(_format_table(doc))
+    lines += ["", *NEXT_STEPS]
     return "\n".join(lines)
+
+
+#: What the demo suggests after its breakdown.
+NEXT_STEPS = (
+    "next:",
+    "  - instrument your own service: inferprof.configure() + inferprof.fastapi.instrument(app)"
+    " (README, docs/instrumenting.md)",
+    "  - record now, report later: inferprof demo --forward file:///tmp/run.otlp, then"
+    " inferprof report /tmp/run.otlp --html report.html",
+    "  - see a slow request's trace: start Jaeger, then inferprof demo --forward"
+    " otlp-grpc://127.0.0.1:4317 (docs/demo.md)",
+)
 
 
 def _format_table(doc: dict[str, Any]) -> str:

@@ -14,13 +14,13 @@ import os
 import selectors
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
 from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
+from inferprof._shadowing import python_module_command
 from inferprof.demo.service import CLASSIFY_PATH, HEALTH_PATH
 from inferprof.demo.settings import (
     ENV_ENDPOINT,
@@ -92,7 +92,7 @@ class ServiceProcess:
     def start(self) -> ServiceProcess:
         self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed by close()
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "inferprof.demo.serve", "--port", "0"],
+            python_module_command("inferprof.demo.serve", "--port", "0"),
             stdout=subprocess.PIPE, stderr=self._stderr, env=self._env,
         )
         try:
@@ -179,8 +179,8 @@ def run_loadgen(url: str, *, duration_s: float, concurrency: int | None = None,
                 rate: float | None = None, burst: int = 1, mix: str | None = None,
                 seed: int = 0, extra_args: Sequence[str] = ()) -> dict[str, Any]:
     """Run the load generator in its own process; return its JSON summary."""
-    cmd = [sys.executable, "-m", "inferprof.demo.loadgen", url, "--json",
-           "--duration", str(duration_s), "--seed", str(seed)]
+    cmd = python_module_command("inferprof.demo.loadgen", url, "--json",
+                                "--duration", str(duration_s), "--seed", str(seed))
     if rate is not None:
         cmd += ["--rate", str(rate), "--burst", str(burst)]
     elif concurrency is not None:

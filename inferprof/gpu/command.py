@@ -20,7 +20,7 @@ from click.core import ParameterSource
 
 from inferprof import _config
 from inferprof import semconv as sc
-from inferprof.cli import configure_logging, log_level_option
+from inferprof.cli import as_flags, configure_logging, log_level_option
 from inferprof.cli.signals import until_signal
 from inferprof.gpu import sampler as _sampler
 from inferprof.gpu.records import METRICS, GpuSample, Source, SourceUnavailable
@@ -248,7 +248,7 @@ def gpu(source: str | None, once: bool, duration: float | None, log_level: str,
             endpoint=opts["endpoint"], protocol=opts["protocol"], host_name=opts["host_name"],
             service_name=opts["service_name"], max_queue_size=opts["max_queue_size"])
     except ValueError as exc:
-        raise click.UsageError(str(exc)) from None
+        raise click.UsageError(as_flags(str(exc), opts)) from None
     if once:
         _read_once(sampler)
         return

@@ -121,7 +121,7 @@ def test_once_applies_the_host_name_and_validates_the_settings():
     proc = _run("--source", "synthetic", "--once", env={"INFERPROF_GPU_HOST_NAME": "env-host"})
     assert json.loads(proc.stdout)["host.name"] == "env-host"
     proc = _run("--source", "synthetic", "--once", "--interval", "-1")
-    assert proc.returncode == 2 and "interval must be a positive number" in proc.stderr
+    assert proc.returncode == 2 and "--interval must be a positive number of seconds, got -1" in proc.stderr
 
 
 @pytest.mark.parametrize("duration", ["-1", "0", "nan"])

@@ -32,6 +32,19 @@ def test_demo_prints_client_figures_and_the_collectors_stage_table():
     assert any(f"verdict: {v}" in table for v in semconv.VERDICTS)
 
 
+def test_the_default_load_ends_with_a_definite_verdict_and_next_steps():
+    # Only the duration differs from what a new user runs.
+    result = CliRunner().invoke(main, ["demo", "--duration", "4"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "open loop, 50 req/s" in out
+    assert "verdict: batching" in out, out
+    assert "requests wait for the batcher" in out
+    nxt = out[out.index("\nnext:"):]
+    assert "instrument your own service" in nxt
+    assert "inferprof report" in nxt and "--forward" in nxt
+
+
 def test_demo_json_matches_what_the_client_saw():
     result = CliRunner().invoke(main, ["demo", "--duration", "2", "--concurrency", "16",
                                        "--model-size", "tiny", "--json"], catch_exceptions=False)
