@@ -206,6 +206,7 @@ OUTCOME_TOO_LARGE: Final = "too_large"
 OUTCOME_OVERLOADED: Final = "overloaded"
 OUTCOME_UNAUTHENTICATED: Final = "unauthenticated"
 OUTCOME_ERROR: Final = "error"
+OUTCOME_BODY_TIMEOUT: Final = "body_timeout"
 
 # Reasons of ``inferprof_spans_dropped_total{reason}`` (collector engine).
 DROP_INVALID_ID: Final = "invalid_id"

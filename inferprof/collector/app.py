@@ -294,6 +294,7 @@ class CollectorApp:
             intake,
             max_body_bytes=s.max_body_bytes,
             max_concurrent_requests=s.max_concurrent_requests,
+            body_timeout_s=s.body_timeout_s,
         )
         if s.metrics_window_s > max(s.windows_s):
             _log.warning(

@@ -195,8 +195,9 @@ def encode_response(
 
 
 #: HTTP status -> the google.rpc.Code a ``Status`` body carries (gRPC's own mapping).
-_RPC_CODES = {400: 3, 401: 16, 413: 8, 415: 3, 429: 8, 500: 13}  # INVALID_ARGUMENT,
-# UNAUTHENTICATED, RESOURCE_EXHAUSTED, INVALID_ARGUMENT, RESOURCE_EXHAUSTED, INTERNAL
+_RPC_CODES = {400: 3, 401: 16, 408: 4, 413: 8, 415: 3, 429: 8, 500: 13}  # INVALID_ARGUMENT,
+# UNAUTHENTICATED, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, INVALID_ARGUMENT,
+# RESOURCE_EXHAUSTED, INTERNAL
 
 
 def error_body(reason: str, fmt: Format | None, status: int = 400) -> tuple[bytes, str]:

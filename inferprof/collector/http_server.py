@@ -7,6 +7,13 @@ Sockets are bound in the caller's thread first: a port already in use fails
 
 Decoding and folding are CPU work; they run in Starlette's thread pool so the
 loop keeps answering ``/healthz`` and ``/metrics`` while a large export is parsed.
+
+An OTLP/HTTP body is read in full, within a deadline, before the export takes one of
+the ``max_concurrent_requests`` processing slots: clients that send their bodies slowly
+hold no slot, and are cut off with 408 at the deadline. What bodies being read hold
+together is bounded in bytes (as much as the processing slots may hold), not in count:
+a count could be filled by connections trickling a byte each, as the slots were; a
+connection costs the server memory whether its body is being read or not.
 """
 
 from __future__ import annotations
@@ -60,7 +67,14 @@ def _json(status: int, doc: Any, headers: dict[str, str] | None = None) -> Any:
 # --- OTLP/HTTP receiver ---------------------------------------------------------------
 
 
-def otlp_app(intake: Intake, *, max_body_bytes: int, max_concurrent_requests: int) -> Any:
+class _ReadersFull(Exception):
+    """The bodies being read together hold as many bytes as the processing slots may."""
+
+
+def otlp_app(
+    intake: Intake, *, max_body_bytes: int, max_concurrent_requests: int,
+    body_timeout_s: float = 10.0,
+) -> Any:
     """The ASGI app serving ``POST /v1/traces``, ``/v1/metrics`` and ``/v1/logs``."""
     require("starlette", "collector")
     from starlette.applications import Starlette
@@ -70,6 +84,8 @@ def otlp_app(intake: Intake, *, max_body_bytes: int, max_concurrent_requests: in
     from starlette.routing import Route
 
     in_flight = 0  # requests being decoded/ingested; bounded to keep memory bounded
+    buffered = 0  # bytes of the bodies being read (before a processing slot is taken)
+    max_buffered = max_concurrent_requests * max_body_bytes
     transport = semconv.TRANSPORT_HTTP
 
     def fail(signal: str, exc: BodyError, fmt: Any) -> Response:
@@ -95,9 +111,27 @@ def otlp_app(intake: Intake, *, max_body_bytes: int, max_concurrent_requests: in
         payload = data if fmt == FORMAT_PROTOBUF else None
         return intake.ingest(transport, signal, message, payload, peer)
 
+    async def read_body(request: Request, chunks: bytearray) -> None:
+        nonlocal buffered
+        async for chunk in request.stream():
+            chunks += chunk
+            buffered += len(chunk)
+            if len(chunks) > max_body_bytes:
+                raise too_large(max_body_bytes)
+            if buffered > max_buffered:
+                raise _ReadersFull
+
+    def timed_out(signal: str, fmt: Any) -> Response:
+        intake.metrics.request(transport, signal, semconv.OUTCOME_BODY_TIMEOUT)
+        body, ctype = error_body(
+            f"the request body did not arrive within {body_timeout_s:g} s "
+            "(--body-timeout-s)", fmt, 408)
+        # The rest of the body may still be on its way: the connection cannot be reused.
+        return Response(body, status_code=408, media_type=ctype,
+                        headers={"Connection": "close"})
+
     def endpoint(signal: str) -> Callable[[Request], Any]:
         async def handle(request: Request) -> Response:
-            nonlocal in_flight
             fmt = None
             try:
                 fmt = body_format(request.headers.get("content-type"))
@@ -106,44 +140,57 @@ def otlp_app(intake: Intake, *, max_body_bytes: int, max_concurrent_requests: in
                     raise too_large(max_body_bytes)
             except BodyError as exc:
                 return fail(signal, exc, fmt)
-            if in_flight >= max_concurrent_requests:
-                return overloaded(signal, "too many concurrent exports; retry later", fmt)
-            in_flight += 1
             intake.metrics.enter(transport)
             try:
-                chunks = bytearray()
-                try:
-                    async for chunk in request.stream():
-                        chunks += chunk
-                        if len(chunks) > max_body_bytes:
-                            raise too_large(max_body_bytes)
-                except ClientDisconnect:
-                    return Response(status_code=400)
-                intake.metrics.observe_body(transport, signal, len(chunks))
-                outcome = await run_in_threadpool(
-                    decode_and_ingest,
-                    signal,
-                    bytes(chunks),
-                    fmt,
-                    request.headers.get("content-encoding"),
-                    request.client.host if request.client else None,
-                )
-            except BodyError as exc:
-                return fail(signal, exc, fmt)
+                return await receive(signal, request, fmt)
             finally:
-                in_flight -= 1
                 intake.metrics.leave(transport)
-            if outcome.overloaded:
-                return overloaded(signal, outcome.error_message, fmt, count=False)
-            if outcome.failed:
-                body, ctype = error_body(outcome.error_message, fmt, 500)
-                return Response(body, status_code=500, media_type=ctype)
-            body, ctype = encode_response(
-                signal, fmt, rejected=outcome.rejected, error_message=outcome.error_message
-            )
-            return Response(body, status_code=200, media_type=ctype)
 
         return handle
+
+    async def receive(signal: str, request: Request, fmt: Any) -> Response:
+        """Read the body within the deadline, then process it in a processing slot."""
+        nonlocal in_flight, buffered
+        chunks = bytearray()
+        try:
+            await asyncio.wait_for(read_body(request, chunks), body_timeout_s)
+        except ClientDisconnect:
+            return Response(status_code=400)
+        except asyncio.TimeoutError:
+            return timed_out(signal, fmt)
+        except _ReadersFull:
+            return overloaded(signal, "too many exports being received; retry later", fmt)
+        except BodyError as exc:
+            return fail(signal, exc, fmt)
+        finally:
+            buffered -= len(chunks)
+        if in_flight >= max_concurrent_requests:
+            return overloaded(signal, "too many concurrent exports; retry later", fmt)
+        in_flight += 1
+        try:
+            intake.metrics.observe_body(transport, signal, len(chunks))
+            outcome = await run_in_threadpool(
+                decode_and_ingest,
+                signal,
+                bytes(chunks),
+                fmt,
+                request.headers.get("content-encoding"),
+                request.client.host if request.client else None,
+            )
+        except BodyError as exc:
+            return fail(signal, exc, fmt)
+        finally:
+            in_flight -= 1
+        if outcome.overloaded:
+            return overloaded(signal, outcome.error_message, fmt, count=False)
+        if outcome.failed:
+            body, ctype = error_body(outcome.error_message, fmt, 500)
+            return Response(body, status_code=500, media_type=ctype)
+        body, ctype = encode_response(
+            signal, fmt, rejected=outcome.rejected, error_message=outcome.error_message
+        )
+        return Response(body, status_code=200, media_type=ctype)
+
 
     async def healthz(request: Request) -> Response:
         return _json(200, {"status": "ok"})

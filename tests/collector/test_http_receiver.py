@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import time
 import zlib
 
 import httpx
@@ -21,6 +22,7 @@ from tests.collector.test_server_fixtures import (
     make_requests,
     running_app,
     stage_counts,
+    wait_until,
 )
 
 PB = {"content-type": "application/x-protobuf"}
@@ -313,3 +315,85 @@ def test_a_metrics_window_past_what_is_kept_is_warned_about_at_start(caplog):
         pass
     assert any("--metrics-window-s 300 is longer than the longest of --windows-s (10 s"
                in r.getMessage() for r in caplog.records)
+
+
+def _trickler(port: int, stop, length: int = 10_000):
+    """A connection announcing a ``length``-byte body and sending one byte of it every
+    0.2 s until ``stop`` is set (or the server closes it); returns the answer's status
+    line, or None when none came."""
+    import socket
+
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.settimeout(0.2)
+    head = (f"POST /v1/traces HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            f"Content-Type: application/x-protobuf\r\nContent-Length: {length}\r\n\r\n")
+    answer = b""
+    try:
+        sock.sendall(head.encode())
+        while not stop.is_set() and not answer:
+            try:
+                sock.sendall(b"\x0a")
+            except OSError:
+                break
+            try:
+                answer = sock.recv(200)
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+    finally:
+        sock.close()
+    return answer.split(b"\r\n", 1)[0].decode() if answer else None
+
+
+def test_slow_uploads_cannot_starve_ingest_and_are_cut_at_the_body_deadline():
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    with running_app(max_concurrent_requests=4, body_timeout_s=3.0) as app:
+        stop = threading.Event()
+        with ThreadPoolExecutor(16) as pool:
+            try:
+                trickling = [pool.submit(_trickler, app.otlp_http_port, stop)
+                             for _ in range(16)]
+                # The tricklers are in their bodies, more of them than processing slots.
+                assert wait_until(lambda: (app.registry.get_sample_value(
+                    "inferprof_otlp_requests_in_flight", {"transport": "http"}) or 0) >= 4)
+                time.sleep(0.5)
+                body = encode_spans(make_requests(3)).SerializeToString()
+                resp = httpx.post(f"{app.otlp_http_endpoint}/v1/traces", content=body,
+                                  headers=PB, timeout=30)
+                assert resp.status_code == 200, resp.text
+                answers = [f.result(timeout=60) for f in trickling]
+            finally:
+                stop.set()
+        # Each trickler is cut off at the deadline with 408, counted.
+        assert answers == ["HTTP/1.1 408 Request Timeout"] * 16
+        assert app.registry.get_sample_value(
+            "inferprof_otlp_requests_total",
+            {"transport": "http", "signal": "traces", "outcome": "body_timeout"}) == 16
+        assert breakdown(app).json()["requests"] == 3
+
+
+def test_bodies_being_read_hold_at_most_what_the_processing_slots_may():
+    import socket
+
+    # One slot of 4000 bytes: a body held half-sent with 3500 bytes leaves room for 500.
+    with running_app(max_concurrent_requests=1, max_body_bytes=4000, body_timeout_s=30.0) as app:
+        sock = socket.create_connection(("127.0.0.1", app.otlp_http_port))
+        try:
+            sock.sendall(b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                         b"application/x-protobuf\r\nContent-Length: 4000\r\n\r\n" + b"\x0a" * 3500)
+            assert wait_until(lambda: (app.registry.get_sample_value(
+                "inferprof_otlp_requests_in_flight", {"transport": "http"}) or 0) >= 1)
+            time.sleep(0.3)  # the 3500 bytes are read
+            body = encode_spans(make_requests(2)).SerializeToString()
+            assert 500 < len(body) < 4000
+            resp = httpx.post(f"{app.otlp_http_endpoint}/v1/traces", content=body, headers=PB)
+            assert resp.status_code == 429
+            assert "being received" in resp.text
+        finally:
+            sock.close()
+        # The held bytes are released with their connection.
+        assert wait_until(lambda: httpx.post(
+            f"{app.otlp_http_endpoint}/v1/traces", content=body, headers=PB).status_code == 200)

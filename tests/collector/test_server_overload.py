@@ -16,8 +16,16 @@ from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExport
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.sdk.trace.export import SpanExportResult
 
+from inferprof.collector.app import CollectorApp
+from inferprof.collector.engine import Engine
 from inferprof.collector.settings import CollectorSettings
-from tests.collector.test_server_fixtures import breakdown, make_requests, running_app, wait_until
+from tests.collector.test_server_fixtures import (
+    FAST,
+    breakdown,
+    make_requests,
+    running_app,
+    wait_until,
+)
 
 PB = {"content-type": "application/x-protobuf"}
 REQUESTS_PER_EXPORT = 5
@@ -105,10 +113,50 @@ def test_sdk_grpc_exporter_retries_after_resource_exhausted_and_delivers():
         assert breakdown(app, "retry").json()["requests"] == 15
 
 
+class _HeldEngine(Engine):
+    """An engine whose first traces ingest waits until released: an export being
+    processed for as long as the test needs."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def ingest_traces(self, request, peer=None):
+        if not self.entered.is_set():
+            self.entered.set()
+            self.release.wait(30)
+        return super().ingest_traces(request, peer)
+
+
 def test_http_concurrency_bound_answers_429_while_the_intake_is_full():
+    settings = CollectorSettings(**{**FAST, "max_concurrent_requests": 1})
+    engine = _HeldEngine(**settings.engine_kwargs())
+    with CollectorApp(settings, engine) as app:
+        url = f"{app.otlp_http_endpoint}/v1/traces"
+        body = encode_spans(make_requests(1)).SerializeToString()
+        first = []
+        worker = threading.Thread(
+            target=lambda: first.append(httpx.post(url, content=body, headers=PB, timeout=30)))
+        worker.start()
+        try:
+            assert engine.entered.wait(10)  # the first export holds the only slot
+            resp = httpx.post(url, content=encode_spans(make_requests(1)).SerializeToString(),
+                              headers=PB)
+            assert resp.status_code == 429 and int(resp.headers["retry-after"]) >= 1
+        finally:
+            engine.release.set()
+            worker.join(30)
+        assert first[0].status_code == 200
+        assert wait_until(lambda: _in_flight(app) == 0)
+        again = encode_spans(make_requests(1)).SerializeToString()
+        assert httpx.post(url, content=again, headers=PB).status_code == 200
+
+
+def test_a_stalled_body_holds_no_processing_slot():
     with running_app(max_concurrent_requests=1) as app:
         host, port = "127.0.0.1", app.otlp_http_port
-        # A client that sends half its body and stalls: it holds the only intake slot.
+        # A client that sends half its body and stalls: it is still being read.
         with socket.create_connection((host, port)) as stalled:
             stalled.sendall(
                 b"POST /v1/traces HTTP/1.1\r\nHost: x\r\n"
@@ -117,12 +165,10 @@ def test_http_concurrency_bound_answers_429_while_the_intake_is_full():
             assert wait_until(lambda: _in_flight(app) == 1)
             body = encode_spans(make_requests(1)).SerializeToString()
             url = f"{app.otlp_http_endpoint}/v1/traces"
-            resp = httpx.post(url, content=body, headers=PB)
-            assert resp.status_code == 429 and int(resp.headers["retry-after"]) >= 1
+            assert httpx.post(url, content=body, headers=PB).status_code == 200
             stalled.sendall(b"\x00")  # the rest of an (empty) export: it completes normally
             assert stalled.recv(4096).startswith(b"HTTP/1.1 200")
         assert wait_until(lambda: _in_flight(app) == 0)
-        assert httpx.post(url, content=body, headers=PB).status_code == 200
 
 
 def _in_flight(app) -> float:
