@@ -5,6 +5,6 @@ Pure ASGI: nothing here imports FastAPI or Starlette. See ``docs/instrumenting.m
 
 from __future__ import annotations
 
-from inferprof.fastapi.middleware import InferprofMiddleware, instrument
+from inferprof.fastapi.middleware import InferprofMiddleware, chunk_tokens, instrument
 
-__all__ = ["InferprofMiddleware", "instrument"]
+__all__ = ["InferprofMiddleware", "instrument", "chunk_tokens"]

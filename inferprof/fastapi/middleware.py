@@ -7,6 +7,14 @@ streaming response (SSE, ``StreamingResponse``) flows through chunk by chunk and
 ``serialize`` covers the whole stream. The request ends when the last body chunk has been
 handed to the server, so background tasks that run afterwards are not counted as latency.
 
+Streamed responses (``text/event-stream``, or a body sent without ``content-length``) are
+timed chunk by chunk for generation (contract §7, §14): the time each chunk carrying
+generated content was handed to the server becomes an entry of
+``inferprof.gen.emit_offsets_s``, one token per chunk unless the app says otherwise
+(:func:`chunk_tokens`). These times win over the step API's own emissions
+(``inferprof.Engine``): a token's time is when it leaves the service. A client that goes
+away mid-stream marks the request ``inferprof.cancelled``; what was recorded is kept.
+
 When ``opentelemetry-instrumentation-fastapi`` (or any ASGI instrumentation) already opened
 a SERVER span for the request, that span is enriched (model name, sample weight) and
 inferprof's stages hang under it, instead of a second request span being created.
@@ -39,6 +47,7 @@ from inferprof.instrumentation.records import (
     current_otel_context,
     detach_context,
 )
+from inferprof.instrumentation.generation import generation_attributes
 from inferprof.instrumentation.runtime import Runtime
 from inferprof.instrumentation.stage import begin_request, reset_scope, timed_share
 
@@ -54,6 +63,8 @@ _SCHEME = url_attributes.URL_SCHEME
 _ROUTE = http_attributes.HTTP_ROUTE
 _STATUS_CODE = http_attributes.HTTP_RESPONSE_STATUS_CODE
 _SERVER = SpanKind.SERVER
+# Streamed responses (generation timing): not streamed, a chunked body, server-sent events.
+_NOT_STREAMED, _CHUNKED, _SSE = 0, 1, 2
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -99,6 +110,10 @@ class _HttpRequest(RequestRecord):
         "route",
         "content",
         "disconnected",
+        "stream",
+        "chunk_times",
+        "chunk_tokens",
+        "next_tokens",
         "root_path",
         "live_scope",
         "_receive",
@@ -140,14 +155,36 @@ class _HttpRequest(RequestRecord):
                 # The outer instrumentation (opentelemetry-instrumentation-asgi) ends its
                 # span when the last body chunk passes it: its attributes go on now.
                 self._enrich_live()
-            await self._send(message)
+            try:
+                await self._send(message)
+            except OSError:  # ASGI 2.4 servers: the client went away mid-response
+                if not self.ser_end:
+                    self.disconnected = True
+                raise
+            if self.stream and body and (self.stream == _CHUNKED or _sse_content(body)):
+                self._chunk_sent()
             if not message.get("more_body", False) and not self.ser_end:
                 self.ser_end = _time_ns()  # also the request's end: the last byte handed over
             return
         if message["type"] == "http.response.start":
             self.status = message.get("status")
             self.ser_start = _time_ns()
+            self.stream = _stream_kind(message.get("headers"))
         await self._send(message)
+
+    def _chunk_sent(self) -> None:
+        """A chunk of generated content was handed to the server: one emission."""
+        times = self.chunk_times
+        if times is None:
+            times = self.chunk_times = []
+        times.append(_time_ns())
+        tokens, self.next_tokens = self.next_tokens, 1
+        counts = self.chunk_tokens
+        if counts is not None:
+            counts.append(tokens)
+        elif tokens != 1:
+            counts = self.chunk_tokens = [1] * (len(times) - 1)
+            counts.append(tokens)
 
     def _complete(self) -> None:
         # A body-less request (GET; or a streaming response listening for disconnects)
@@ -164,13 +201,30 @@ class _HttpRequest(RequestRecord):
         status = self.status
         if status is not None and status >= 500 and self.error is None:
             self.error = f"HTTP {status}"
+        generation = None
+        if self.chunk_times or self.generation is not None:
+            generation = generation_attributes(self, self._emissions())
         if self.live_span is not None:  # another instrumentation's span
             if self.live_scope is not None:  # no last body chunk went out (the app failed)
                 self._enrich_live()
+            if generation:  # on it while it records (it may have ended at the last chunk)
+                self.set_attributes(generation)
             return
         # Our own request span: its attributes go straight into the record (what
         # set_attribute() does, minus the check for a live span).
         self._http_attributes(self.attrs.__setitem__)
+        if generation:
+            self.attrs.update(generation)
+
+    def _emissions(self) -> tuple[list[int], list[int] | None] | None:
+        """When the response's tokens left: each streamed chunk's time; for a generation
+        the engine recorded (the step API) answered in one body, the response's end."""
+        if self.chunk_times:
+            return self.chunk_times, self.chunk_tokens
+        gen = self.generation
+        if gen is not None and gen.output and self.ser_end and not self.stream:
+            return [self.ser_end], [gen.output]
+        return None
 
     def _enrich_live(self) -> None:
         """The HTTP attributes on another instrumentation's request span, while it still
@@ -260,6 +314,37 @@ def _starlette_routing() -> Any:
 def _is_mount(route: Any) -> bool:
     routing = _starlette_routing()
     return routing is not None and isinstance(route, routing.Mount)
+
+
+def _stream_kind(headers: Any) -> int:
+    """How a response is sent, from its ``http.response.start`` headers (lower-case names,
+    as ASGI servers and Starlette send them)."""
+    if not headers:
+        return _CHUNKED
+    fields = dict(headers)
+    if fields.get(b"content-type", b"")[:17].lower() == b"text/event-stream":
+        return _SSE
+    return _NOT_STREAMED if b"content-length" in fields else _CHUNKED
+
+
+def _sse_content(body: bytes) -> bool:
+    """Whether a chunk of server-sent events carries content: a ``data:`` field, other than
+    the ``[DONE]`` that OpenAI-style streams end with (comments, keep-alives and bare
+    ``event:`` lines dispatch nothing)."""
+    if b"data:" not in body:
+        return False
+    return body.strip() not in (b"data: [DONE]", b"data:[DONE]")
+
+
+def chunk_tokens(tokens: int) -> None:
+    """The next body chunk of the current request's streamed response carries ``tokens``
+    output tokens (default: one per chunk). Call it before yielding the chunk; a no-op
+    outside a request the middleware times."""
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+        raise ValueError(f"tokens must be a non-negative int, got {tokens!r}")
+    scope = SCOPE.get()
+    if scope is not None and isinstance(scope[0], _HttpRequest):
+        scope[0].next_tokens = tokens
 
 
 def _ended_stage(name: str, start: int, end: int, nbytes: int) -> StageRecord:
@@ -376,7 +461,8 @@ class InferprofMiddleware:
         try:
             await self.app(scope, rec.receive, rec.send)
         except BaseException as exc:
-            rec.error = exc
+            if not rec.disconnected:  # else the client left: cancelled, not failed
+                rec.error = exc
             if rec.status is None and isinstance(exc, Exception):
                 # No response started: the server (or Starlette's ServerErrorMiddleware,
                 # outside this one) answers 500.
@@ -421,6 +507,9 @@ class InferprofMiddleware:
         rec.ser_start = rec.ser_end = rec.sent = 0
         rec.status = rec.route = None
         rec.disconnected = False
+        rec.stream = _NOT_STREAMED
+        rec.chunk_times = rec.chunk_tokens = None
+        rec.next_tokens = 1
         rec.root_path = scope.get("root_path")  # as the request came in (mounts extend it)
         # Another instrumentation's span gets the HTTP attributes before it ends (send()).
         rec.live_scope = scope if rec.live_span is not None else None
@@ -552,4 +641,4 @@ def _native_tracing_off(app: Any) -> None:
                      "fastapi_tracing=True) keeps FastAPI's)")
 
 
-__all__ = ["InferprofMiddleware", "instrument"]
+__all__ = ["InferprofMiddleware", "instrument", "chunk_tokens"]

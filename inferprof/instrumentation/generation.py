@@ -6,7 +6,7 @@ A :class:`Generation` is the handle an engine holds for one request (``Engine.re
 of the request span) and, per output token or chunk, one timestamp appended to a list.
 The request span's generation attributes (``inferprof.tokens.*``,
 ``inferprof.gen.emit_offsets_s``...) are made from those when the request's trace is kept
-(:func:`complete_generation`): a request production mode does not keep costs its list
+(:func:`generation_attributes`): a request production mode does not keep costs its list
 appends and nothing more.
 
 One source of emission times per request: when the FastAPI/ASGI middleware streamed the
@@ -239,7 +239,7 @@ class Generation:
 
     def complete(self, rec: Any) -> None:
         """The request is kept: its generation attributes (RequestRecord._complete)."""
-        complete_generation(rec, None)
+        rec.attrs.update(generation_attributes(rec, None))
 
 
 def merge_pairs(times: list[int], tokens: list[int]) -> int:
@@ -287,10 +287,10 @@ def emission_attributes(
     return attrs
 
 
-def complete_generation(
+def generation_attributes(
     rec: Any, transport: tuple[list[int], list[int] | None] | None
-) -> None:
-    """Put a kept request's generation attributes on its record.
+) -> dict[str, Any]:
+    """A kept request's generation attributes (for its request span).
 
     ``transport``: the times (ns) at which the response's chunks left the service and the
     tokens of each (None: one each), from the HTTP middleware; they win over the engine's
@@ -298,7 +298,7 @@ def complete_generation(
     token counts, the engine id and the preemptions.
     """
     gen = rec.generation
-    attrs = rec.attrs
+    attrs: dict[str, Any] = {}
     if gen is not None:
         st = gen.stage
         if st is not None and st.end is None and gen.state == DECODING and gen.last_step_end:
@@ -325,6 +325,7 @@ def complete_generation(
             attrs.update(
                 emission_attributes(rec.start, gen.emits, gen.emit_tokens, gen.merged)
             )
+    return attrs
 
 
-__all__ = ["Generation", "complete_generation", "emission_attributes", "merge_pairs"]
+__all__ = ["Generation", "generation_attributes", "emission_attributes", "merge_pairs"]
