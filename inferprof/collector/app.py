@@ -251,6 +251,11 @@ class CollectorApp:
 
         s = self.settings
         token = s.resolved_auth_token()
+        if token and not token.isascii():
+            _log.warning(
+                "the bearer token is not ASCII: OTLP/HTTP clients can send it (as its UTF-8 "
+                "bytes), but gRPC metadata values are printable ASCII, so no OTLP/gRPC "
+                "client can: use an ASCII token to authenticate gRPC exporters")
         cert = key = None
         if s.tls_enabled:
             cert = pathlib.Path(s.tls_cert).read_bytes()  # type: ignore[arg-type]

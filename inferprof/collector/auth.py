@@ -20,20 +20,31 @@ _log = logging.getLogger(__name__)
 
 AUTHORIZATION_HEADER = "authorization"
 BEARER_PREFIX = "bearer "
+_BEARER = BEARER_PREFIX.encode()
 #: HTTP paths served without a token.
 OPEN_PATHS = frozenset({"/healthz"})
 
 
 def token_matches(header_value: str | bytes | None, token: str) -> bool:
-    """Whether an ``Authorization`` value carries ``token`` (scheme case-insensitive)."""
+    """Whether an ``Authorization`` value carries ``token`` (scheme case-insensitive).
+
+    Compared as bytes: an HTTP header arrives as bytes, which are the token's UTF-8 bytes
+    (or, from clients that encode headers as Latin-1, such as Python's ``http.client``
+    under the OpenTelemetry HTTP exporter, its Latin-1 bytes when it has them); a gRPC
+    metadata value arrives as text and is compared as its UTF-8 bytes."""
     if header_value is None:
         return False
-    if isinstance(header_value, bytes):
-        header_value = header_value.decode("latin-1")
-    if header_value[: len(BEARER_PREFIX)].lower() != BEARER_PREFIX:
+    if isinstance(header_value, str):
+        header_value = header_value.encode("utf-8", "replace")
+    if header_value[: len(_BEARER)].lower() != _BEARER:
         return False
-    given = header_value[len(BEARER_PREFIX) :].strip()
-    return hmac.compare_digest(given.encode("utf-8", "replace"), token.encode("utf-8"))
+    given = header_value[len(_BEARER) :].strip()
+    utf8 = hmac.compare_digest(given, token.encode("utf-8"))
+    try:
+        latin1 = hmac.compare_digest(given, token.encode("latin-1"))
+    except UnicodeEncodeError:
+        latin1 = False
+    return utf8 or latin1
 
 
 class GrpcAuthInterceptor(grpc.ServerInterceptor):

@@ -230,3 +230,36 @@ def test_tls_and_token_with_sdk_exporters_on_grpc_and_http(tls_files, monkeypatc
 def test_tls_settings_must_come_in_pairs(tls_files):
     with pytest.raises(ValueError, match="together"):
         CollectorSettings(tls_cert=tls_files[1])
+
+
+NON_ASCII_TOKEN = "pässwörd-☃-τ"
+
+
+def test_a_non_ascii_token_works_over_http_and_the_api_and_grpc_is_warned_of(caplog):
+    with caplog.at_level("WARNING", logger="inferprof.collector.app"), \
+            running_app(auth_token=NON_ASCII_TOKEN) as app:
+        utf8 = b"Bearer " + NON_ASCII_TOKEN.encode("utf-8")
+        pb = {"content-type": "application/x-protobuf"}
+        url = f"{app.otlp_http_endpoint}/v1/traces"
+        body = encode_spans(make_requests(2, service="utf8")).SerializeToString()
+        # Header values are bytes on the wire: the token's UTF-8 bytes match.
+        ok = httpx.post(url, content=body, headers={**pb, "authorization": utf8})
+        assert ok.status_code == 200
+        api = httpx.get(f"{app.api_url}/metrics", headers={"authorization": utf8})
+        assert api.status_code == 200
+        wrong = b"Bearer " + NON_ASCII_TOKEN[:-1].encode("utf-8")
+        refused = httpx.post(url, content=body, headers={**pb, "authorization": wrong})
+        assert refused.status_code == 401
+    # gRPC metadata values are printable ASCII (gRPC clients refuse to send others).
+    assert any("gRPC" in r.getMessage() and "ASCII" in r.getMessage() for r in caplog.records)
+
+
+def test_token_matching_compares_bytes():
+    token = NON_ASCII_TOKEN
+    assert token_matches(b"Bearer " + token.encode("utf-8"), token)
+    assert token_matches(f"Bearer {token}", token)
+    assert not token_matches(b"Bearer " + token.encode("utf-8")[:-1], token)
+    assert not token_matches(b"Bearer \xff" + token.encode("utf-8"), token)
+    # Python's http.client (under the OpenTelemetry HTTP exporter) sends Latin-1 bytes.
+    assert token_matches(b"Bearer " + "pässwörd".encode("latin-1"), "pässwörd")
+    assert not token_matches(b"Bearer " + "pässwörd".encode("latin-1"), "pässwört")
