@@ -243,7 +243,8 @@ class Batch:
                     "reused",
                     "inferprof.batch(): a handle already passed to an earlier batch() (or "
                     "cancelled) records nothing in this one; pass each enqueue() handle to "
-                    "one batch",
+                    "one batch. For continuous batching (a request in one engine step after "
+                    "another), use inferprof.Engine (docs/generation.md)",
                 )
         rt = requests[0].runtime if requests else active_runtime()
         if rt is None:  # inferprof off or not configured: nothing to record, nothing to say

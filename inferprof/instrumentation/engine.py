@@ -40,7 +40,7 @@ from opentelemetry.trace import SpanKind
 from inferprof import semconv
 from inferprof._config import active_runtime
 from inferprof.instrumentation.accounting import DeferredTrace
-from inferprof.instrumentation.generation import DECODING, DONE, PREFILL, Generation
+from inferprof.instrumentation.generation import COMPACT_AT, DECODING, DONE, PREFILL, Generation
 from inferprof.instrumentation.records import (
     SCOPE,
     UNTIMED,
@@ -257,7 +257,13 @@ class Step:
             gen.last_step_end = end
             if gen.run_start:
                 gen._open_run()
-            if tokens:
+            if tokens == 1 and gen.emit_tokens is None:  # the usual token: Generation._emit
+                emits = gen.emits
+                emits.append(end)
+                gen.output += 1
+                if len(emits) >= COMPACT_AT:
+                    gen._compact()
+            elif tokens:
                 gen._emit(end, tokens)
         for gen, emit in self._prefills:
             gen.prefill_end = end

@@ -34,7 +34,7 @@ _DECODE = semconv.STAGE_DECODE
 _PREEMPTED = semconv.STAGE_PREEMPTED
 #: Entries of the emission list that trigger a pairwise merge while recording: a runaway
 #: stream keeps bounded memory (the merge halves it; the cap applies again at the end).
-_COMPACT_AT = 2 * semconv.GEN_MAX_EMIT_ENTRIES
+COMPACT_AT = 2 * semconv.GEN_MAX_EMIT_ENTRIES
 
 # Generation states.
 QUEUED, PREFILL, DECODING, PREEMPTED, DONE = range(5)
@@ -133,13 +133,13 @@ class Generation:
         elif tokens != 1:
             counts = self.emit_tokens = [1] * (len(emits) - 1)
             counts.append(tokens)
-        if len(emits) >= _COMPACT_AT:
-            self.merged += merge_pairs(emits, self._counts())
+        if len(emits) >= COMPACT_AT:
+            self._compact()
 
-    def _counts(self) -> list[int]:
+    def _compact(self) -> None:
         if self.emit_tokens is None:
             self.emit_tokens = [1] * len(self.emits)
-        return self.emit_tokens
+        self.merged += merge_pairs(self.emits, self.emit_tokens)
 
     def _admit(self, step_start: int) -> None:
         """First prefill chunk of a run (arrival, or after an eviction)."""
