@@ -306,7 +306,8 @@ class CollectorApp:
                 "--metrics-window-s %g is longer than the longest of --windows-s (%g s, what "
                 "the collector keeps): /metrics and the API's default window cover the "
                 "last %g s", s.metrics_window_s, max(s.windows_s), max(s.windows_s))
-        api = api_app(self.engine, self.registry, default_window_s=s.metrics_window_s)
+        api = api_app(self.engine, self.registry, default_window_s=s.metrics_window_s,
+                      trace_url=s.trace_url)
         if token:
             from inferprof.collector.auth import BearerAuthMiddleware
 

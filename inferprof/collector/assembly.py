@@ -162,6 +162,8 @@ class Finalised:
     that the weighted sum estimates the batch work of the requests not sampled too.
     ``queue_behind``: flat (span position, seconds) of ``queue`` spans whose batcher
     reported ``inferprof.queue.behind_batches_s``; the position indexes ``span_key``.
+    ``trace_id`` per request: its trace's id (16 bytes), for the examples and exemplars
+    that point at it.
     """
 
     __slots__ = (
@@ -177,6 +179,7 @@ class Finalised:
         "span_key",
         "span_start",
         "start",
+        "trace_id",
         "weight",
         "work",
         "work_share",
@@ -198,6 +201,7 @@ class Finalised:
         self.work = array("d")  # flat (request index, start s, end s) triples
         self.work_share = array("d")  # flat (request index, seconds) pairs
         self.queue_behind = array("d")  # flat (span position, seconds) pairs
+        self.trace_id: list[bytes] = []
 
     def __len__(self) -> int:
         return len(self.start)
@@ -531,6 +535,7 @@ class Assembler:
             self.pending -= len(trace.spans)
             before = counted.get(tid, ())
             now_counted = self._finalise_trace(tid, trace, out, now, before)
+            out.trace_id.extend([tid] * (len(out.start) - len(out.trace_id)))
             counted[tid] = before + now_counted if before else now_counted
             recent_done.pop(tid, None)  # re-insert at the end: keeps clock order
             recent_done[tid] = now

@@ -124,6 +124,12 @@ def _windows(ctx: click.Context, param: click.Parameter, value: str | None) -> A
     help="Near --max-pending-spans, while a sender is starved of its share of the intake, "
     "hold the others to three quarters of the cap (default on).",
 )
+@click.option(
+    "--trace-url",
+    metavar="TEMPLATE",
+    help="Link the breakdown's slow traces: a URL with {trace_id}, e.g. "
+    "http://localhost:16686/trace/{trace_id} (Jaeger) or a Grafana Explore URL.",
+)
 @log_level_option
 def collect(config: str | None, log_level: str, **options: Any) -> None:
     """Receive OTLP traces and GPU metrics; serve per-stage breakdowns and /metrics.

@@ -55,6 +55,8 @@ from inferprof.collector.attribution import (
     tail_codes,
     tail_shares,
 )
+from inferprof.collector.examples import ExampleStore
+from inferprof.collector.exemplars import Exemplar, ExemplarStore
 from inferprof.collector.queueing import combine, partial, union
 from inferprof.collector.records import EngineStats, IngestResult
 from inferprof.collector.sketch import (
@@ -271,6 +273,10 @@ class Engine:
         self._hist: dict[tuple[int, int], np.ndarray] = {}
         self._hist_sum: dict[tuple[int, int], float] = {}
         self._gpu = GpuSamples()
+        #: the slowest traced requests per (slice, series), for the breakdown's examples
+        self._examples = ExampleStore()
+        #: per histogram bucket, a request's trace id (OpenMetrics exemplars)
+        self._exemplars = ExemplarStore(_NB)
         self._finalised = 0
         self._overflow = 0
         self._next_advance = 0.0
@@ -365,6 +371,7 @@ class Engine:
             oldest = math.floor((now - self.retention_s) / self.slice_s)
             for idx in [i for i in self._slices if i < oldest]:
                 del self._slices[idx]
+            self._examples.prune(oldest)
             self._gpu.prune(now - self.retention_s)
 
     def _series_id(self, service: str, model: str, now: float) -> int:
@@ -416,6 +423,8 @@ class Engine:
         for hk in [hk for hk in self._hist if hk[0] == sid]:
             del self._hist[hk]
             del self._hist_sum[hk]
+        self._examples.forget_series(sid)
+        self._exemplars.forget_series(sid)
         self._reclaimed += 1
         return sid
 
@@ -651,6 +660,7 @@ class Engine:
         pt = np.concatenate([unattributed, pair_time])
         pe = np.concatenate([unattributed, pair_excl])
         mapping = self.mapping
+        self._examples.add(index, req_series, fin.trace_id, req_e2e, pr, ps, pt, pe)
 
         # Quantile sketches: end-to-end (stage 0) and per stage.
         q_series = np.concatenate([req_series, req_series[pr]])
@@ -682,7 +692,10 @@ class Engine:
         keep = q_stage != _UNATTRIBUTED
         hs, hst, hv, hw = q_series[keep], q_stage[keep], q_val[keep], q_w[keep]
         pair = (hs << STAGE_BITS) | hst
-        h_codes = pair * _NB + np.searchsorted(_BOUNDS, hv, side="left")
+        bucket = np.searchsorted(_BOUNDS, hv, side="left")
+        h_codes = pair * _NB + bucket
+        q_row = np.concatenate([np.arange(n), pr])[keep]
+        self._exemplars.add(pair, bucket, hv, q_row, fin.trace_id, now, (STAGE_BITS, _STAGE_MASK))
         uniq, sums = reduce_codes(h_codes, hw)
         for code, w in zip(uniq.tolist(), sums.tolist()):
             p, bucket = divmod(code, _NB)
@@ -830,6 +843,18 @@ class Engine:
                 out.append((service, model, name, arr.copy(), self._hist_sum[(sid, stage)]))
             return out
 
+    def histogram_exemplars(
+        self, service: str, model: str, stage: str | None
+    ) -> list[Exemplar | None]:
+        """Per bucket of one histogram (as ``histograms``), its exemplar: (trace id hex,
+        seconds, collector time) of a request in that bucket, or None."""
+        with self._lock:
+            sid = self._series.get((service, model))
+            idx = _E2E if stage is None else self._stage_index.get(stage)
+            if sid is None or idx is None:
+                return [None] * _NB
+            return self._exemplars.get(sid, idx)
+
     def request_errors(self) -> list[tuple[str, str, float]]:
         """(service, model, weighted requests whose request span has status ERROR) per
         series, since start (a Prometheus counter; a reclaimed series starts again)."""
@@ -964,6 +989,13 @@ class Engine:
                 }
             )
         gpu = gpu_evidence(self._gpu, compute, since)
+        # The slowest end to end, then per stage in the stages' order.
+        examples = self._examples.document(
+            [sl.index for sl in slices],
+            sids,
+            names,
+            lambda s: (s == sc.STAGE_UNATTRIBUTED, order.get(s, len(order)), s),
+        )
         eff, pad, batches = padding
         doc = {
             "service": service,
@@ -988,6 +1020,7 @@ class Engine:
             },
         }
         doc["verdict"] = decide(shares, int(traced), int(tail_traced), gpu, doc["queue"])
+        doc["examples"] = examples
         return doc
 
 

@@ -39,6 +39,7 @@ from inferprof.collector.decode import (
     parse_request,
     too_large,
 )
+from inferprof.collector.examples import with_links
 
 if TYPE_CHECKING:  # pragma: no cover
     from prometheus_client import CollectorRegistry
@@ -208,9 +209,13 @@ def otlp_app(
 # --- API and Prometheus endpoint -----------------------------------------------------------
 
 
-def api_app(engine: Any, registry: CollectorRegistry, *, default_window_s: float) -> Any:
+def api_app(
+    engine: Any, registry: CollectorRegistry, *, default_window_s: float,
+    trace_url: str | None = None,
+) -> Any:
     """The ASGI app serving ``/metrics``, ``/api/v1/breakdown``, ``/api/v1/services`` and
-    ``/healthz``."""
+    ``/healthz``; ``trace_url``: a template (``examples.link``) giving the breakdown's
+    examples a ``url``."""
     require("starlette", "collector")
     prometheus_client = require("prometheus_client", "collector")
     from prometheus_client.exposition import choose_encoder
@@ -260,7 +265,7 @@ def api_app(engine: Any, registry: CollectorRegistry, *, default_window_s: float
                     "data (never seen, or idle past the retention and its series reclaimed)"
                 },
             )
-        return _json(200, doc)
+        return _json(200, with_links(doc, trace_url))
 
     async def services(request: Request) -> Response:
         return _json(200, {"services": await run_in_threadpool(engine.services)})

@@ -40,6 +40,7 @@ from collections.abc import Iterator
 from inferprof import semconv as sc
 from inferprof._optional import require
 from inferprof.collector.engine import HISTOGRAM_BOUNDS, Engine
+from inferprof.collector.exemplars import TRACE_ID_LABEL
 
 _log = logging.getLogger(__name__)
 _QUANTILE_KEYS = (("0.5", "p50"), ("0.95", "p95"), ("0.99", "p99"))
@@ -103,6 +104,7 @@ class EngineCollector:
         if not isinstance(max_series, int) or max_series < 1:
             raise ValueError(f"max_series must be a positive integer, got {max_series!r}")
         self._core = require("prometheus_client.core", "collector")
+        self._samples = require("prometheus_client.samples", "collector")
         self.engine = engine
         self.window_s = float(window_s)
         self.max_series = max_series
@@ -133,14 +135,20 @@ class EngineCollector:
         series = series[: self.max_series] + (
             [overflow] if overflow in series[self.max_series:] else [])
         allowed = set(series)
+        exemplar_of = self._samples.Exemplar
         for service, model, stage, counts, total in self.engine.histograms():
             if (service, model) not in allowed:
                 continue
             cumulative = 0.0
-            buckets = []
-            for bound, c in zip((*HISTOGRAM_BOUNDS, float("inf")), counts.tolist()):
+            buckets: list[tuple] = []
+            exemplars = self.engine.histogram_exemplars(service, model, stage)
+            for bound, c, ex in zip((*HISTOGRAM_BOUNDS, float("inf")), counts.tolist(), exemplars):
                 cumulative += c
-                buckets.append(("+Inf" if bound == float("inf") else _le(bound), cumulative))
+                le = "+Inf" if bound == float("inf") else _le(bound)
+                if ex is None:
+                    buckets.append((le, cumulative))
+                else:  # on OpenMetrics scrapes only: the text format has no exemplars
+                    buckets.append((le, cumulative, exemplar_of({TRACE_ID_LABEL: ex[0]}, ex[1], ex[2])))
             if stage is None:
                 req_hist.add_metric([service, model], buckets, total)
             else:

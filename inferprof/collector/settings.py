@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from inferprof.collector.attribution import DEFAULT_MAX_STAGES, MAX_MAX_STAGES, MIN_MAX_STAGES
+from inferprof.collector.examples import check_template
 from inferprof.collector.sketch import RELATIVE_ACCURACY_MAX, RELATIVE_ACCURACY_MIN
 
 _log = logging.getLogger(__name__)
@@ -104,6 +105,7 @@ ENV_METRICS_WINDOW_S = "INFERPROF_COLLECTOR_METRICS_WINDOW_S"
 ENV_ADVANCE_INTERVAL_S = "INFERPROF_COLLECTOR_ADVANCE_INTERVAL_S"
 ENV_TRITON_SPANS = "INFERPROF_COLLECTOR_TRITON_SPANS"  # true/false, 1/0, yes/no, on/off
 ENV_SHARE_PENDING_CAP = "INFERPROF_COLLECTOR_SHARE_PENDING_CAP"  # true/false, like the above
+ENV_TRACE_URL = "INFERPROF_COLLECTOR_TRACE_URL"
 ENV_CONFIG = "INFERPROF_COLLECTOR_CONFIG"
 
 # file:///path appends to an inferprof protobuf dump that `inferprof report` reads.
@@ -196,6 +198,7 @@ _ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
     "advance_interval_s": (ENV_ADVANCE_INTERVAL_S, _parse_float),
     "triton_spans": (ENV_TRITON_SPANS, _parse_bool),
     "share_pending_cap": (ENV_SHARE_PENDING_CAP, _parse_bool),
+    "trace_url": (ENV_TRACE_URL, _parse_str),
 }
 
 
@@ -243,6 +246,8 @@ class CollectorSettings:
     advance_interval_s: float = _DEFAULT_ADVANCE_INTERVAL_S
     triton_spans: bool = _DEFAULT_TRITON_SPANS
     share_pending_cap: bool = _DEFAULT_SHARE_PENDING_CAP
+    #: URL template of one trace ({trace_id}): the breakdown's examples link to it
+    trace_url: str | None = None
 
     def __post_init__(self) -> None:
         # Normalise sequences given as lists so the record stays hashable.
@@ -506,6 +511,8 @@ def _check_field(name: str, value: Any) -> None:
     elif name in ("triton_spans", "share_pending_cap"):
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be true or false, got {value!r}")
+    elif name == "trace_url":
+        check_template(value)
     elif name == "forward_headers":
         for key, _ in value:
             if not key or any(c in key for c in " \r\n:"):

@@ -121,13 +121,25 @@ def build_documents(
     help="Also write a self-contained HTML report with charts to this file.",
 )
 @click.option(
+    "--trace-url",
+    metavar="TEMPLATE",
+    help="Link each slow trace listed: a URL with {trace_id}, e.g. "
+    "http://localhost:16686/trace/{trace_id} (Jaeger) or a Grafana Explore URL.",
+)
+@click.option(
     "--progress/--no-progress",
     default=None,
     help="Progress bar on stderr (default: when stderr is a terminal).",
 )
-def report(files, fmt, service, model, html_out, progress) -> None:
+def report(files, fmt, service, model, html_out, trace_url, progress) -> None:
     """Per-stage latency breakdown of OTLP FILES: OpenTelemetry Collector file-exporter
     output (format json or proto, optionally gzipped) or inferprof protobuf dumps."""
+    from inferprof.collector.examples import check_template, with_links
+
+    try:
+        check_template(trace_url)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--trace-url") from None
     if progress is None:
         progress = sys.stderr.isatty()
     dropped: dict[str, int] = {}
@@ -148,6 +160,7 @@ def report(files, fmt, service, model, html_out, progress) -> None:
         if model is not None:
             what += f" with model {model!r}"
         raise click.ClickException(f"no {what} found in {', '.join(files)}")
+    docs = [with_links(doc, trace_url) for doc in docs]
     if fmt == "json":
         click.echo(json.dumps(docs[0] if len(docs) == 1 else docs, indent=2))
     else:

@@ -83,6 +83,27 @@ def _notes(doc: dict) -> list[str]:
     return lines
 
 
+def _split(example: dict) -> str:
+    parts = [f"{name} {_ms(t)}" for name, t in example["stages"].items() if t > 0]
+    return ", ".join(parts)
+
+
+def _example_lines(doc: dict) -> list[str]:
+    """The slowest traced requests: what each was slowest in, its time there, where its
+    trace is (URL with --trace-url, else the trace id) and its split in ms."""
+    examples = doc.get("examples") or []
+    if not examples:
+        return []
+    lines = ["slowest traces (ms; end-to-end, then per stage):"]
+    for ex in examples:
+        where = ex.get("url") or f"trace {ex['trace_id']}"
+        lines.append(
+            f"  {ex['slowest']:<16}{_ms(ex['seconds']):>8}  {where}  "
+            f"(end-to-end {_ms(ex['latency'])}: {_split(ex)})"
+        )
+    return lines
+
+
 def format_table(doc: dict) -> str:
     """The breakdown as a fixed-width text table followed by padding, GPU and verdict."""
     lines = [title(doc)]
@@ -114,6 +135,10 @@ def format_table(doc: dict) -> str:
     lines.append(f"verdict: {verdict['bottleneck']} (confidence {verdict['confidence']:.2f})")
     for item in verdict["evidence"]:
         lines.append(f"  - {item}")
+    examples = _example_lines(doc)
+    if examples:
+        lines.append("")
+        lines.extend(examples)
     return "\n".join(lines)
 
 
@@ -234,6 +259,7 @@ def _section(doc: dict) -> str:
     verdict = doc["verdict"]
     evidence = "".join(f"<li>{e(item)}</li>" for item in verdict["evidence"])
     notes = "".join(f"<p>{e(line)}</p>" for line in _notes(doc))
+    examples = _examples_html(doc)
     return f"""
 <section>
 <h2>{e(title(doc))}</h2>
@@ -241,12 +267,33 @@ def _section(doc: dict) -> str:
  (confidence {verdict["confidence"]:.2f})<ul>{evidence}</ul></div>
 {notes}<table><tr><th>stage</th><th>count</th><th>p50 ms</th><th>p95 ms</th><th>p99 ms</th>
 <th>share of p95</th></tr>{rows}</table>
-<h3>Where the time goes, by latency quantile</h3>
+{examples}<h3>Where the time goes, by latency quantile</h3>
 {shares_svg}
 <h3>Per-stage latency quantiles</h3>
 {quantiles_svg}
 <details><summary>full text</summary><pre>{e(format_table(doc))}</pre></details>
 </section>"""
+
+
+def _examples_html(doc: dict) -> str:
+    e = html.escape
+    examples = doc.get("examples") or []
+    if not examples:
+        return ""
+    rows = []
+    for ex in examples:
+        trace = e(ex["trace_id"])
+        if ex.get("url"):
+            trace = f'<a href="{e(ex["url"], quote=True)}">{trace}</a>'
+        rows.append(
+            f"<tr><td>{e(ex['slowest'])}</td><td>{_ms(ex['seconds'])}</td>"
+            f"<td>{_ms(ex['latency'])}</td><td>{trace}</td><td>{e(_split(ex))}</td></tr>"
+        )
+    return (
+        "<h3>Slowest traces</h3><table><tr><th>slowest in</th><th>ms there</th>"
+        "<th>end-to-end ms</th><th>trace</th><th>ms per stage</th></tr>"
+        + "".join(rows) + "</table>\n"
+    )
 
 
 def write_html(docs: Sequence[dict], path: str | os.PathLike) -> None:

@@ -38,14 +38,15 @@ def _free_port() -> int:
 
 @pytest.fixture
 def prometheus(tmp_path):
-    """Start Prometheus with a temp config/data dir; yields (start(target), base URL)."""
+    """Start Prometheus with a temp config/data dir; yields start(*targets, flags=()) ->
+    base URL (``flags``: more command-line flags, e.g. a feature to enable)."""
     if PROMETHEUS is None:
         pytest.fail("prometheus is not installed (apt-get install prometheus)")
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     procs = []
 
-    def start(*targets: str) -> str:
+    def start(*targets: str, flags: tuple[str, ...] = ()) -> str:
         config = tmp_path / "prometheus.yml"
         config.write_text(
             "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
@@ -62,6 +63,7 @@ def prometheus(tmp_path):
                         f"--config.file={config}",
                         f"--storage.tsdb.path={tmp_path / 'data'}",
                         f"--web.listen-address=127.0.0.1:{port}",
+                        *flags,
                     ],
                     stdout=log,
                     stderr=subprocess.STDOUT,
@@ -172,6 +174,47 @@ def test_prometheus_scrapes_the_collector_and_promql_gives_per_stage_p95(prometh
         behind = _query(url, queue_panel["targets"][0]["expr"].replace("$service", "prom")
                         .replace("$model", ".*"))
         assert float(behind[0]["value"][1]) == pytest.approx(doc["queue"]["behind_batches"])
+
+
+def test_prometheus_stores_the_histograms_exemplars_pointing_at_slow_traces(prometheus):
+    spans = make_requests(60, service="ex", slow_every=10)
+    slow = {format(s.context.trace_id, "032x") for s in spans
+            if s.name == sc.span_name(sc.STAGE_QUEUE) and s.end_time - s.start_time > 50e6}
+    assert len(slow) == 6
+    with running_app() as app:
+        exporter = OTLPSpanExporter(endpoint=app.otlp_grpc_endpoint, insecure=True, timeout=10)
+        try:
+            assert exporter.export(spans) is SpanExportResult.SUCCESS
+        finally:
+            exporter.shutdown()
+        breakdown(app, "ex")
+        url = prometheus(f"127.0.0.1:{app.api_port}", flags=("--enable-feature=exemplar-storage",))
+        query = f'{sc.PROM_STAGE_DURATION}_bucket{{service="ex",stage="queue"}}'
+        deadline = time.monotonic() + 20
+        found: dict[str, list] = {}
+        while time.monotonic() < deadline and not found:
+            now = time.time()
+            resp = httpx.get(
+                f"{url}/api/v1/query_exemplars",
+                params={"query": query, "start": now - 600, "end": now + 60},
+            ).json()
+            assert resp["status"] == "success", resp
+            for series in resp["data"]:
+                found[series["seriesLabels"]["le"]] = series["exemplars"]
+            time.sleep(0.25)
+        # The slow queues (100 ms) fall in the (0.05, 0.1] bucket: its exemplar is one of
+        # them; the fast ones (10 ms) in (0.005, 0.01].
+        assert {ex["labels"]["trace_id"] for ex in found["0.1"]} <= slow
+        assert float(found["0.1"][0]["value"]) == pytest.approx(0.1, rel=1e-6)
+        assert not {ex["labels"]["trace_id"] for ex in found["0.01"]} & slow
+        # and the request histogram's slowest bucket names a slow trace as well
+        resp = httpx.get(
+            f"{url}/api/v1/query_exemplars",
+            params={"query": f'{sc.PROM_REQUEST_DURATION}_bucket{{service="ex"}}',
+                    "start": time.time() - 600, "end": time.time() + 60},
+        ).json()
+        tail = max(resp["data"], key=lambda series: float(series["seriesLabels"]["le"]))
+        assert tail["exemplars"][0]["labels"]["trace_id"] in slow
 
 
 def test_dashboard_reads_one_series_per_stage_from_several_collectors(prometheus):
