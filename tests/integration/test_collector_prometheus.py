@@ -25,6 +25,8 @@ pytestmark = pytest.mark.integration
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 RULES = ROOT / "deploy" / "prometheus" / "alerts.yml"
 RULES_TEST = ROOT / "deploy" / "prometheus" / "alerts_test.yml"
+BUDGETS = ROOT / "deploy" / "prometheus" / "budgets.yml"
+BUDGETS_TEST = ROOT / "deploy" / "prometheus" / "budgets_test.yml"
 DASHBOARD = ROOT / "deploy" / "grafana" / "inferprof-dashboard.json"
 PROMETHEUS = shutil.which("prometheus")
 PROMTOOL = shutil.which("promtool")
@@ -50,7 +52,7 @@ def prometheus(tmp_path):
         config = tmp_path / "prometheus.yml"
         config.write_text(
             "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
-            f"rule_files:\n  - {RULES}\n"
+            f"rule_files:\n  - {RULES}\n  - {BUDGETS}\n"
             "scrape_configs:\n"
             "  - job_name: inferprof\n"
             f"    static_configs:\n      - targets: {json.dumps(list(targets))}\n"
@@ -129,6 +131,11 @@ def test_prometheus_scrapes_the_collector_and_promql_gives_per_stage_p95(prometh
         # ... and so does the page alert's: the breakdown's end-to-end p95, exactly
         page = _query(url, 'inferprof:request_p95_seconds{service="prom"}')
         assert float(page[0]["value"][1]) == pytest.approx(doc["latency"]["p95"], rel=1e-6)
+        # The shipped budgets (budgets.yml: 0.5 s for every stage) apply to each stage seen.
+        budgets = _query(url, 'inferprof:stage_budget_applied_seconds{service="prom"}')
+        assert {r["metric"]["stage"]: float(r["value"][1]) for r in budgets} == {
+            stage: 0.5 for stage in got
+        }
 
         # Histograms aggregate across instances: histogram_quantile over them works too.
         hq = _query(
@@ -257,12 +264,13 @@ def test_promtool_accepts_and_unit_tests_the_alert_rules():
     if PROMTOOL is None:
         pytest.fail("promtool is not installed (apt-get install prometheus)")
     check = subprocess.run(
-        [PROMTOOL, "check", "rules", str(RULES)], check=False, capture_output=True, text=True
+        [PROMTOOL, "check", "rules", str(RULES), str(BUDGETS)],
+        check=False, capture_output=True, text=True,
     )
     assert check.returncode == 0, check.stdout + check.stderr
     assert "SUCCESS" in check.stdout
     unit = subprocess.run(
-        [PROMTOOL, "test", "rules", str(RULES_TEST)],
+        [PROMTOOL, "test", "rules", str(RULES_TEST), str(BUDGETS_TEST)],
         check=False,
         capture_output=True,
         text=True,
