@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
 import re
+import urllib.parse
 
 import yaml
 
+from inferprof.collector import examples, exemplars
 from inferprof.collector import settings as st
 from inferprof.collector.command import collect
 from inferprof.gpu import sampler as gpu_sampler
@@ -145,3 +148,89 @@ def test_k8s_collector_memory_bounds_fit_its_limit():
     assert limit.endswith("Gi")
     worst = pending * 1024 + 2 * concurrent * body
     assert worst <= 0.75 * float(limit[:-2]) * 2**30, (worst / 2**30, limit)
+
+
+COMPOSE = DEPLOY / "compose"
+DASHBOARD = DEPLOY / "grafana" / "inferprof-dashboard.json"
+
+
+def _host_ports(service: dict) -> dict[int, int]:
+    """host port -> container port of a compose service's published ports."""
+    out = {}
+    for spec in service.get("ports", ()):
+        host, container = str(spec).rsplit(":", 2)[-2:]
+        out[int(host)] = int(container.split("/")[0])
+    return out
+
+
+def test_compose_forwards_to_jaeger_on_ports_clear_of_the_collectors_defaults():
+    (compose,) = _yaml_docs(COMPOSE / "compose.yaml")
+    services = compose["services"]
+    defaults = st.CollectorSettings()
+    collector_ports = {defaults.grpc_port, defaults.http_port, defaults.api_port}
+    jaeger = services["jaeger"]
+    published = _host_ports(jaeger)
+    # `inferprof collect` on its defaults and this Jaeger run side by side
+    assert not set(published) & collector_ports
+    assert published[14317] == 4317 and published[14318] == 4318  # OTLP, for a host collector
+    assert jaeger["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
+    command = services["inferprof"]["command"]
+    forward = command[command.index("--forward") + 1]
+    assert forward == "otlp-grpc://jaeger:4317"  # Jaeger's OTLP/gRPC inside the network
+    st.validate_forward_url(forward)
+    # the breakdown's examples link to Jaeger's UI as published on the host
+    template = command[command.index("--trace-url") + 1]
+    assert examples.check_template(template) == template
+    ui = urllib.parse.urlsplit(examples.link(template, "0" * 32))
+    assert ui.port in published and published[ui.port] == 16686
+    prometheus = services["prometheus"]["command"]
+    assert "--enable-feature=exemplar-storage" in prometheus
+    (prom_config,) = _yaml_docs(COMPOSE / "prometheus.yml")
+    mounted = {v.split(":")[1] for v in services["prometheus"]["volumes"]}
+    assert set(prom_config["rule_files"]) <= mounted
+    assert any(path.endswith("budgets.yml") for path in prom_config["rule_files"])
+
+
+def test_grafana_exemplars_link_to_the_trace_data_source():
+    (config,) = _yaml_docs(COMPOSE / "grafana" / "datasources.yaml")
+    by_uid = {ds["uid"]: ds for ds in config["datasources"]}
+    destinations = by_uid["prometheus"]["jsonData"]["exemplarTraceIdDestinations"]
+    assert [d["name"] for d in destinations] == [exemplars.TRACE_ID_LABEL]
+    assert by_uid[destinations[0]["datasourceUid"]]["type"] in ("jaeger", "tempo")
+    dashboard = json.loads(DASHBOARD.read_text())
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    # the dashboard's trace variable offers the provisioned trace data source's type
+    assert variables["traces"]["type"] == "datasource"
+    assert variables["traces"]["query"] == by_uid[destinations[0]["datasourceUid"]]["type"]
+    # exemplars are asked for on histogram queries only (no other series carries them),
+    # on the stage and the request histograms both
+    with_exemplars = [t["expr"] for p in dashboard["panels"] for t in p["targets"]
+                      if t.get("exemplar")]
+    assert all("_bucket{" in expr for expr in with_exemplars)
+    assert any("inferprof_stage_duration_seconds_bucket" in e for e in with_exemplars)
+    assert any("inferprof_request_duration_seconds_bucket" in e for e in with_exemplars)
+
+
+def test_dashboard_trace_links_template_to_a_search_of_the_service():
+    dashboard = json.loads(DASHBOARD.read_text())
+    variables = {v["name"] for v in dashboard["templating"]["list"]}
+    builtins = {"__from", "__to"}
+    links = [link for p in dashboard["panels"] for link in p.get("links", ())]
+    assert len(links) >= 2
+    for link in links:
+        used = set(re.findall(r"\$\{([^}:]+)", link["url"]))
+        assert used <= variables | builtins, used
+        # Grafana's interpolation: each ${name} replaced by its value
+        url = link["url"]
+        for name, value in (("traces", "jaeger"), ("service", "checkout"),
+                            ("__from", "1700000000000"), ("__to", "1700003600000")):
+            url = url.replace("${" + name + "}", value)
+        parts = urllib.parse.urlsplit(url)
+        assert parts.path == "/explore"
+        query = urllib.parse.parse_qs(parts.query)
+        (pane,) = json.loads(query["panes"][0]).values()
+        assert pane["datasource"] == "jaeger"
+        (search,) = pane["queries"]
+        assert search["datasource"]["uid"] == "jaeger"
+        assert search["queryType"] == "search" and search["service"] == "checkout"
+        assert pane["range"] == {"from": "1700000000000", "to": "1700003600000"}

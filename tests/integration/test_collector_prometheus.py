@@ -222,6 +222,23 @@ def test_prometheus_stores_the_histograms_exemplars_pointing_at_slow_traces(prom
         ).json()
         tail = max(resp["data"], key=lambda series: float(series["seriesLabels"]["le"]))
         assert tail["exemplars"][0]["labels"]["trace_id"] in slow
+        # What Grafana asks for each dashboard query marked `exemplar`: exemplars come back,
+        # the slow queue's among them.
+        dashboard = json.loads(DASHBOARD.read_text())
+        for panel in dashboard["panels"]:
+            for target in panel["targets"]:
+                if not target.get("exemplar"):
+                    continue
+                expr = (target["expr"].replace("$service", "ex").replace("$model", ".*")
+                        .replace("$__rate_interval", "1m"))
+                resp = httpx.get(
+                    f"{url}/api/v1/query_exemplars",
+                    params={"query": expr, "start": time.time() - 600, "end": time.time() + 60},
+                ).json()
+                assert resp["status"] == "success", (panel["title"], resp)
+                ids = {ex["labels"]["trace_id"] for series in resp["data"]
+                       for ex in series["exemplars"]}
+                assert ids & slow, (panel["title"], expr)
 
 
 def test_dashboard_reads_one_series_per_stage_from_several_collectors(prometheus):
