@@ -42,6 +42,10 @@ DEFAULT_RATE = 50.0
 DEFAULT_CLI_MAX_DELAY_MS = 50.0
 DEFAULT_CLI_MODEL_SIZE = "tiny"
 SERVICE_NAME = "inferprof-demo"
+LLM_SERVICE_NAME = "inferprof-demo-llm"
+LLM_MODEL_SIZE = "small"
+WORKLOAD_CLASSIFY = "classify"
+WORKLOAD_LLM = "llm"
 # How long to wait for the collector to have folded every request the client saw.
 _DRAIN_TIMEOUT_S = 10.0
 
@@ -71,7 +75,9 @@ def _echo(message: str, quiet: bool) -> None:
               help="Instrumentation of the service: inferprof full/production/off, "
                    "otel (opentelemetry-instrumentation-fastapi only) or none.")
 @click.option("--model-size", type=click.Choice(["tiny", "small", "medium", "large"]),
-              default=DEFAULT_CLI_MODEL_SIZE, show_default=True, help="Size of the demo model.")
+              default=None,
+              help=f"Size of the demo model [default: {DEFAULT_CLI_MODEL_SIZE}; "
+                   f"{LLM_MODEL_SIZE} for --workload llm, which has tiny and small].")
 @click.option("--max-batch-size", type=click.IntRange(min=1), default=16, show_default=True,
               help="The dynamic batcher's largest batch.")
 @click.option("--max-delay-ms", type=click.FloatRange(min=0), default=DEFAULT_CLI_MAX_DELAY_MS,
@@ -84,29 +90,55 @@ def _echo(message: str, quiet: bool) -> None:
               callback=_header,
               help="Header/metadata sent with forwarded exports, e.g. "
                    "'authorization=Bearer TOKEN' for a collector with a token (repeatable).")
-@click.option("--service-name", default=SERVICE_NAME, show_default=True,
-              help="service.name of the demo service.")
+@click.option("--service-name", default=None,
+              help=f"service.name of the demo service [default: {SERVICE_NAME}, "
+                   f"{LLM_SERVICE_NAME} for --workload llm].")
+@click.option("--workload", type=click.Choice([WORKLOAD_CLASSIFY, WORKLOAD_LLM]),
+              default=WORKLOAD_CLASSIFY, show_default=True,
+              help="classify: batched classification; llm: streaming generation with "
+                   "continuous batching (docs/demo.md, 'The LLM demo').")
+@click.option("--kv-blocks", type=click.IntRange(min=1), default=None,
+              help="llm: KV-cache size in blocks of 16 tokens [default: 96].")
+@click.option("--max-batched-tokens", type=click.IntRange(min=1), default=None,
+              help="llm: tokens per engine step, prefill chunks and decode together "
+                   "[default: 256].")
+@click.option("--max-running", type=click.IntRange(min=1), default=None,
+              help="llm: requests in the running batch at most [default: 16].")
+@click.option("--prompt-mix", default=None, metavar="MIX",
+              help="llm: prompt lengths, e.g. short=0.5,medium=0.3,long=0.2.")
+@click.option("--output-mix", default=None, metavar="MIX",
+              help="llm: output lengths (max_tokens), e.g. short=0.5,medium=0.35,long=0.15.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document instead of tables.")
 def demo(duration: float, concurrency: int | None, rate: float | None, burst: int, mode: str,
-         model_size: str, max_batch_size: int, max_delay_ms: float, forward: tuple[str, ...],
-         forward_headers: tuple[tuple[str, str], ...] | None, service_name: str,
+         model_size: str | None, max_batch_size: int, max_delay_ms: float, forward: tuple[str, ...],
+         forward_headers: tuple[tuple[str, str], ...] | None, service_name: str | None,
+         workload: str, kv_blocks: int | None, max_batched_tokens: int | None,
+         max_running: int | None, prompt_mix: str | None, output_mix: str | None,
          as_json: bool) -> None:
     """Run the demo service under load and print where its requests' time goes."""
     if concurrency is not None and rate is not None:
         raise click.UsageError("choose --concurrency (closed loop) or --rate (open loop), not both")
-    if rate is None and concurrency is None:
-        rate = DEFAULT_RATE
     if forward_headers and not forward:
         raise click.UsageError("--forward-header needs --forward")
-    if not service_name.strip():
+    if service_name is not None and not service_name.strip():
         raise click.BadParameter("must not be empty", param_hint="--service-name")
-    # The demo's service and load generator run in child processes: a missing extra is
-    # named here, in one line, rather than in a child's traceback.
-    for module in ("fastapi", "uvicorn", "tokenizers", "httpx", "tqdm"):
-        try:
-            require(module, "demo")
-        except ImportError as exc:
-            raise click.ClickException(str(exc)) from None
+    llm_options = (kv_blocks, max_batched_tokens, max_running, prompt_mix, output_mix)
+    if workload == WORKLOAD_LLM:
+        _demo_llm(duration=duration, concurrency=concurrency, rate=rate, burst=burst, mode=mode,
+                  model_size=model_size or LLM_MODEL_SIZE, forward=forward,
+                  forward_headers=forward_headers or (),
+                  service_name=(service_name or LLM_SERVICE_NAME).strip(), kv_blocks=kv_blocks,
+                  max_batched_tokens=max_batched_tokens, max_running=max_running,
+                  prompt_mix=prompt_mix, output_mix=output_mix, as_json=as_json)
+        return
+    if any(v is not None for v in llm_options):
+        raise click.UsageError("--kv-blocks, --max-batched-tokens, --max-running, "
+                               "--prompt-mix and --output-mix need --workload llm")
+    if rate is None and concurrency is None:
+        rate = DEFAULT_RATE
+    service_name = SERVICE_NAME if service_name is None else service_name
+    model_size = model_size or DEFAULT_CLI_MODEL_SIZE
+    _require_demo_extra()
     try:
         result = run_demo(duration_s=duration, concurrency=concurrency, rate=rate, burst=burst,
                           mode=mode, model_size=model_size, max_batch_size=max_batch_size,
@@ -121,6 +153,62 @@ def demo(duration: float, concurrency: int | None, rate: float | None, burst: in
         click.echo(json.dumps(result, indent=2))
     else:
         click.echo(render(result))
+
+
+def _demo_llm(*, duration: float, concurrency: int | None, rate: float | None, burst: int,
+              mode: str, model_size: str, forward: tuple[str, ...],
+              forward_headers: tuple[tuple[str, str], ...], service_name: str,
+              kv_blocks: int | None, max_batched_tokens: int | None, max_running: int | None,
+              prompt_mix: str | None, output_mix: str | None, as_json: bool) -> None:
+    from inferprof.demo.llm.command import DEFAULT_CONCURRENCY as LLM_CONCURRENCY
+    from inferprof.demo.llm.command import render as render_llm
+    from inferprof.demo.llm.command import run_llm_demo
+    from inferprof.demo.llm.loadgen import parse_output_mix
+    from inferprof.demo.llm.settings import LLM_INSTRUMENTATIONS, LLM_MODEL_SIZES, LLMSettings
+    from inferprof.demo.loadgen import parse_mix
+
+    if burst != 1:
+        raise click.UsageError("--burst is for the classify workload")
+    if mode not in LLM_INSTRUMENTATIONS:
+        raise click.BadParameter(f"--workload llm takes {', '.join(LLM_INSTRUMENTATIONS)}",
+                                 param_hint="--mode")
+    if model_size not in LLM_MODEL_SIZES:
+        raise click.BadParameter(f"--workload llm takes {', '.join(LLM_MODEL_SIZES)}",
+                                 param_hint="--model-size")
+    for value, parse, hint in ((prompt_mix, parse_mix, "--prompt-mix"),
+                               (output_mix, parse_output_mix, "--output-mix")):
+        if value is not None:
+            try:
+                parse(value)
+            except ValueError as exc:
+                raise click.BadParameter(str(exc), param_hint=hint) from None
+    _require_demo_extra()
+    overrides = {"kv_blocks": kv_blocks, "max_batched_tokens": max_batched_tokens,
+                 "max_running": max_running}
+    settings = LLMSettings(instrumentation=mode, model_size=model_size,
+                           service_name=service_name,
+                           **{k: v for k, v in overrides.items() if v is not None})
+    if rate is None and concurrency is None:
+        concurrency = LLM_CONCURRENCY
+    try:
+        result = run_llm_demo(settings=settings, duration_s=duration, concurrency=concurrency,
+                              rate=rate, prompt_mix=prompt_mix, output_mix=output_mix,
+                              forward=forward, forward_headers=forward_headers, quiet=as_json)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--forward") from exc
+    except (RuntimeError, OSError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(json.dumps(result, indent=2) if as_json else render_llm(result))
+
+
+def _require_demo_extra() -> None:
+    # The demo's service and load generator run in child processes: a missing extra is
+    # named here, in one line, rather than in a child's traceback.
+    for module in ("fastapi", "uvicorn", "tokenizers", "httpx", "tqdm"):
+        try:
+            require(module, "demo")
+        except ImportError as exc:
+            raise click.ClickException(str(exc)) from None
 
 
 def run_demo(*, duration_s: float = DEFAULT_DURATION_S,

@@ -61,17 +61,28 @@ def settings_env(settings: DemoSettings) -> dict[str, str]:
 
 
 class ServiceProcess:
-    """The demo service under uvicorn in a child process, bound to 127.0.0.1:<ephemeral>."""
+    """The demo service under uvicorn in a child process, bound to 127.0.0.1:<ephemeral>.
 
-    def __init__(self, settings: DemoSettings, *, extra_env: Mapping[str, str] | None = None,
+    Subclasses run another service the same way: ``module`` is what ``python -m`` runs
+    (it must announce its port as ``inferprof.demo.serve`` does), ``path`` the endpoint
+    ``url`` names, and ``child_env`` the variables that carry the settings.
+    """
+
+    module = "inferprof.demo.serve"
+    path = CLASSIFY_PATH
+
+    def __init__(self, settings: Any, *, extra_env: Mapping[str, str] | None = None,
                  startup_timeout_s: float = _STARTUP_TIMEOUT_S) -> None:
         self.settings = settings
-        self._env = {**_THREAD_DEFAULTS, **os.environ, **settings_env(settings),
+        self._env = {**_THREAD_DEFAULTS, **os.environ, **self.child_env(settings),
                      **(extra_env or {})}
         self._startup_timeout_s = startup_timeout_s
         self._proc: subprocess.Popen[bytes] | None = None
         self._stderr: IO[bytes] | None = None
         self.port: int | None = None
+
+    def child_env(self, settings: Any) -> dict[str, str]:
+        return settings_env(settings)
 
     @property
     def pid(self) -> int:
@@ -87,12 +98,12 @@ class ServiceProcess:
 
     @property
     def url(self) -> str:
-        return self.base_url + CLASSIFY_PATH
+        return self.base_url + self.path
 
     def start(self) -> ServiceProcess:
         self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed by close()
         self._proc = subprocess.Popen(
-            python_module_command("inferprof.demo.serve", "--port", "0"),
+            python_module_command(self.module, "--port", "0"),
             stdout=subprocess.PIPE, stderr=self._stderr, env=self._env,
         )
         try:

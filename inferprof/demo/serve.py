@@ -38,10 +38,14 @@ def _server_class() -> Any:
 
 
 def run(settings: DemoSettings, host: str = DEFAULT_HOST, port: int = 0) -> None:
-    uvicorn = require("uvicorn", "demo")
     from inferprof.demo.service import create_app
 
-    app = create_app(settings)
+    serve_app(create_app(settings), host=host, port=port)
+
+
+def serve_app(app: Any, host: str = DEFAULT_HOST, port: int = 0) -> None:
+    """Run ``app`` under uvicorn until SIGINT/SIGTERM, announcing the port on stdout."""
+    uvicorn = require("uvicorn", "demo")
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                             lifespan="on", timeout_graceful_shutdown=5)
     _server_class()(config).run()

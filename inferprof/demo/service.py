@@ -79,7 +79,7 @@ def create_app(settings: DemoSettings | None = None, **overrides: Any) -> Any:
             telemetry.shutdown()
 
     app = fastapi.FastAPI(title="inferprof demo", lifespan=lifespan,
-                          **_without_native_telemetry(fastapi.FastAPI))
+                          **without_native_telemetry(fastapi.FastAPI))
 
     @app.get(HEALTH_PATH)
     async def healthz() -> dict[str, Any]:
@@ -110,7 +110,7 @@ def create_app(settings: DemoSettings | None = None, **overrides: Any) -> Any:
     return app
 
 
-def _without_native_telemetry(fastapi_class: Any) -> dict[str, Any]:
+def without_native_telemetry(fastapi_class: Any) -> dict[str, Any]:
     """``FastAPI(...)`` keyword arguments that turn FastAPI's own OpenTelemetry off.
 
     Recent FastAPI releases trace every request themselves (a server span plus

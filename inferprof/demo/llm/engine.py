@@ -24,7 +24,8 @@ import numpy as np
 
 from inferprof.demo.llm.instrument import EngineInstrument
 from inferprof.demo.llm.model import StepItem, TinyLM
-from inferprof.demo.llm.scheduler import GenRequest, ScheduledItem, Scheduler
+from inferprof.demo.llm.request import GenRequest, ScheduledItem
+from inferprof.demo.llm.scheduler import Scheduler
 
 _log = logging.getLogger(__name__)
 
@@ -110,7 +111,7 @@ class Engine:
             if not self._drain(block=self.scheduler.idle):
                 break
             try:
-                self.step()
+                self._step()
             except Exception:  # noqa: BLE001 - fail the requests in flight, keep serving
                 _log.exception("engine step failed; failing the requests in it")
                 self._fail_all()
@@ -132,8 +133,15 @@ class Engine:
             elif self.scheduler.cancel(req):
                 self.counts.cancelled += 1
 
-    def step(self) -> list[Delivery]:
-        """Run one step of the schedule (the engine thread; tests call it directly)."""
+    def poll(self) -> list[Delivery]:
+        """Take what was submitted or cancelled, then run one step; for driving the engine
+        without its thread (tests). Returns what the step delivered."""
+        if not self._drain(block=False):
+            self._stopping = True
+            return []
+        return self._step()
+
+    def _step(self) -> list[Delivery]:
         sched = self.scheduler
         items = sched.schedule()
         if not items:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
-    from inferprof.demo.llm.scheduler import GenRequest, ScheduledItem
+    from inferprof.demo.llm.request import GenRequest, ScheduledItem
 
 
 class EngineInstrument:
