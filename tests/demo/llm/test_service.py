@@ -10,6 +10,7 @@ import httpx
 import pytest
 import uvicorn
 
+from inferprof.demo.llm.instrument import EngineInstrument
 from inferprof.demo.llm.service import COMPLETIONS_PATH, create_app
 from inferprof.demo.llm.settings import LLMSettings
 from inferprof.demo.service import HEALTH_PATH
@@ -20,11 +21,11 @@ PROMPTS = ["The harbour was quiet at dawn.", "He sharpened the chisel on the sto
            "Apples ripened along the south wall of the orchard, row after row."]
 
 
-def _serve(settings):
+def _serve(settings, instrument=None):
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), log_level="warning",
-                                           lifespan="on"))
+    server = uvicorn.Server(uvicorn.Config(create_app(settings, instrument=instrument),
+                                           log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -36,10 +37,11 @@ def _serve(settings):
 
 @pytest.fixture
 def service(request):
-    overrides = getattr(request, "param", {})
+    overrides = dict(getattr(request, "param", {}))
+    instrument = overrides.pop("instrument", None)
     settings = LLMSettings(instrumentation="none", model_size="tiny", gc_freeze=False,
                            **overrides)
-    server, thread, sock, url = _serve(settings)
+    server, thread, sock, url = _serve(settings, instrument)
     try:
         yield url
     finally:
@@ -118,24 +120,43 @@ async def test_a_client_leaving_mid_stream_cancels_its_request_and_frees_its_blo
         assert done and len(chunks) == 3
 
 
-@pytest.mark.parametrize("service", [{"kv_blocks": 64, "block_size": 4, "max_in_flight": 1}],
+@pytest.mark.parametrize("service", [{"kv_blocks": 64, "block_size": 16}],
                          indirect=True)
 async def test_bad_requests_are_refused_with_a_reason(service):
     async with httpx.AsyncClient(base_url=service, timeout=30) as client:
         for body in ({"prompt": ""}, {}, {"prompt": "x", "max_tokens": 0},
                      {"prompt": "x", "max_tokens": 5000}):
             assert (await client.post(COMPLETIONS_PATH, json=body)).status_code == 422
-        r = await client.post(COMPLETIONS_PATH, json={"prompt": PROMPTS[2], "max_tokens": 1000})
+        r = await client.post(COMPLETIONS_PATH, json={"prompt": PROMPTS[2], "max_tokens": 1024})
         assert r.status_code == 400 and "KV-cache blocks" in r.json()["detail"]
-        # One stream in flight (200 tokens to go) fills max_in_flight=1: the next is a 429.
-        body = {"prompt": "Hi.", "max_tokens": 200, "stream": True}
-        async with client.stream("POST", COMPLETIONS_PATH, json=body) as resp:
-            await resp.aiter_lines().__anext__()
-            busy = await client.post(COMPLETIONS_PATH, json={"prompt": "Hi.", "max_tokens": 2})
-            assert busy.status_code == 429
-        # Leaving the stream cancels it, which frees the slot.
-        deadline = time.monotonic() + 15
-        while (await client.get(HEALTH_PATH)).json()["in_flight"] and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
         chunks, done = await _stream(client, "Hi.", 2)
         assert done and len(chunks) == 2
+
+
+class Gate(EngineInstrument):
+    """Holds every engine step until opened: requests stay in flight as long as needed."""
+
+    def __init__(self):
+        self.open = threading.Event()
+
+    def step_begin(self, items, kv_usage):
+        self.open.wait(30)
+
+
+GATE = Gate()
+
+
+@pytest.mark.parametrize("service", [{"max_in_flight": 1, "instrument": GATE}], indirect=True)
+async def test_beyond_max_in_flight_requests_are_429_and_nothing_is_lost(service):
+    async with httpx.AsyncClient(base_url=service, timeout=30) as client:
+        first = asyncio.ensure_future(
+            client.post(COMPLETIONS_PATH, json={"prompt": "Hi.", "max_tokens": 3}))
+        deadline = time.monotonic() + 15
+        while (await client.get(HEALTH_PATH)).json()["in_flight"] == 0:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)
+        busy = await client.post(COMPLETIONS_PATH, json={"prompt": "Hi.", "max_tokens": 3})
+        assert busy.status_code == 429 and "in flight" in busy.json()["detail"]
+        GATE.open.set()
+        r = await first
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
