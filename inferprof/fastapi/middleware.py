@@ -7,7 +7,8 @@ streaming response (SSE, ``StreamingResponse``) flows through chunk by chunk and
 ``serialize`` covers the whole stream. The request ends when the last body chunk has been
 handed to the server, so background tasks that run afterwards are not counted as latency.
 
-Streamed responses (``text/event-stream``, or a body sent without ``content-length``) are
+Streamed responses (``text/event-stream``, or a body sent in several messages without
+``content-length``) are
 timed chunk by chunk for generation (contract §7, §14): the time each chunk carrying
 generated content was handed to the server becomes an entry of
 ``inferprof.gen.emit_offsets_s``, one token per chunk unless the app says otherwise
@@ -161,7 +162,12 @@ class _HttpRequest(RequestRecord):
                 if not self.ser_end:
                     self.disconnected = True
                 raise
-            if self.stream and body and (self.stream == _CHUNKED or _sse_content(body)):
+            stream = self.stream
+            if stream and body and (
+                _sse_content(body) if stream == _SSE
+                # a body in one message is not a stream, whatever its headers
+                else message.get("more_body", False) or self.chunk_times
+            ):
                 self._chunk_sent()
             if not message.get("more_body", False) and not self.ser_end:
                 self.ser_end = _time_ns()  # also the request's end: the last byte handed over
