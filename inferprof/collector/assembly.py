@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from inferprof import semconv as sc
+from inferprof.collector import gen_spans as _gen
 from inferprof.collector import triton_spans as _triton
 from inferprof.collector.verdict import normalize_gpu_id
 
@@ -68,9 +69,12 @@ _WANTED = frozenset(
         sc.ATTR_GPU_ID,
         sc.ATTR_BATCH_SIZE,
         sc.ATTR_QUEUE_BEHIND_BATCHES_S,
+        *_gen.REQUEST_KEYS,
+        *_gen.STEP_KEYS,
     }
 )
-_STRING_KEYS = frozenset({sc.ATTR_MODEL_NAME, sc.ATTR_BATCH_ID, sc.ATTR_GPU_ID})
+_STRING_KEYS = frozenset({sc.ATTR_MODEL_NAME, sc.ATTR_BATCH_ID, sc.ATTR_GPU_ID, sc.ATTR_ENGINE_ID})
+_ARRAY_KEYS = _gen.ARRAY_KEYS
 _INT_KEYS = frozenset({sc.ATTR_TOKENS_EFFECTIVE, sc.ATTR_TOKENS_PADDED, sc.ATTR_BATCH_SIZE})
 _PADDING_STAGES = frozenset({sc.STAGE_BATCH_ASSEMBLY, sc.STAGE_COMPUTE})
 _COMPUTE_STAGES = frozenset(sc.COMPUTE_STAGES)
@@ -171,6 +175,7 @@ class Finalised:
         "compute",
         "end",
         "error",
+        "gen",
         "instance",
         "model",
         "queue_behind",
@@ -202,6 +207,8 @@ class Finalised:
         self.work_share = array("d")  # flat (request index, seconds) pairs
         self.queue_behind = array("d")  # flat (span position, seconds) pairs
         self.trace_id: list[bytes] = []
+        #: (request index, its wanted attributes) of generating requests (gen_spans).
+        self.gen: list[tuple[int, dict]] = []
 
     def __len__(self) -> int:
         return len(self.start)
@@ -238,8 +245,11 @@ class Assembler:
         max_spans_per_trace: int,
         clock: Callable[[], float],
         triton_spans: bool = True,
+        steps: Any = None,
     ) -> None:
         self.settle_s = settle_s
+        #: Where engine step spans go (``generation.StepIndex``); None: kept as other spans.
+        self.steps = steps
         #: Translate Triton's own spans into stages (see ``triton_spans``).
         self.triton_spans = triton_spans
         self.trace_timeout_s = trace_timeout_s
@@ -295,6 +305,10 @@ class Assembler:
         expiry = now + self.trace_timeout_s
         candidate_kinds = _CANDIDATE_KINDS
         triton_on = self.triton_spans
+        array_keys = _ARRAY_KEYS
+        step_sink = self.steps
+        # Accepted spans that are not pending: engine step spans and their device stages.
+        unpending = 0
         seen = rejected = 0
         errors: list[str] = []
 
@@ -366,6 +380,8 @@ class Assembler:
                             v = kv.value
                             if k in string_keys:
                                 value = v.string_value or _any_value(v)
+                            elif k in array_keys:
+                                value = _gen.array_value(v)
                             elif k in int_keys:
                                 value = v.int_value or _any_value(v)
                             else:
@@ -374,6 +390,25 @@ class Assembler:
                                 extra = {k: value}
                             else:
                                 extra[k] = value
+                    if (
+                        extra is not None
+                        and step_sink is not None
+                        and _gen.is_step_span(extra, stage, span.parent_span_id)
+                    ):
+                        # An engine step (or a device stage of one): to the engine's
+                        # timeline, never pending (its trace has no request).
+                        unpending += 1
+                        if stage is None:
+                            step_sink.add_step(resource, extra, start, end, now)
+                            # Device stages sent without the engine id came first.
+                            stray = traces.pop(tid, None) if trace is not None else None
+                            if stray is not None:
+                                n_stray = len(stray.spans)
+                                self.pending -= n_stray
+                                self.ignored += n_stray
+                        else:
+                            self.ignored += 1
+                        continue
                     if stage is not None:
                         # Stage name -> its number; a name not seen before is checked.
                         try:
@@ -501,7 +536,7 @@ class Assembler:
         self.next_check = next_check
         self.received += accepted + rejected
         self.accepted += accepted
-        self.pending += accepted
+        self.pending += accepted - unpending
         return accepted, rejected, errors
 
     # --- finalisation ------------------------------------------------------------------
@@ -688,12 +723,19 @@ class Assembler:
                 self.ignored -= used  # counted as ignored above; they were not
             if rid not in rows:
                 req = spans[rid]
+                derived = _gen.derived_stages(req[1], req[2], req[5]) if req[5] else None
                 # A request span with no stage span and no inferprof.* attribute (health
                 # checks, metric scrapes) is not an inference request.
-                if req[3] is None and not req[5]:
+                if req[3] is None and not _gen.marks_request(req[5]):
                     self.ignored += 1
                 else:
-                    self._open_row(req, out)
+                    row = self._open_row(req, out)
+                    for name, s, e in derived or ():
+                        # An engine's own request span (vLLM, SGLang): stages from its
+                        # gen_ai.latency.* attributes.
+                        add_key(row << 32 | self._stage_number(name))
+                        add_start(s)
+                        add_end(e)
         return tuple(requests)
 
     def _stage_number(self, stage: str) -> int:
@@ -707,6 +749,8 @@ class Assembler:
     def _open_row(req: tuple, out: Finalised) -> int:
         _, start, end, _, resource, extra, _, flags, trace_state = req
         model = extra.get(sc.ATTR_MODEL_NAME) if extra else None
+        if model is None and extra:
+            model = _gen.model_of(extra)
         weight = None
         if extra:
             w = extra.get(sc.ATTR_SAMPLE_WEIGHT)
@@ -727,6 +771,8 @@ class Assembler:
         out.start.append(start)
         out.end.append(end)
         out.error.append(1 if flags & _FLAG_ERROR else 0)
+        if extra and _gen.is_generating(extra):
+            out.gen.append((row, extra))
         return row
 
     def _stage_attrs(

@@ -57,6 +57,7 @@ from inferprof.collector.attribution import (
 )
 from inferprof.collector.examples import ExampleStore
 from inferprof.collector.exemplars import Exemplar, ExemplarStore
+from inferprof.collector.generation import GenerationFold
 from inferprof.collector.queueing import combine, partial, union
 from inferprof.collector.records import EngineStats, IngestResult
 from inferprof.collector.sketch import (
@@ -248,12 +249,21 @@ class Engine:
         self.mapping = KeyMapping(relative_accuracy)
         self.clock = clock
         self._lock = threading.RLock()
+        # Generating requests (contract §7): their figures, and the engine step spans
+        # they join, kept as long as a trace stays open.
+        self._gen = GenerationFold(
+            self.mapping,
+            retention_s=self.retention_s,
+            step_retention_s=self.trace_timeout_s + self.settle_s,
+            histogram_bounds=HISTOGRAM_BOUNDS,
+        )
         self._asm = Assembler(
             settle_s=self.settle_s,
             trace_timeout_s=self.trace_timeout_s,
             max_spans_per_trace=max_spans_per_trace,
             clock=clock,
             triton_spans=triton_spans,
+            steps=self._gen.steps,
         )
         self._stage_names: list[str] = ["", sc.STAGE_UNATTRIBUTED, *sc.CANONICAL_STAGES]
         self._stage_index = {name: i for i, name in enumerate(self._stage_names) if name}
@@ -327,6 +337,11 @@ class Engine:
                         host = kv.value.string_value
                 for sm in rm.scope_metrics:
                     for metric in sm.metrics:
+                        if metric.name == sc.METRIC_ENGINE_KV_CACHE_USAGE:
+                            ok, bad = self._gen.ingest_kv(rm.resource, metric, self.clock())
+                            accepted += ok
+                            rejected += bad
+                            continue
                         if not is_gpu_metric(metric.name):
                             ignored += 1
                             continue
@@ -373,6 +388,7 @@ class Engine:
                 del self._slices[idx]
             self._examples.prune(oldest)
             self._gpu.prune(now - self.retention_s)
+            self._gen.prune(oldest, now)
 
     def _series_id(self, service: str, model: str, now: float) -> int:
         key = (service, model)
@@ -425,6 +441,7 @@ class Engine:
             del self._hist_sum[hk]
         self._examples.forget_series(sid)
         self._exemplars.forget_series(sid)
+        self._gen.forget_series(sid)
         self._reclaimed += 1
         return sid
 
@@ -708,6 +725,8 @@ class Engine:
         uniq, sums = reduce_codes(pair, hw * hv)
         for p, s in zip(uniq.tolist(), sums.tolist()):
             self._hist_sum[(p >> STAGE_BITS, p & _STAGE_MASK)] += s
+        if fin.gen:
+            self._gen.fold(fin, series, self._asm.stage_names, index, now)
 
     def _keep_queue_and_work(
         self, fin: Finalised, slice_: TimeSlice, series: list[int], is_queue: np.ndarray | None
@@ -854,6 +873,15 @@ class Engine:
             if sid is None or idx is None:
                 return [None] * _NB
             return self._exemplars.get(sid, idx)
+
+    def generation_histograms(self) -> list[tuple[str, str, int, tuple, np.ndarray, float]]:
+        """Cumulative histograms of generating requests: (service, model, histogram id
+        (``generation.H_*``), bucket bounds, per-bucket weights with +Inf last, sum)."""
+        with self._lock:
+            return [
+                (*self._series_keys[sid], h, self._gen.bounds[h], counts, total)
+                for sid, h, counts, total in self._gen.histograms()
+            ]
 
     def request_errors(self) -> list[tuple[str, str, float]]:
         """(service, model, weighted requests whose request span has status ERROR) per
@@ -1021,6 +1049,9 @@ class Engine:
         }
         doc["verdict"] = decide(shares, int(traced), int(tail_traced), gpu, doc["queue"])
         doc["examples"] = examples
+        generation = self._gen.section(sids, [sl.index for sl in slices], doc["verdict"])
+        if generation is not None:
+            doc["generation"] = generation
         return doc
 
 

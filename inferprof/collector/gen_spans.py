@@ -1,0 +1,169 @@
+"""Reading generating requests off spans (contract §7, inferprof's encoding in §14).
+
+What trace assembly needs to know about generation, and nothing more: which attribute keys
+to keep, how to read the array attributes, which spans are engine steps, and the stages an
+engine's own request span (vLLM's ``llm_request``, SGLang's) stands for. The folding into
+ttft/itl/tpot figures is ``generation``'s.
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from typing import Any
+
+from inferprof import semconv as sc
+
+#: Request-span attributes of generation (§14 and the engines' ``gen_ai.*``, §7).
+REQUEST_KEYS = frozenset(
+    {
+        sc.ATTR_TOKENS_PROMPT,
+        sc.ATTR_TOKENS_OUTPUT,
+        sc.ATTR_GEN_EMIT_OFFSETS_S,
+        sc.ATTR_GEN_EMIT_TOKENS,
+        sc.ATTR_GEN_EMIT_MERGED,
+        sc.ATTR_GEN_PREEMPTIONS,
+        sc.ATTR_ENGINE_ID,
+        sc.ATTR_CANCELLED,
+        sc.ATTR_GEN_AI_LATENCY_TIME_IN_QUEUE,
+        sc.ATTR_GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN,
+        sc.ATTR_GEN_AI_LATENCY_TIME_IN_MODEL_PREFILL,
+        sc.ATTR_GEN_AI_LATENCY_TIME_IN_MODEL_DECODE,
+        sc.ATTR_GEN_AI_LATENCY_E2E,
+        sc.ATTR_GEN_AI_USAGE_PROMPT_TOKENS,
+        sc.ATTR_GEN_AI_USAGE_COMPLETION_TOKENS,
+        sc.ATTR_GEN_AI_RESPONSE_MODEL,
+        sc.ATTR_GEN_AI_REQUEST_MODEL,
+    }
+)
+#: Engine step-span attributes (§14).
+STEP_KEYS = frozenset(
+    {
+        sc.ATTR_STEP_PREFILL_TOKENS,
+        sc.ATTR_STEP_DECODE_TOKENS,
+        sc.ATTR_STEP_REQUESTS,
+        sc.ATTR_STEP_KV_CACHE_USAGE,
+    }
+)
+ARRAY_KEYS = frozenset({sc.ATTR_GEN_EMIT_OFFSETS_S, sc.ATTR_GEN_EMIT_TOKENS})
+#: Keys that name a model and nothing else: alone, they do not make a span a request.
+_MODEL_KEYS = frozenset({sc.ATTR_GEN_AI_RESPONSE_MODEL, sc.ATTR_GEN_AI_REQUEST_MODEL})
+#: Keys whose presence makes a request a generating one.
+_GENERATING_KEYS = frozenset(
+    {
+        sc.ATTR_GEN_EMIT_OFFSETS_S,
+        sc.ATTR_TOKENS_OUTPUT,
+        sc.ATTR_GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN,
+        sc.ATTR_GEN_AI_USAGE_COMPLETION_TOKENS,
+    }
+)
+_STEP_MARKS = (sc.ATTR_STEP_DECODE_TOKENS, sc.ATTR_STEP_PREFILL_TOKENS, sc.ATTR_STEP_REQUESTS)
+#: Device stages of an engine step (§14): children of the step span with the engine id.
+_STEP_STAGES = frozenset({sc.STAGE_H2D, sc.STAGE_COMPUTE, sc.STAGE_D2H})
+_NS = 1e9
+
+
+def array_value(v: Any) -> array | None:
+    """An OTLP array attribute of numbers as ``array('d')``; None for anything else.
+
+    The first element's type is read for all (the producer sends one type per array):
+    one field read per element, the collector's cost per generated token.
+    """
+    if v.WhichOneof("value") != "array_value":
+        return None
+    values = v.array_value.values
+    if not values:
+        return array("d")
+    kind = values[0].WhichOneof("value")
+    if kind == "double_value":
+        return array("d", [x.double_value for x in values])
+    if kind == "int_value":
+        return array("d", [x.int_value for x in values])
+    return None
+
+
+def is_step_span(extra: dict, stage: Any, parent: bytes) -> bool:
+    """An engine step span (a root span with step attributes), or a device stage of one
+    (a child with ``inferprof.engine.id`` and stage ``h2d``/``compute``/``d2h``)."""
+    if stage is None:
+        return not parent and any(k in extra for k in _STEP_MARKS)
+    return bool(parent) and stage in _STEP_STAGES and sc.ATTR_ENGINE_ID in extra
+
+
+def marks_request(extra: dict | None) -> bool:
+    """Whether a request span's attributes make it an inference request on their own."""
+    return bool(extra) and not extra.keys() <= _MODEL_KEYS
+
+
+def is_generating(extra: dict) -> bool:
+    return not _GENERATING_KEYS.isdisjoint(extra)
+
+
+def model_of(extra: dict) -> Any:
+    """The model an engine's request span names, when ``inferprof.model.name`` is absent."""
+    model = extra.get(sc.ATTR_GEN_AI_RESPONSE_MODEL)
+    return model if model is not None else extra.get(sc.ATTR_GEN_AI_REQUEST_MODEL)
+
+
+def seconds(extra: dict, key: str) -> float | None:
+    """A non-negative finite number of seconds, or None."""
+    v = extra.get(key)
+    if type(v) in (float, int) and math.isfinite(v) and v >= 0:
+        return float(v)
+    return None
+
+
+def count(extra: dict, key: str) -> int | None:
+    v = extra.get(key)
+    if type(v) is int and v >= 0:
+        return v
+    if type(v) is float and v.is_integer() and v >= 0:
+        return int(v)
+    return None
+
+
+def derived_stages(start: int, end: int, extra: dict) -> list[tuple[str, int, int]] | None:
+    """The ``queue``, ``prefill`` and ``decode`` of an engine's request span from its
+    ``gen_ai.latency.*`` seconds (§14): anchored on the first token where the span gives
+    the ttft, else one after the other from the span's start. None: no such attribute."""
+    queue = seconds(extra, sc.ATTR_GEN_AI_LATENCY_TIME_IN_QUEUE)
+    prefill = seconds(extra, sc.ATTR_GEN_AI_LATENCY_TIME_IN_MODEL_PREFILL)
+    decode = seconds(extra, sc.ATTR_GEN_AI_LATENCY_TIME_IN_MODEL_DECODE)
+    if queue is None and prefill is None and decode is None:
+        return None
+    ttft = seconds(extra, sc.ATTR_GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN)
+    if ttft is not None:
+        first = start + round(ttft * _NS)
+        prefill_start = first - round((prefill or 0.0) * _NS)
+        queue_start = prefill_start - round((queue or 0.0) * _NS)
+    else:
+        queue_start = start
+        prefill_start = queue_start + round((queue or 0.0) * _NS)
+        first = prefill_start + round((prefill or 0.0) * _NS)
+    out = []
+    for name, s, d in (
+        (sc.STAGE_QUEUE, queue_start, queue),
+        (sc.STAGE_PREFILL, prefill_start, prefill),
+        (sc.STAGE_DECODE, first, decode),
+    ):
+        if d is not None:
+            e = min(s + round(d * _NS), end)
+            s = max(s, start)
+            if e >= s:
+                out.append((name, s, e))
+    return out
+
+
+__all__ = [
+    "ARRAY_KEYS",
+    "REQUEST_KEYS",
+    "STEP_KEYS",
+    "array_value",
+    "count",
+    "derived_stages",
+    "is_generating",
+    "is_step_span",
+    "marks_request",
+    "model_of",
+    "seconds",
+]

@@ -1,0 +1,571 @@
+"""Generating requests folded into windowed figures (contract §7, encoding §14).
+
+The engine hands each finalised batch of requests to ``GenerationFold.fold``; the requests
+that generate (``Finalised.gen``) give
+
+* per request: ttft, tpot, output tokens, and its ttft partitioned between stages;
+* per inter-token gap (``generation_attribution.gap_causes``): its itl value, weight and
+  causes, joined to the engine's step spans (``StepIndex``);
+* KV-cache readings of the engines serving them, while they ran;
+
+all into relative-error sketches of the same mapping as the stage quantiles (so every
+quantile is within §6's 1%), per (time slice, series), and cumulative Prometheus
+histograms. ``section`` merges the slices of a window into the breakdown's ``generation``
+section; the tail attributions read the buckets at and above the one holding p95 (§13).
+
+Memory: per (slice, series) the sketches are sparse buckets (a few thousand at most);
+``StepIndex`` keeps each engine's steps for ``retention_s`` of collector time after they
+arrive, at most ``max_rows`` per engine and ``max_engines`` engines online.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict, deque
+from typing import Any
+
+import numpy as np
+
+from inferprof import semconv as sc
+from inferprof.collector import gen_spans as gs
+from inferprof.collector.attribution import partition
+from inferprof.collector.generation_attribution import N_CAUSES, decide, gap_causes
+from inferprof.collector.sketch import (
+    KEY_BITS,
+    KeyMapping,
+    concat_reduce,
+    gather,
+    quantiles_from_buckets,
+    rank_index,
+    reduce_codes,
+    split_groups,
+)
+
+_NS = 1e-9
+_LOW32 = (1 << 32) - 1
+#: Packed sketch codes: series << _SERIES_SHIFT | metric << _METRIC_SHIFT | column << KEY_BITS | key.
+_COL_BITS = 8
+_METRIC_SHIFT = KEY_BITS + _COL_BITS
+_SERIES_SHIFT = _METRIC_SHIFT + 4
+# Metrics of the sketches: quantile stores, then tail-attribution stores.
+Q_TTFT, Q_ITL, Q_TPOT, Q_TOKENS, Q_KV, T_TTFT, T_ITL = range(7)
+#: Column of the summed ttft / gap time in the tail stores (causes take 0..4).
+_TOTAL = (1 << _COL_BITS) - 1
+# Per (slice, series) counters.
+_REQUESTS, _PREEMPTED, _CANCELLED = range(3)
+# Cumulative histograms (Prometheus).
+H_TTFT, H_ITL, H_TPOT, H_GENAI_TTFT, H_GENAI_TPOT, H_GENAI_DURATION = range(6)
+#: The OpenTelemetry GenAI conventions' advisory buckets (seconds).
+GENAI_TTFT_BOUNDS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                     2.5, 5.0, 7.5, 10.0)
+GENAI_TPOT_BOUNDS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+GENAI_DURATION_BOUNDS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24,
+                         20.48, 40.96, 81.92)
+#: Online bounds of the step index.
+DEFAULT_MAX_ENGINES = 4096
+DEFAULT_MAX_STEP_ROWS = 200_000
+
+
+class _Timeline:
+    """One engine's steps and KV-cache readings: appended as tuples, consolidated into
+    sorted arrays when read."""
+
+    __slots__ = ("arrival", "kv", "kv_pending", "oldest", "pending", "rows", "touched")
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[int, int, float, float, float]] = []
+        self.kv_pending: list[tuple[float, float, float]] = []
+        # start ns, end ns (int64); prefill, decode tokens; running maximum of the ends
+        self.rows: tuple[np.ndarray, ...] | None = None
+        self.arrival = np.empty(0)  # collector time each row arrived
+        self.oldest = math.inf  # the earliest of them
+        # time s, value, arrival
+        self.kv: np.ndarray | None = None
+        self.touched = -math.inf
+
+
+class StepIndex:
+    """Engine step spans and KV-cache readings by engine (service, host, instance, engine
+    id), for joining generating requests by time (contract §14). Not thread-safe: the
+    engine serialises calls."""
+
+    def __init__(
+        self,
+        retention_s: float,
+        *,
+        max_engines: int | None = DEFAULT_MAX_ENGINES,
+        max_rows: int | None = DEFAULT_MAX_STEP_ROWS,
+    ) -> None:
+        self.retention_s = retention_s
+        self.max_engines = max_engines
+        self.max_rows = max_rows
+        self.engines: dict[tuple, _Timeline] = {}
+        # (time touched, engine) in time order: expiry pops from the left, O(1) amortised.
+        self._touched: deque[tuple[float, tuple]] = deque()
+        self.steps_received = 0
+        self.dropped = 0
+
+    def _timeline(self, key: tuple, now: float) -> _Timeline | None:
+        tl = self.engines.get(key)
+        if tl is None:
+            if self.max_engines is not None and len(self.engines) >= self.max_engines:
+                self.prune(now)
+                if len(self.engines) >= self.max_engines:
+                    return None
+            tl = self.engines[key] = _Timeline()
+        if tl.touched != now:
+            tl.touched = now
+            self._touched.append((now, key))
+        return tl
+
+    def add_step(self, resource: tuple, extra: dict, start: int, end: int, now: float) -> None:
+        """One engine step span (called by trace assembly)."""
+        engine = extra.get(sc.ATTR_ENGINE_ID)
+        key = (*resource, engine if isinstance(engine, str) else sc.DEFAULT_ENGINE_ID)
+        tl = self._timeline(key, now)
+        self.steps_received += 1
+        if tl is None:
+            self.dropped += 1
+            return
+        p = gs.count(extra, sc.ATTR_STEP_PREFILL_TOKENS) or 0
+        n = gs.count(extra, sc.ATTR_STEP_DECODE_TOKENS) or 0
+        tl.pending.append((start, end, float(p), float(n), now))
+        kv = extra.get(sc.ATTR_STEP_KV_CACHE_USAGE)
+        if type(kv) in (float, int) and math.isfinite(kv) and 0 <= kv <= 1:
+            tl.kv_pending.append((start * _NS, float(kv), now))
+        if self.max_rows is not None and len(tl.pending) > self.max_rows:
+            self._consolidate(tl, now)
+
+    def add_kv(self, key: tuple, t: float, value: float, now: float) -> bool:
+        """One ``inferprof.engine.kv_cache.usage`` reading; False if refused."""
+        if not (math.isfinite(value) and 0 <= value <= 1):
+            return False
+        tl = self._timeline(key, now)
+        if tl is None:
+            return False
+        tl.kv_pending.append((t, float(value), now))
+        return True
+
+    def prune(self, now: float) -> None:
+        """Forget engines nothing arrived for in ``retention_s``."""
+        if not math.isfinite(self.retention_s):
+            return
+        horizon = now - self.retention_s
+        touched = self._touched
+        while touched and touched[0][0] < horizon:
+            t, key = touched.popleft()
+            tl = self.engines.get(key)
+            if tl is not None and tl.touched == t:
+                del self.engines[key]
+
+    def _consolidate(self, tl: _Timeline, now: float) -> None:
+        horizon = now - self.retention_s if math.isfinite(self.retention_s) else -math.inf
+        if tl.pending:
+            new = tl.pending
+            tl.pending = []
+            st = np.fromiter((r[0] for r in new), np.int64, len(new))
+            en = np.fromiter((r[1] for r in new), np.int64, len(new))
+            rest = np.asarray([r[2:] for r in new], np.float64).reshape(-1, 3)
+            cols = [st, en, rest[:, 0], rest[:, 1], rest[:, 2]]
+            if tl.rows is not None:
+                cols = [np.concatenate([a, b])
+                        for a, b in zip((*tl.rows[:4], tl.arrival), cols)]
+            order = np.argsort(cols[0], kind="stable")
+            cols = [c[order] for c in cols]
+            keep = cols[4] >= horizon
+            if self.max_rows is not None and keep.sum() > self.max_rows:
+                self.dropped += int(keep.sum()) - self.max_rows
+                keep &= np.cumsum(keep[::-1])[::-1] <= self.max_rows  # the latest rows
+            tl.rows, tl.arrival = _with_end_max(tuple(c[keep] for c in cols[:4]), cols[4][keep])
+        elif tl.oldest < horizon:
+            keep = tl.arrival >= horizon
+            tl.rows, tl.arrival = _with_end_max(tuple(c[keep] for c in tl.rows[:4]), tl.arrival[keep])
+        tl.oldest = float(tl.arrival.min()) if tl.arrival.size else math.inf
+        if tl.kv_pending:
+            new_kv = np.asarray(tl.kv_pending, np.float64).reshape(-1, 3)
+            tl.kv_pending = []
+            kv = new_kv if tl.kv is None else np.concatenate([tl.kv, new_kv])
+            kv = kv[np.argsort(kv[:, 0], kind="stable")]
+            kv = kv[kv[:, 2] >= horizon]
+            if self.max_rows is not None and kv.shape[0] > self.max_rows:
+                kv = kv[-self.max_rows:]
+            tl.kv = kv
+
+    def steps(self, key: tuple, now: float) -> tuple[np.ndarray, ...] | None:
+        """(start ns, end ns, prefill tokens, decode tokens, running maximum of the ends)
+        sorted by start; None when the engine has sent no step span."""
+        tl = self.engines.get(key)
+        if tl is None:
+            return None
+        self._consolidate(tl, now)
+        if tl.rows is None or not tl.rows[0].size:
+            return None
+        return tl.rows
+
+    def kv_between(self, key: tuple, t0: float, t1: float, now: float) -> np.ndarray:
+        """KV-cache readings of the engine in (t0, t1] (seconds)."""
+        tl = self.engines.get(key)
+        if tl is None:
+            return np.empty(0)
+        self._consolidate(tl, now)
+        if tl.kv is None or not tl.kv.shape[0]:
+            return np.empty(0)
+        t = tl.kv[:, 0]
+        lo, hi = np.searchsorted(t, t0, side="right"), np.searchsorted(t, t1, side="right")
+        return tl.kv[lo:hi, 1]
+
+
+def _with_end_max(cols: tuple[np.ndarray, ...], arrival: np.ndarray) -> tuple:
+    return (*cols, np.maximum.accumulate(cols[1]) if cols[1].size else cols[1]), arrival
+
+
+def _valid_offsets(extra: dict) -> tuple[np.ndarray | None, np.ndarray | None]:
+    raw = extra.get(sc.ATTR_GEN_EMIT_OFFSETS_S)
+    if raw is None or not len(raw):
+        return None, None
+    offsets = np.frombuffer(raw, np.float64) if not isinstance(raw, np.ndarray) else raw
+    if not np.isfinite(offsets).all():
+        return None, None
+    # A producer's clock cannot run backwards within one request: keep it monotone.
+    offsets = np.maximum.accumulate(np.maximum(offsets, 0.0))
+    raw_tokens = extra.get(sc.ATTR_GEN_EMIT_TOKENS)
+    tokens = None
+    if raw_tokens is not None and len(raw_tokens) == offsets.size:
+        tokens = np.frombuffer(raw_tokens, np.float64)
+        if not (np.isfinite(tokens).all() and (tokens >= 0).all()):
+            tokens = None
+    return offsets, tokens
+
+
+class GenerationFold:
+    """Not thread-safe: the engine serialises calls."""
+
+    def __init__(
+        self,
+        mapping: KeyMapping,
+        *,
+        retention_s: float,
+        step_retention_s: float,
+        histogram_bounds: tuple[float, ...],
+    ) -> None:
+        online = math.isfinite(retention_s)
+        self.mapping = mapping
+        #: Bucket bounds of each histogram: ``histogram_bounds`` (the request histogram's)
+        #: for inferprof's, the GenAI conventions' for theirs.
+        self.bounds = {
+            H_TTFT: histogram_bounds,
+            H_ITL: histogram_bounds,
+            H_TPOT: histogram_bounds,
+            H_GENAI_TTFT: GENAI_TTFT_BOUNDS,
+            H_GENAI_TPOT: GENAI_TPOT_BOUNDS,
+            H_GENAI_DURATION: GENAI_DURATION_BOUNDS,
+        }
+        self.steps = StepIndex(
+            step_retention_s if online else math.inf,
+            max_engines=DEFAULT_MAX_ENGINES if online else None,
+            max_rows=DEFAULT_MAX_STEP_ROWS if online else None,
+        )
+        # slice index -> list of (codes, weights) chunks / series -> counters
+        self._chunks: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
+        self._counts: dict[int, dict[int, np.ndarray]] = {}
+        # ttft stage columns: name -> column (0 is unattributed), at most _TOTAL - 1 names.
+        self._col: dict[str, int] = {sc.STAGE_UNATTRIBUTED: 0}
+        self._col_names: list[str] = [sc.STAGE_UNATTRIBUTED]
+        # (series, histogram) -> [bucket weights, weighted sum]
+        self._hist: dict[tuple[int, int], list] = {}
+        # (series, engine) -> time (s) up to which its KV readings were counted
+        self._kv_mark: dict[tuple[int, tuple], float] = {}
+        self.requests_folded = 0
+        self.tokens_folded = 0
+
+    # --- folding ------------------------------------------------------------------------
+    def _stage_col(self, name: str) -> int:
+        col = self._col.get(name)
+        if col is None:
+            if len(self._col_names) >= _TOTAL:
+                return 0  # past the column cap the stage's time is unattributed
+            col = self._col[name] = len(self._col_names)
+            self._col_names.append(name)
+        return col
+
+    def fold(self, fin: Any, series: list[int], stage_names: list[str], slice_index: int,
+             now: float) -> None:
+        if not fin.gen:
+            return
+        span_req = np.frombuffer(fin.span_key, np.int64) >> 32
+        span_stage = np.frombuffer(fin.span_key, np.int64) & _LOW32
+        rows = np.asarray([row for row, _ in fin.gen], np.int64)
+        mine = np.flatnonzero(np.isin(span_req, rows))
+        mine = mine[np.argsort(span_req[mine], kind="stable")]
+        mine_req = span_req[mine]
+        sids, metrics, cols, values, weights = [], [], [], [], []
+        hist: list[tuple[int, int, np.ndarray, np.ndarray]] = []
+        counts = self._counts.setdefault(slice_index, {})
+        kv_spans: dict[tuple[int, tuple], list[float]] = {}
+
+        def put(sid: int, metric: int, col: Any, v: Any, w: Any) -> None:
+            v = np.atleast_1d(np.asarray(v, np.float64))
+            sids.append(np.full(v.size, sid, np.int64))
+            metrics.append(np.full(v.size, metric, np.int64))
+            cols.append(np.broadcast_to(np.asarray(col, np.int64), v.shape).copy())
+            values.append(v)
+            weights.append(np.broadcast_to(np.asarray(w, np.float64), v.shape).copy())
+
+        for row, extra in fin.gen:
+            sid = series[row]
+            w = fin.weight[row]
+            start, end = fin.start[row], fin.end[row]
+            lo = int(np.searchsorted(mine_req, row, side="left"))
+            hi = int(np.searchsorted(mine_req, row, side="right"))
+            spans = [
+                (stage_names[int(span_stage[j])], fin.span_start[j], fin.span_end[j])
+                for j in mine[lo:hi].tolist()
+            ]
+            offsets, tokens = _valid_offsets(extra)
+            ttft = float(offsets[0]) if offsets is not None else gs.seconds(
+                extra, sc.ATTR_GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN)
+            e2e = (end - start) * _NS
+            if e2e == 0:
+                e2e = gs.seconds(extra, sc.ATTR_GEN_AI_LATENCY_E2E) or 0.0
+            out = gs.count(extra, sc.ATTR_TOKENS_OUTPUT)
+            if out is None:
+                out = gs.count(extra, sc.ATTR_GEN_AI_USAGE_COMPLETION_TOKENS)
+            if out is None and offsets is not None:
+                out = int(tokens.sum()) if tokens is not None else offsets.size
+            c = counts.get(sid)
+            if c is None:
+                c = counts[sid] = np.zeros(3)
+            c[_REQUESTS] += w
+            preempted = [(s, e) for name, s, e in spans if name == sc.STAGE_PREEMPTED]
+            if preempted or (gs.count(extra, sc.ATTR_GEN_PREEMPTIONS) or 0) > 0:
+                c[_PREEMPTED] += w
+            if extra.get(sc.ATTR_CANCELLED) is True:
+                c[_CANCELLED] += w
+            self.requests_folded += 1
+            if out is not None:
+                put(sid, Q_TOKENS, 0, float(out), w)
+                self.tokens_folded += out
+            hist.append((sid, H_GENAI_DURATION, np.array([e2e]), np.array([w])))
+            if ttft is not None:
+                ttft = min(ttft, e2e) if e2e > 0 else ttft
+                put(sid, Q_TTFT, 0, ttft, w)
+                hist.append((sid, H_TTFT, np.array([ttft]), np.array([w])))
+                hist.append((sid, H_GENAI_TTFT, np.array([ttft]), np.array([w])))
+                if out is not None and out >= 2:
+                    tpot = max(e2e - ttft, 0.0) / (out - 1)
+                    put(sid, Q_TPOT, 0, tpot, w)
+                    hist.append((sid, H_TPOT, np.array([tpot]), np.array([w])))
+                    hist.append((sid, H_GENAI_TPOT, np.array([tpot]), np.array([w])))
+                # The ttft partitioned between stages as §6 partitions e2e (§14).
+                first = start + round(ttft * 1e9)
+                _, exclusive, unatt = partition(start, first, spans)
+                stage_cols = [self._stage_col(n) for n in exclusive]
+                # Every entry keyed by the request's ttft: the tail is read by that key.
+                put(sid, T_TTFT, [*stage_cols, 0, _TOTAL],
+                    np.full(len(stage_cols) + 2, float(ttft)),
+                    [w * x for x in exclusive.values()] + [w * unatt, w * ttft])
+            engine = extra.get(sc.ATTR_ENGINE_ID)
+            ekey = (fin.service[row], *fin.instance[row],
+                    engine if isinstance(engine, str) else sc.DEFAULT_ENGINE_ID)
+            if offsets is not None and offsets.size > 1:
+                steps = self.steps.steps(ekey, now)
+                if steps is not None:
+                    st, en, p, n, en_max = steps
+                    # The steps that can touch the request: started before its end, and
+                    # not among the leading steps that all ended before its start.
+                    sl = slice(int(np.searchsorted(en_max, start, side="right")),
+                               int(np.searchsorted(st, end, side="right")))
+                    steps_rel = ((st[sl] - start) * _NS, (en[sl] - start) * _NS, p[sl], n[sl])
+                else:
+                    steps_rel = None
+                pre = np.asarray([((s - start) * _NS, (e - start) * _NS) for s, e in preempted],
+                                 np.float64).reshape(-1, 2)
+                itl, k, causes = gap_causes(offsets, tokens, pre, steps_rel)
+                put(sid, Q_ITL, 0, itl, w * k)
+                hist.append((sid, H_ITL, itl, w * k))
+                gap = itl * k
+                for cause in range(N_CAUSES):
+                    put(sid, T_ITL, cause, itl, w * causes[:, cause])
+                put(sid, T_ITL, _TOTAL, itl, w * gap)
+            kv_spans.setdefault((sid, ekey), [math.inf, -math.inf])
+            span = kv_spans[(sid, ekey)]
+            span[0] = min(span[0], start * _NS)
+            span[1] = max(span[1], end * _NS)
+        for (sid, ekey), (t0, t1) in kv_spans.items():
+            # Readings while these requests ran, each counted once per series.
+            mark = self._kv_mark.get((sid, ekey), -math.inf)
+            lo = max(np.nextafter(t0, -math.inf), mark)
+            if t1 <= lo:
+                continue
+            self._kv_mark[(sid, ekey)] = t1
+            readings = self.steps.kv_between(ekey, lo, t1, now)
+            if readings.size:
+                put(sid, Q_KV, 0, readings, 1.0)
+        if values:
+            v = np.concatenate(values)
+            codes = (
+                (np.concatenate(sids) << _SERIES_SHIFT)
+                | (np.concatenate(metrics) << _METRIC_SHIFT)
+                | (np.concatenate(cols) << KEY_BITS)
+                | self.mapping.key(v)
+            )
+            chunks = self._chunks.setdefault(slice_index, [])
+            chunks.append(reduce_codes(codes, np.concatenate(weights)))
+            if len(chunks) > 16:
+                self._chunks[slice_index] = [concat_reduce(chunks)]
+        for sid, h, v, w in hist:
+            self._histogram(sid, h, v, w)
+
+    def _histogram(self, sid: int, h: int, v: np.ndarray, w: np.ndarray) -> None:
+        bounds = self.bounds[h]
+        acc = self._hist.get((sid, h))
+        if acc is None:
+            acc = self._hist[(sid, h)] = [np.zeros(len(bounds) + 1), 0.0]
+        idx = np.searchsorted(np.asarray(bounds), v, side="left")
+        acc[0] += np.bincount(idx, weights=w, minlength=len(bounds) + 1)
+        acc[1] += float(np.dot(v, w))
+
+    def ingest_kv(self, resource: Any, metric: Any, now: float) -> tuple[int, int]:
+        """The data points of an ``inferprof.engine.kv_cache.usage`` metric (§14):
+        (accepted, rejected)."""
+        service, host, instance = "unknown_service", "", ""
+        for kv in resource.attributes:
+            if kv.key == sc.RESOURCE_SERVICE_NAME:
+                service = kv.value.string_value or service
+            elif kv.key == sc.RESOURCE_HOST_NAME:
+                host = kv.value.string_value
+            elif kv.key == sc.RESOURCE_SERVICE_INSTANCE_ID:
+                instance = kv.value.string_value
+        kind = metric.WhichOneof("data")
+        if kind not in ("gauge", "sum"):
+            return 0, 0
+        ok = bad = 0
+        for dp in getattr(metric, kind).data_points:
+            engine = sc.DEFAULT_ENGINE_ID
+            for kv in dp.attributes:
+                if kv.key == sc.ATTR_ENGINE_ID:
+                    engine = kv.value.string_value or engine
+            v = dp.as_double if dp.WhichOneof("value") == "as_double" else float(dp.as_int)
+            if self.steps.add_kv((service, host, instance, engine), dp.time_unix_nano * _NS, v,
+                                 now):
+                ok += 1
+            else:
+                bad += 1
+        return ok, bad
+
+    # --- housekeeping -------------------------------------------------------------------
+    def prune(self, oldest_index: int, now: float) -> None:
+        for idx in [i for i in self._chunks if i < oldest_index]:
+            del self._chunks[idx]
+        for idx in [i for i in self._counts if i < oldest_index]:
+            del self._counts[idx]
+        self.steps.prune(now)
+
+    def forget_series(self, sid: int) -> None:
+        """A reclaimed series slot: its cumulative histograms and KV marks go."""
+        for key in [k for k in self._hist if k[0] == sid]:
+            del self._hist[key]
+        for key in [k for k in self._kv_mark if k[0] == sid]:
+            del self._kv_mark[key]
+
+    # --- readers ------------------------------------------------------------------------
+    def histograms(self) -> list[tuple[int, int, np.ndarray, float]]:
+        """(series, histogram id, bucket weights (per bucket, +Inf last), weighted sum)."""
+        return [(sid, h, acc[0].copy(), acc[1]) for (sid, h), acc in self._hist.items()]
+
+    def section(self, sids: list[int], slice_indices: list[int], base_verdict: dict) -> dict | None:
+        """The breakdown's ``generation`` section over the given slices; None when they
+        hold no generating request of these series."""
+        requests = preempted = cancelled = 0.0
+        for idx in slice_indices:
+            counts = self._counts.get(idx)
+            if not counts:
+                continue
+            for sid in sids:
+                c = counts.get(sid)
+                if c is not None:
+                    requests += c[_REQUESTS]
+                    preempted += c[_PREEMPTED]
+                    cancelled += c[_CANCELLED]
+        if requests <= 0:
+            return None
+        parts = []
+        for idx in slice_indices:
+            chunks = self._chunks.get(idx)
+            if chunks:
+                if len(chunks) > 1:
+                    chunks = self._chunks[idx] = [concat_reduce(chunks)]
+                parts.extend(gather(chunks[0], sids, _SERIES_SHIFT))
+        groups = split_groups(*concat_reduce(parts))
+
+        def group(metric: int, col: int) -> tuple[np.ndarray, np.ndarray]:
+            return groups.get((metric << _COL_BITS) | col, (np.empty(0, np.int64), np.empty(0)))
+
+        def qs(metric: int) -> dict:
+            k, w = group(metric, 0)
+            p50, p95, p99 = quantiles_from_buckets(self.mapping, k, w, sc.QUANTILES)
+            return {"p50": p50, "p95": p95, "p99": p99}
+
+        def p95_key(metric: int) -> int | None:
+            k, w = group(metric, 0)
+            if not k.size or not (w > 0).any():
+                return None
+            return int(k[rank_index(np.cumsum(w), 0.95)])
+
+        def tail(metric: int, names: list[str]) -> dict[str, float]:
+            key = p95_key(Q_TTFT if metric == T_TTFT else Q_ITL)
+            if key is None:
+                return {}
+            k, w = group(metric, _TOTAL)
+            total = float(w[k >= key].sum())
+            if total <= 0:
+                return {}
+            out = {}
+            for col, name in enumerate(names):
+                kc, wc = group(metric, col)
+                if kc.size:
+                    out[name] = out.get(name, 0.0) + float(wc[kc >= key].sum()) / total
+            return out
+
+        tokens = qs(Q_TOKENS)
+        ttft_shares = tail(T_TTFT, self._col_names)
+        itl_shares = tail(T_ITL, list(sc.ITL_CAUSES))
+        order = {name: i for i, name in enumerate(sc.CANONICAL_STAGES)}
+        ttft_stages = sorted(
+            (n for n in ttft_shares if n != sc.STAGE_UNATTRIBUTED),
+            key=lambda s: (order.get(s, len(order)), s),
+        )
+        if sc.STAGE_UNATTRIBUTED in ttft_shares:
+            ttft_stages.append(sc.STAGE_UNATTRIBUTED)
+        kv = qs(Q_KV)
+        section: dict[str, Any] = {
+            "requests": round(requests),
+            "output_tokens": {
+                name: (round(v) if v is not None else None) for name, v in tokens.items()
+            },
+            "ttft": {
+                **qs(Q_TTFT),
+                "stages": [{"stage": n, "share_of_p95": ttft_shares[n]} for n in ttft_stages],
+            },
+            "itl": {
+                **qs(Q_ITL),
+                "causes": [
+                    {"cause": c, "share_of_p95": itl_shares.get(c, 0.0)} for c in sc.ITL_CAUSES
+                ] if itl_shares else [],
+            },
+            "tpot": qs(Q_TPOT),
+            "preempted_requests": round(preempted),
+            "cancelled_requests": round(cancelled),
+            "kv_cache": {"usage_p95": kv["p95"]},
+        }
+        section["verdict"] = decide(section, base_verdict)
+        return section
+
+
+__all__ = [
+    "GENAI_DURATION_BOUNDS",
+    "GENAI_TPOT_BOUNDS",
+    "GENAI_TTFT_BOUNDS",
+    "GenerationFold",
+    "StepIndex",
+]
