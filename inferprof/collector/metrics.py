@@ -22,6 +22,13 @@ engine's current state. Families:
   rules need no ``absent()``; gone, like the other windowed series, once it holds none);
 * ``inferprof_queue_behind_batches{service,model}`` — share of queue time spent behind
   earlier batches over the window (absent for a series without queue spans or batches);
+* generation (contract §7, §14): ``inferprof_ttft_seconds``, ``inferprof_itl_seconds``,
+  ``inferprof_tpot_seconds`` and the GenAI server metrics
+  ``gen_ai_server_time_to_first_token_seconds``,
+  ``gen_ai_server_time_per_output_token_seconds``,
+  ``gen_ai_server_request_duration_seconds`` (histograms since start, labels
+  ``service``, ``model``); ``inferprof_ttft_share_of_p95{stage}`` and
+  ``inferprof_itl_share_of_p95{cause}`` over the window;
 * ``inferprof_spans_received_total``, ``inferprof_spans_dropped_total{reason}``,
   ``inferprof_traces_incomplete_total``.
 
@@ -39,6 +46,7 @@ from collections.abc import Iterator
 
 from inferprof import semconv as sc
 from inferprof._optional import require
+from inferprof.collector import generation as gen
 from inferprof.collector.engine import HISTOGRAM_BOUNDS, Engine
 from inferprof.collector.exemplars import TRACE_ID_LABEL
 
@@ -48,6 +56,35 @@ _QUANTILE_KEYS = (("0.5", "p50"), ("0.95", "p95"), ("0.99", "p99"))
 
 def _le(bound: float) -> str:
     return repr(float(bound))
+
+
+def _buckets(bounds, counts) -> list[tuple[str, float]]:
+    cumulative = 0.0
+    out = []
+    for bound, c in zip((*bounds, float("inf")), counts.tolist()):
+        cumulative += c
+        out.append(("+Inf" if bound == float("inf") else _le(bound), cumulative))
+    return out
+
+
+#: Generation histograms: engine histogram id -> (metric, help).
+_GEN_HISTOGRAMS = {
+    gen.H_TTFT: (sc.PROM_TTFT, "Time to first token per generating request (weighted)."),
+    gen.H_ITL: (sc.PROM_ITL, "Inter-token latency: every gap between output tokens (weighted)."),
+    gen.H_TPOT: (sc.PROM_TPOT, "Time per output token after the first, per request (weighted)."),
+    gen.H_GENAI_TTFT: (
+        sc.PROM_GEN_AI_TTFT,
+        "OpenTelemetry GenAI gen_ai.server.time_to_first_token, from the spans (weighted).",
+    ),
+    gen.H_GENAI_TPOT: (
+        sc.PROM_GEN_AI_TPOT,
+        "OpenTelemetry GenAI gen_ai.server.time_per_output_token, from the spans (weighted).",
+    ),
+    gen.H_GENAI_DURATION: (
+        sc.PROM_GEN_AI_REQUEST_DURATION,
+        "OpenTelemetry GenAI gen_ai.server.request.duration of generating requests (weighted).",
+    ),
+}
 
 
 #: the engine's span-drop reasons (contract names in inferprof.semconv)
@@ -155,6 +192,14 @@ class EngineCollector:
                 stage_hist.add_metric([service, model, stage], buckets, total)
         yield stage_hist
         yield req_hist
+        gen_hist = {
+            h: core.HistogramMetricFamily(name, text, labels=[svc, mdl])
+            for h, (name, text) in _GEN_HISTOGRAMS.items()
+        }
+        for service, model, h, bounds, counts, total in self.engine.generation_histograms():
+            if (service, model) in allowed:
+                gen_hist[h].add_metric([service, model], _buckets(bounds, counts), total)
+        yield from gen_hist.values()
         errors = core.CounterMetricFamily(
             sc.PROM_REQUEST_ERRORS,
             "Requests whose request span has status ERROR (weighted by sampling weight).",
@@ -194,6 +239,16 @@ class EngineCollector:
             "the batcher.",
             labels=[svc, mdl],
         )
+        ttft_share = core.GaugeMetricFamily(
+            sc.PROM_TTFT_SHARE_OF_P95,
+            "Share of p95-and-slower time to first token spent in each stage (sums to 1).",
+            labels=[svc, mdl, stg],
+        )
+        itl_share = core.GaugeMetricFamily(
+            sc.PROM_ITL_SHARE_OF_P95,
+            "Share of p95-and-slower inter-token gaps spent on each cause (sums to 1).",
+            labels=[svc, mdl, sc.PROM_LABEL_CAUSE],
+        )
         for service, model in series:
             try:
                 doc = self.engine.breakdown(service, model, window_s)
@@ -218,11 +273,19 @@ class EngineCollector:
                     verdict.add_metric([service, model, name], 1.0 if name == current else 0.0)
             if doc.get("queue"):
                 behind.add_metric([service, model], doc["queue"]["behind_batches"])
+            generation = doc.get("generation")
+            if generation:
+                for st in generation["ttft"]["stages"]:
+                    ttft_share.add_metric([service, model, st["stage"]], st["share_of_p95"])
+                for c in generation["itl"]["causes"]:
+                    itl_share.add_metric([service, model, c["cause"]], c["share_of_p95"])
         yield quantile
         yield latency
         yield share
         yield verdict
         yield behind
+        yield ttft_share
+        yield itl_share
 
         stats = self.engine.stats
         yield core.CounterMetricFamily(

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from inferprof import semconv as sc
 from inferprof._optional import require
+from inferprof.report.generation import format_generation, generation_html
 
 _QS = ("p50", "p95", "p99")
 
@@ -139,6 +140,9 @@ def format_table(doc: dict) -> str:
     if examples:
         lines.append("")
         lines.extend(examples)
+    if doc.get("generation"):
+        lines.append("")
+        lines.extend(format_generation(doc["generation"]))
     return "\n".join(lines)
 
 
@@ -155,6 +159,7 @@ _COLORS = {
     sc.STAGE_POSTPROCESS: "#4292c6",
     sc.STAGE_SERIALIZE: "#2171b5",
     sc.STAGE_NETWORK: "#756bb1",
+    sc.STAGE_PREEMPTED: "#d62728",
     sc.STAGE_UNATTRIBUTED: "#bdbdbd",
 }
 
@@ -260,6 +265,10 @@ def _section(doc: dict) -> str:
     evidence = "".join(f"<li>{e(item)}</li>" for item in verdict["evidence"])
     notes = "".join(f"<p>{e(line)}</p>" for line in _notes(doc))
     examples = _examples_html(doc)
+    generation = (
+        generation_html(doc["generation"], lambda st: _COLORS.get(st, "#e7969c"))
+        if doc.get("generation") else ""
+    )
     return f"""
 <section>
 <h2>{e(title(doc))}</h2>
@@ -271,6 +280,7 @@ def _section(doc: dict) -> str:
 {shares_svg}
 <h3>Per-stage latency quantiles</h3>
 {quantiles_svg}
+{generation}
 <details><summary>full text</summary><pre>{e(format_table(doc))}</pre></details>
 </section>"""
 
