@@ -363,7 +363,7 @@ class GenerationFold:
                 # Every entry keyed by the request's ttft: the tail is read by that key.
                 put(sid, T_TTFT, [*stage_cols, 0, _TOTAL],
                     np.full(len(stage_cols) + 2, float(ttft)),
-                    [w * x for x in exclusive.values()] + [w * unatt, w * ttft])
+                    [w * x for x in exclusive.values()] + [w * unatt, w * (first - start) * _NS])
             engine = extra.get(sc.ATTR_ENGINE_ID)
             ekey = (fin.service[row], *fin.instance[row],
                     engine if isinstance(engine, str) else sc.DEFAULT_ENGINE_ID)
