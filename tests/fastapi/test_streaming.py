@@ -126,6 +126,12 @@ def _app():
             tokens.append(token)
         return {"text": " ".join(tokens)}
 
+    async def one_message(scope, receive, send):
+        # no content-length, but the whole body in one message: not a stream
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"all at once"})
+
+    app.mount("/raw", one_message)
     inferprof.fastapi.instrument(app)
     return app
 
@@ -205,6 +211,15 @@ def test_chunked_responses_count_each_chunk(server):
     (request,) = _wait_requests(cap, 1)
     assert len(request.attributes[semconv.ATTR_GEN_EMIT_OFFSETS_S]) == 3
     assert request.attributes[semconv.ATTR_TOKENS_OUTPUT] == 3
+
+
+def test_a_body_in_one_message_is_not_a_stream(server):
+    url, cap = server
+    with httpx.Client(base_url=url, timeout=10) as client:
+        assert client.get("/raw/").content == b"all at once"
+    (request,) = _wait_requests(cap, 1)
+    assert semconv.ATTR_GEN_EMIT_OFFSETS_S not in request.attributes
+    assert semconv.ATTR_TOKENS_OUTPUT not in request.attributes
 
 
 def test_with_the_step_api_the_chunk_times_win_and_the_engine_counts(server):
