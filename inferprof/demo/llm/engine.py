@@ -147,15 +147,21 @@ class Engine:
         if not items:
             return []
         token = self.instrument.step_begin(items, sched.allocator.usage)
-        logits = self.model.step(
-            [StepItem(it.request.blocks, it.start,
-                      [it.request.token_at(p) for p in range(it.start, it.start + it.count)])
-             for it in items],
-            self.cache, logits_for=[it.samples for it in items])
-        sampled = {it.request.id: int(t)
-                   for it, t in zip(items, np.argmax(logits, axis=-1)) if it.samples}
-        finished = sched.advance(items, sampled)
-        self.instrument.step_end(token, items)
+        error: BaseException | None = None
+        try:
+            logits = self.model.step(
+                [StepItem(it.request.blocks, it.start,
+                          [it.request.token_at(p) for p in range(it.start, it.start + it.count)])
+                 for it in items],
+                self.cache, logits_for=[it.samples for it in items])
+            sampled = {it.request.id: int(t)
+                       for it, t in zip(items, np.argmax(logits, axis=-1)) if it.samples}
+            finished = sched.advance(items, sampled)
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            self.instrument.step_end(token, items, error)
         self._count(items, finished)
         deliveries = []
         done = {r.id for r in finished}

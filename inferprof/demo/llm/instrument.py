@@ -5,7 +5,7 @@ The engine calls exactly these methods, always from the engine thread except
 its request span, on the event loop) so that an implementation can capture that
 request's telemetry handle. :class:`EngineInstrument` itself does nothing: the engine
 runs the same code with telemetry off. ``telemetry.py`` holds the implementation that
-records inferprof's generation encoding.
+records inferprof's generation encoding through the step API.
 """
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ class EngineInstrument:
         """A step is about to run ``items``; the return value is passed to step_end."""
         return None
 
-    def step_end(self, token: Any, items: Sequence[ScheduledItem]) -> None:
-        """The step's model pass and sampling are done."""
+    def step_end(self, token: Any, items: Sequence[ScheduledItem],
+                 error: BaseException | None = None) -> None:
+        """The step's model pass and sampling are done (``error``: they failed with it)."""
 
     def emit(self, request: GenRequest, tokens: Sequence[int]) -> None:
         """``tokens`` were produced for ``request`` and handed to its stream."""

@@ -257,7 +257,7 @@ class _Telemetry:
             return EngineInstrument()
         from inferprof.demo.llm.telemetry import StepTelemetry
 
-        return StepTelemetry()
+        return StepTelemetry(model=self.settings.model_name)
 
     def instrument(self, app: Any) -> None:
         if self.inferprof:

@@ -33,7 +33,7 @@ class Recorder(EngineInstrument):
     def step_begin(self, items, kv_usage):
         return kv_usage
 
-    def step_end(self, token, items):
+    def step_end(self, token, items, error=None):
         self.steps.append([(it.request.id, it.count, it.prefill) for it in items])
 
     def finish(self, request):

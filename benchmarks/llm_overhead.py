@@ -1,0 +1,126 @@
+"""What inferprof costs the LLM demo: throughput and client p99 ITL, ``production`` and
+``full`` against ``off``, measured in the same run.
+
+    python3 benchmarks/llm_overhead.py [--rounds 4] [--duration 10] [--concurrency 16]
+
+The LLM demo service (docs/demo.md, "The LLM demo") under uvicorn on 127.0.0.1, driven by
+the streaming load generator (closed loop, httpx, the default prompt and output mixes).
+Each round starts a fresh service process per configuration, in a rotated order, warms
+it, and runs the load for ``--duration`` seconds. inferprof's configurations export
+OTLP/gRPC to an inferprof collector in the benchmark process (which folds what it
+receives, as a deployment's would); ``off`` configures inferprof with ``mode="off"``
+(the middleware, the step API and the stages all present and returning at once).
+
+The KV cache defaults to 1024 blocks so the engine does not evict: evictions depend on
+timing and would add their own variance to the figures (``--kv-blocks 96`` runs the
+demo's default, eviction-bound set-up). Per configuration: output tokens per second and
+requests per second (client side), client TTFT p50/p99 and ITL p50/p99; ratios to
+``off`` are medians of per-round ratios. Targets (issue 22): throughput >= 0.97x,
+client p99 ITL <= 1.05x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from inferprof.collector.app import CollectorApp  # noqa: E402
+from inferprof.collector.settings import CollectorSettings  # noqa: E402
+from inferprof.demo.llm.processes import LLMServiceProcess, run_llm_loadgen  # noqa: E402
+from inferprof.demo.llm.settings import LLMSettings  # noqa: E402
+
+CONFIGS = ("off", "production", "full")
+BASELINE = "off"
+
+
+def _measure(mode: str, endpoint: str, args: argparse.Namespace, seed: int) -> dict:
+    settings = LLMSettings(instrumentation=mode, endpoint=endpoint, kv_blocks=args.kv_blocks,
+                           model_size=args.model_size)
+    with LLMServiceProcess(settings) as svc:
+        if args.warmup > 0:
+            run_llm_loadgen(svc.url, duration_s=args.warmup, concurrency=args.concurrency,
+                            seed=seed + 1000)
+        return run_llm_loadgen(svc.url, duration_s=args.duration,
+                               concurrency=args.concurrency, seed=seed)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--duration", type=float, default=10.0, help="seconds of load")
+    parser.add_argument("--warmup", type=float, default=2.0, help="seconds, per process")
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--kv-blocks", type=int, default=1024)
+    parser.add_argument("--model-size", default="small")
+    parser.add_argument("--only", default=",".join(CONFIGS),
+                        help=f"configurations, comma-separated ({', '.join(CONFIGS)})")
+    args = parser.parse_args(argv)
+    configs = [c for c in args.only.split(",") if c]
+    if BASELINE not in configs or any(c not in CONFIGS for c in configs):
+        parser.error(f"--only must include {BASELINE} and name only {', '.join(CONFIGS)}")
+    collector = CollectorApp(CollectorSettings(grpc_port=0, http_port=0, api_port=0)).start()
+    results: dict[str, list[dict]] = {c: [] for c in configs}
+    started = time.monotonic()
+    try:
+        for r in range(args.rounds):
+            order = configs[r % len(configs):] + configs[:r % len(configs)]
+            for mode in order:
+                summary = _measure(mode, collector.otlp_grpc_endpoint, args, seed=r)
+                results[mode].append(summary)
+                print(f"round {r + 1}/{args.rounds} {mode:<10} "
+                      f"{summary['tokens_per_s']:7.1f} tokens/s  "
+                      f"itl p99 {summary['itl_s']['p99'] * 1e3:7.1f} ms  "
+                      f"errors {summary['errors']}", file=sys.stderr, flush=True)
+    finally:
+        collector.stop()
+    print(_table(results, configs, args, time.monotonic() - started))
+    return 0
+
+
+def _ratio(results: dict[str, list[dict]], mode: str, get) -> float:
+    return statistics.median(get(m) / get(b) for m, b in zip(results[mode], results[BASELINE]))
+
+
+def _table(results: dict[str, list[dict]], configs: list[str], args: argparse.Namespace,
+           elapsed: float) -> str:
+    def med(mode: str, get) -> float:
+        return statistics.median(get(s) for s in results[mode])
+
+    def tps(s: dict) -> float:
+        return s["tokens_per_s"]
+
+    def rps(s: dict) -> float:
+        return s["throughput_rps"]
+
+    def itl99(s: dict) -> float:
+        return s["itl_s"]["p99"]
+
+    lines = [
+        f"LLM demo, {args.rounds} rounds x {args.duration:g} s, closed loop of "
+        f"{args.concurrency} streams, model {args.model_size}, KV cache {args.kv_blocks} "
+        f"blocks ({elapsed / 60:.1f} min); medians over rounds, ratios to `{BASELINE}` are "
+        "medians of per-round ratios",
+        "",
+        "| mode | tokens/s | x off | req/s | ttft p50 ms | ttft p99 ms | itl p50 ms "
+        "| itl p99 ms | itl p99 x off | errors |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for mode in configs:
+        lines.append(
+            f"| {mode} | {med(mode, tps):.1f} | {_ratio(results, mode, tps):.3f} "
+            f"| {med(mode, rps):.2f} "
+            f"| {med(mode, lambda s: s['ttft_s']['p50']) * 1e3:.1f} "
+            f"| {med(mode, lambda s: s['ttft_s']['p99']) * 1e3:.1f} "
+            f"| {med(mode, lambda s: s['itl_s']['p50']) * 1e3:.2f} "
+            f"| {med(mode, itl99) * 1e3:.2f} | {_ratio(results, mode, itl99):.3f} "
+            f"| {sum(s['errors'] for s in results[mode])} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
