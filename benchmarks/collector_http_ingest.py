@@ -92,7 +92,7 @@ class NullEngine:
     def advance(self, now=None) -> None:
         pass
 
-    def flush(self) -> None:
+    def flush(self, timeout_s=None) -> None:
         pass
 
     @property

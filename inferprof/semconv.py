@@ -222,6 +222,8 @@ DROP_INCOMPLETE_TRACE: Final = "incomplete_trace"
 #: a stage span lying wholly outside its request's time (clock skew between processes, a
 #: stage recorded after the request ended): the stage is absent from that request (§6)
 DROP_OUTSIDE_REQUEST: Final = "outside_request"
+#: spans still held when the collector stopped and its flush ran out of time
+DROP_SHUTDOWN: Final = "shutdown"
 #: Service label of the series that (service, model) pairs beyond the cardinality cap fold into.
 OVERFLOW_SERIES: Final = "__overflow__"
 

@@ -371,7 +371,12 @@ class CollectorApp:
                 _log.exception("engine.advance() failed")
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        """Stop receiving, flush the engine, drain forwarding, stop the API. Idempotent."""
+        """Stop receiving, flush the engine, drain forwarding, stop the API. Idempotent.
+
+        Each step takes ``timeout_s`` at most (the gRPC grace period 2 s at most, the
+        HTTP servers twice, when connections must be closed by force): the flush folds
+        what it can in that time and drops and counts the rest (``shutdown``), the
+        forwarding queues send what they can and drop and count the rest."""
         with self._lock:
             if not self._started or self._stopped:
                 return
@@ -385,7 +390,7 @@ class CollectorApp:
         if self._advance_thread is not None:
             self._advance_thread.join(timeout_s)
         if flush:
-            _quietly(self.engine.flush, "engine flush")
+            _quietly(lambda: self.engine.flush(timeout_s), "engine flush")
         if self._forwarders is not None:
             _quietly(lambda: self._forwarders.stop(timeout_s), "forwarders")
         if self._http is not None:

@@ -21,13 +21,21 @@ linked batch spans whose members never arrive, are evicted after ``trace_timeout
 
 A request span with no stage span and no ``inferprof.*`` attribute (health checks,
 metric scrapes on an instrumented server) is not an inference request and is ignored.
+
+Cost: everything held is kept in arrival (clock) order beside its dict: traces in
+schedules of (time, ids) per export, finalised traces, link index entries and batches
+seen in ordered dicts, so finding what is due or expired costs what it removes, not
+what is retained. One ``advance`` call does at most ``budget`` units of work (a span
+folded or dropped, an entry forgotten) and says whether more is left (``backlog``), so
+the caller can hold its lock for a bounded time and come back for the rest.
 """
 
 from __future__ import annotations
 
 import math
 from array import array
-from collections.abc import Callable
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from inferprof import semconv as sc
@@ -54,6 +62,9 @@ _DEFAULT_SERVICE = "unknown_service"
 _MAX_ERRORS = 5
 #: Batches already counted for padding are remembered this long (seconds).
 _BATCH_MEMORY_S = 120.0
+#: Work one ``Assembler.advance`` call does at most by default: spans finalised or
+#: dropped plus entries forgotten (see ``advance``).
+DEFAULT_ADVANCE_BUDGET = 20_000
 
 # Attributes read from span attributes besides ``inferprof.stage`` (compared on its
 # own, first: most spans that carry anything carry it); all others are skipped without
@@ -104,16 +115,56 @@ def _stage_value(v: Any) -> Any:
     return getattr(v, kind) if kind else _EMPTY
 
 
-def _pop_older(d: dict, horizon: float) -> list:
-    """Remove and return the leading keys of ``d`` whose value is below ``horizon``."""
-    out = []
+def _pop_older(d: OrderedDict, horizon: float) -> Iterator:
+    """Remove and yield, one at a time, the leading keys of ``d`` whose value is below
+    ``horizon``; the caller stops when it has done enough.
+
+    ``d`` is filled in clock order, so they are at the front. An ``OrderedDict`` finds its
+    first key in O(1); a plain dict's ``next(iter(d))`` rescans the slots its deleted
+    leading keys left behind, which made each removal cost O(removed so far).
+    """
     while d:
         key = next(iter(d))
         if d[key] >= horizon:
-            break
-        del d[key]
-        out.append(key)
-    return out
+            return
+        d.popitem(last=False)
+        yield key
+
+
+class _Schedule:
+    """Trace ids by time, in clock order: one (time, ids) entry per ingest call.
+
+    Entries are not removed when their trace goes (the reader checks the trace still
+    has that time): a trace costs one list slot here, and each entry is looked at once.
+    """
+
+    __slots__ = ("_entries", "_pos")
+
+    def __init__(self) -> None:
+        self._entries: deque[tuple[float, list[bytes]]] = deque()
+        self._pos = 0  # ids of the first entry already taken
+
+    def add(self, t: float, ids: list[bytes]) -> None:
+        if ids:
+            self._entries.append((t, ids))
+
+    def take(self, until: float) -> Iterator[tuple[float, bytes]]:
+        """Remove and yield (time, id) with time <= ``until``, oldest first, one at a
+        time: what the caller does not ask for stays."""
+        entries = self._entries
+        while entries:
+            t, ids = entries[0]
+            if t > until:
+                return
+            while self._pos < len(ids):
+                self._pos += 1
+                yield t, ids[self._pos - 1]
+            entries.popleft()
+            self._pos = 0
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._pos = 0
 
 
 def trace_state_weight(trace_state: str) -> float | None:
@@ -215,7 +266,7 @@ class Finalised:
 
 
 class _Trace:
-    __slots__ = ("candidates", "created", "due", "spans", "triton")
+    __slots__ = ("candidates", "created", "due", "late", "spans", "triton")
 
     def __init__(self, created: float) -> None:
         # span id -> (parent id, start, end, stage index, resource, extra, is_candidate,
@@ -226,6 +277,9 @@ class _Trace:
         self.candidates: list[bytes] = []
         self.due: float | None = None
         self.created = created
+        #: Opened for a trace finalised in the last ``trace_timeout_s``: its spans came
+        #: after their request was folded (counted ``late`` if no request span comes).
+        self.late = False
         # span id -> triton_spans.read_span record, for Triton's own spans (None: none).
         self.triton: dict[bytes, tuple] | None = None
 
@@ -256,18 +310,25 @@ class Assembler:
         self.max_spans_per_trace = max_spans_per_trace
         self.clock = clock
         self.traces: dict[bytes, _Trace] = {}
+        # Trace ids by the time their trace becomes due (settles) and by creation time.
+        self._due = _Schedule()
+        self._created = _Schedule()
         # (trace id, span id) of a member request -> linked batch stage spans
         self.links: dict[tuple[bytes, bytes], list[tuple]] = {}
-        self.link_created: dict[tuple[bytes, bytes], float] = {}
+        self.link_created: OrderedDict[tuple[bytes, bytes], float] = OrderedDict()
+        # Index entries opened for a request finalised in the last trace_timeout_s (a
+        # batch span that came after its member was folded): ``late`` when they expire.
+        self.link_late: set[tuple[bytes, bytes]] = set()
         # linked span identity -> index entries still referring to it
         self.link_refs: dict[tuple[bytes, bytes], int] = {}
         # Finalised traces, for ``trace_timeout_s``: trace id -> when (clock order), and
         # trace id -> the request spans counted (a re-sent export must not count twice).
-        self.recent_done: dict[bytes, float] = {}
+        self.recent_done: OrderedDict[bytes, float] = OrderedDict()
         self.counted: dict[bytes, tuple[bytes, ...]] = {}
-        self.seen_batches: dict[Any, float] = {}
+        self.seen_batches: OrderedDict[Any, float] = OrderedDict()
         self.pending = 0
-        self.next_check = math.inf
+        #: The last ``advance`` stopped at its budget: more is due now.
+        self.backlog = False
         # Valid stage names seen, numbered in order of appearance: records and
         # finalised columns carry the number, so the engine maps names once, not per span.
         self.stage_index: dict[str, int] = {}
@@ -297,12 +358,13 @@ class Assembler:
         int_keys = _INT_KEYS
         max_spans = self.max_spans_per_trace
         link_refs = self.link_refs
-        settle_s = self.settle_s
+        due = now + self.settle_s
         attr_stage = sc.ATTR_STAGE
         attr_request = sc.ATTR_REQUEST
-        # Earliest time a trace of this export can become due or expire (see advance).
-        next_check = self.next_check
-        expiry = now + self.trace_timeout_s
+        recent_done = self.recent_done
+        # Traces opened and traces made due by this export, for the schedules.
+        created: list[bytes] = []
+        made_due: list[bytes] = []
         candidate_kinds = _CANDIDATE_KINDS
         triton_on = self.triton_spans
         array_keys = _ARRAY_KEYS
@@ -460,6 +522,8 @@ class Assembler:
                                 if lst is None:
                                     links[lk] = [record]
                                     self.link_created[lk] = now
+                                    if lk[0] in recent_done:
+                                        self.link_late.add(lk)
                                 else:
                                     lst.append(record)
                             continue
@@ -467,8 +531,9 @@ class Assembler:
                         sidx = None
                     if trace is None:
                         trace = traces[tid] = _Trace(now)
-                        if expiry < next_check:  # noqa: PLR1730 - hot path
-                            next_check = expiry
+                        created.append(tid)
+                        if tid in recent_done:
+                            trace.late = True
                         trace_spans = trace.spans
                     else:
                         trace_spans = trace.spans
@@ -499,11 +564,9 @@ class Assembler:
                         or triton_request
                     ):
                         trace.candidates.append(sid)
-                        due = now + settle_s
                         if trace.due is None or due > trace.due:
                             trace.due = due
-                            if due < next_check:  # noqa: PLR1730 - hot path
-                                next_check = due
+                            made_due.append(tid)
                         # Only request spans need the trace state, the is-remote bits and
                         # the status.
                         flags = span.flags & _OTLP_FLAGS
@@ -533,76 +596,132 @@ class Assembler:
                             None,
                         )
         accepted = seen - rejected
-        self.next_check = next_check
+        self._created.add(now, created)
+        self._due.add(due, made_due)
         self.received += accepted + rejected
         self.accepted += accepted
         self.pending += accepted - unpending
         return accepted, rejected, errors
 
     # --- finalisation ------------------------------------------------------------------
-    def advance(self, now: float, *, everything: bool = False) -> Finalised:
+    def advance(
+        self, now: float, *, everything: bool = False, budget: int = DEFAULT_ADVANCE_BUDGET
+    ) -> Finalised:
+        """Finalise the traces due at ``now``, evict those past ``trace_timeout_s`` and
+        forget what is older than it; ``everything``: finalise or evict all that is held
+        (shutdown, the end of a file).
+
+        At most about ``budget`` units of work per call: a span finalised or evicted, an
+        index entry or finalised trace forgotten (a trace is never split, so one trace
+        larger than what is left may go over). ``backlog`` says whether work was left for
+        the next call; oldest first, so nothing waits longer than the calls it takes.
+        """
         out = Finalised()
-        done = []
-        expired = []
-        # Scanning every pending trace is skipped until the earliest due/expiry time a
-        # trace can have (a lower bound kept by ingest): advance runs every second.
-        if everything or now >= self.next_check:
-            timeout = self.trace_timeout_s
-            next_check = math.inf
-            for tid, trace in self.traces.items():
-                due = trace.due
-                if due is not None:
-                    if everything or due <= now:
-                        done.append(tid)
-                    elif due < next_check:
-                        next_check = due
-                else:
-                    expiry = trace.created + timeout
-                    if everything or expiry <= now:
-                        expired.append(tid)
-                    elif expiry < next_check:
-                        next_check = expiry
-            self.next_check = next_check
+        left = budget
+        traces = self.traces
         recent_done = self.recent_done
         counted = self.counted
-        for tid in done:
-            trace = self.traces.pop(tid)
-            self.pending -= len(trace.spans)
-            before = counted.get(tid, ())
-            now_counted = self._finalise_trace(tid, trace, out, now, before)
-            out.trace_id.extend([tid] * (len(out.start) - len(out.trace_id)))
-            counted[tid] = before + now_counted if before else now_counted
-            recent_done.pop(tid, None)  # re-insert at the end: keeps clock order
-            recent_done[tid] = now
-        for tid in expired:
-            trace = self.traces.pop(tid)
-            n = len(trace.spans)
-            self.pending -= n
-            if tid in recent_done:
-                self._drop(sc.DROP_LATE, n)
-            elif trace.has_stage():
-                self.incomplete += 1
-                self._drop(sc.DROP_INCOMPLETE_TRACE, n)
-            else:
-                self.ignored += n
+        if everything:
+            while traces and left > 0:
+                tid, trace = traces.popitem()
+                left -= len(trace.spans)
+                if trace.due is not None:
+                    self._finalise(tid, trace, out, now)
+                else:
+                    self._expire(tid, trace)
+            if not traces:
+                self._due.clear()
+                self._created.clear()
+        else:
+            for due, tid in self._due.take(now):
+                trace = traces.get(tid)
+                left -= 1
+                if trace is not None and trace.due == due:
+                    del traces[tid]
+                    left -= len(trace.spans)
+                    self._finalise(tid, trace, out, now)
+                # else: finalised already, or due later (it has another entry)
+                if left <= 0:
+                    break
+            if left > 0:
+                for created, tid in self._created.take(now - self.trace_timeout_s):
+                    trace = traces.get(tid)
+                    left -= 1
+                    if trace is not None and trace.created == created and trace.due is None:
+                        del traces[tid]
+                        left -= len(trace.spans)
+                        self._expire(tid, trace)
+                    # else: finalised already, or a later trace of that id, or due
+                    if left <= 0:
+                        break
         # Linked batch spans whose member requests never came (or came and went).
-        # link_created, recent_done and seen_batches are filled in clock order, so the
-        # expired entries are at the front: pruning costs what it removes, not the size.
-        link_horizon = math.inf if everything else now - self.trace_timeout_s
-        for lk in _pop_older(self.link_created, link_horizon):
-            records = self.links.pop(lk, None)
-            if records:
-                # A linked span is pending once however many members it has; count it
-                # when its last reference goes.
-                self._release_linked(records)
-                reason = sc.DROP_LATE if lk[0] in recent_done else sc.DROP_ORPHAN_STAGE
-                self._drop(reason, len(records))
-        if not everything:
+        if left > 0:
+            link_horizon = math.inf if everything else now - self.trace_timeout_s
+            for lk in _pop_older(self.link_created, link_horizon):
+                records = self.links.pop(lk, None)
+                left -= 1
+                late = lk in self.link_late
+                if late:
+                    self.link_late.discard(lk)
+                if records:
+                    # A linked span is pending once however many members it has; count
+                    # it when its last reference goes.
+                    self._release_linked(records)
+                    late = late or lk[0] in recent_done
+                    reason = sc.DROP_LATE if late else sc.DROP_ORPHAN_STAGE
+                    self._drop(reason, len(records))
+                    left -= len(records)
+                if left <= 0:
+                    break
+        if not everything and left > 0:
             for tid in _pop_older(recent_done, now - self.trace_timeout_s):
                 counted.pop(tid, None)
-        for _ in _pop_older(self.seen_batches, now - _BATCH_MEMORY_S):
-            pass
+                left -= 1
+                if left <= 0:
+                    break
+        if left > 0:
+            for _ in _pop_older(self.seen_batches, now - _BATCH_MEMORY_S):
+                left -= 1
+                if left <= 0:
+                    break
+        self.backlog = left <= 0
         return out
+
+    def _finalise(self, tid: bytes, trace: _Trace, out: Finalised, now: float) -> None:
+        self.pending -= len(trace.spans)
+        counted = self.counted
+        before = counted.get(tid, ())
+        now_counted = self._finalise_trace(tid, trace, out, now, before)
+        out.trace_id.extend([tid] * (len(out.start) - len(out.trace_id)))
+        counted[tid] = before + now_counted if before else now_counted
+        recent_done = self.recent_done
+        recent_done[tid] = now
+        recent_done.move_to_end(tid)  # keeps clock order
+
+    def _expire(self, tid: bytes, trace: _Trace) -> None:
+        n = len(trace.spans)
+        self.pending -= n
+        if trace.late or tid in self.recent_done:
+            self._drop(sc.DROP_LATE, n)
+        elif trace.has_stage():
+            self.incomplete += 1
+            self._drop(sc.DROP_INCOMPLETE_TRACE, n)
+        else:
+            self.ignored += n
+
+    def discard(self, reason: str) -> None:
+        """Drop everything held (pending spans, linked batch spans), counted under
+        ``reason``; what was finalised is kept."""
+        self._drop(reason, self.pending)
+        self.pending = 0
+        self.traces.clear()
+        self.links.clear()
+        self.link_created.clear()
+        self.link_late.clear()
+        self.link_refs.clear()
+        self._due.clear()
+        self._created.clear()
+        self.backlog = False
 
     def _release_linked(self, records: list[tuple]) -> None:
         refs = self.link_refs
@@ -684,6 +803,7 @@ class Assembler:
                 linked = links.pop((tid, rid), None) if links else None
                 if linked is not None:
                     self.link_created.pop((tid, rid), None)
+                    self.link_late.discard((tid, rid))
                     self._release_linked(linked)
                     self._drop(sc.DROP_DUPLICATE, len(linked))
         translated = (
@@ -693,6 +813,7 @@ class Assembler:
             linked = links.pop((tid, rid), None) if links else None
             if linked is not None:
                 self.link_created.pop((tid, rid), None)
+                self.link_late.discard((tid, rid))
                 self._release_linked(linked)
                 row = rows.get(rid)
                 if row is None:

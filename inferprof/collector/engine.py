@@ -112,6 +112,9 @@ _NO_COLUMN = 1 << 20
 _NS = 1e-9
 _INT64_LIMIT = 1 << 63
 _LOW32 = (1 << 32) - 1
+#: Pause between two shares of a backlog: the lock is then free for ingest and readers
+#: (Python's locks are not fair: a thread taking one again at once usually wins it).
+_YIELD_S = 0.001
 
 
 def _instance_codes(fin: Finalised) -> list[float]:
@@ -371,17 +374,42 @@ class Engine:
 
     # --- finalisation ----------------------------------------------------------------
     def advance(self, now: float | None = None) -> None:
-        with self._lock, _gc_paused():
-            self._advance(self.clock() if now is None else now)
+        """Fold everything due at ``now`` and forget what expired by then."""
+        self._catch_up(self.clock() if now is None else now)
 
-    def flush(self) -> None:
-        with self._lock, _gc_paused():
-            now = self.clock()
-            self._fold(self._asm.advance(now, everything=True), now)
+    def _catch_up(self, now: float) -> None:
+        """``_advance`` until nothing due at ``now`` is left, one budget at a time
+        (``Assembler.advance``), letting ingest and readers take the lock in between: a
+        burst of due or expired traces is worked off without holding everyone up."""
+        while True:
+            with self._lock, _gc_paused():
+                self._advance(now)
+                if not self._asm.backlog:
+                    return
+            time.sleep(_YIELD_S)
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Fold everything held, as if every trace had settled. The lock is taken a
+        bounded time at a time, so readers and ingest go on meanwhile. ``timeout_s``: after
+        that long, what is still held is dropped and counted (``semconv.DROP_SHUTDOWN``)
+        instead: a collector stopping must not wait behind an unbounded backlog."""
+        deadline = math.inf if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            with self._lock, _gc_paused():
+                now = self.clock()
+                self._fold(self._asm.advance(now, everything=True), now)
+                if not self._asm.backlog:
+                    return
+                if time.monotonic() >= deadline:
+                    self._asm.discard(sc.DROP_SHUTDOWN)
+                    return
+            time.sleep(_YIELD_S)
 
     def _advance(self, now: float) -> None:
-        self._next_advance = now + min(1.0, self.settle_s / 2 or 1.0)
         self._fold(self._asm.advance(now), now)
+        # With work left (a burst came due at once), the next ingest does the next share.
+        pause = 0.0 if self._asm.backlog else min(1.0, self.settle_s / 2 or 1.0)
+        self._next_advance = now + pause
         if math.isfinite(self.retention_s):
             oldest = math.floor((now - self.retention_s) / self.slice_s)
             for idx in [i for i in self._slices if i < oldest]:
@@ -826,8 +854,8 @@ class Engine:
 
     def services(self) -> list[dict]:
         """Every service seen, its models and its (weighted) requests since start."""
+        self._catch_up(self.clock())
         with self._lock:
-            self._advance(self.clock())
             by_service: dict[str, dict] = {}
             for (service, model), sid in self._series.items():
                 entry = by_service.setdefault(
@@ -897,9 +925,9 @@ class Engine:
         service (or that model of it) was never seen."""
         if window_s is not None:
             _positive("window_s", window_s)
+        now = self.clock()
+        self._catch_up(now)
         with self._lock:
-            now = self.clock()
-            self._advance(now)
             sids = [
                 sid
                 for (s, m), sid in self._series.items()

@@ -267,14 +267,22 @@ class Forwarder:
         )
         self._thread.start()
 
+    def idle(self) -> bool:
+        """Nothing queued and nothing being sent."""
+        return not (self._queue.qsize() or self._busy)
+
     def stop(self, timeout_s: float = 5.0) -> None:
-        """Send what is queued for up to ``timeout_s``, then drop (and count) the rest."""
+        """Send what is queued for up to ``timeout_s``, then drop (and count) the rest.
+
+        A send still in flight at the deadline (a downstream that hangs) is abandoned to
+        its daemon thread: stopping takes ``timeout_s`` at most, whatever the downstream
+        does."""
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and (self._queue.qsize() or self._busy):
+        while time.monotonic() < deadline and not self.idle():
             time.sleep(0.02)
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(max(0.0, deadline - time.monotonic()) + self._timeout_s)
+            self._thread.join(max(0.0, deadline - time.monotonic()))
         left = 0
         while True:
             try:
@@ -349,8 +357,13 @@ class ForwardSet:
             f.start()
 
     def stop(self, timeout_s: float = 5.0) -> None:
+        """Drain every destination at once for up to ``timeout_s`` in all, then stop each
+        (``Forwarder.stop``): a hung destination does not take the others' time."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not all(f.idle() for f in self.forwarders):
+            time.sleep(0.02)
         for f in self.forwarders:
-            f.stop(timeout_s)
+            f.stop(0.0)
 
 
 

@@ -13,6 +13,7 @@ so tests are reproducible.
 from __future__ import annotations
 
 import itertools
+import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from opentelemetry.proto.trace.v1 import trace_pb2
 
 from inferprof import semconv as sc
@@ -290,6 +292,48 @@ def gpu_metrics(
     return req
 
 
+def _field(number: int, payload: bytes) -> bytes:
+    """One length-delimited protobuf field: tag, length, payload."""
+    out = bytearray()
+    for n in (number << 3 | 2, len(payload)):
+        while n > 0x7F:
+            out.append(n & 0x7F | 0x80)
+            n >>= 7
+        out.append(n)
+    return bytes(out) + payload
+
+
+_bulk_ids = itertools.count(1 << 40)
+
+
+def bulk_export(
+    n_spans: int, *, links_per_span: int = 0, stage: str = "compute", service: str = "svc"
+) -> ExportTraceServiceRequest:
+    """``n_spans`` stage spans, each in a trace of its own with no request span, each
+    linking ``links_per_span`` request spans that never arrive: for tests that need the
+    collector to hold hundreds of thousands of entries. Built as protobuf bytes and
+    parsed (building each span with the protobuf classes would take the test's time)."""
+    body = trace_pb2.Span(
+        name=sc.span_name(stage),
+        start_time_unix_nano=round(BASE_UNIX * 1e9),
+        end_time_unix_nano=round(BASE_UNIX * 1e9) + 1_000_000,
+        attributes=attributes({sc.ATTR_STAGE: stage}),
+    ).SerializeToString()
+    pack = struct.Struct(">QQ").pack
+    spans = []
+    for _ in range(n_spans):
+        first = next(_bulk_ids)
+        links = b"".join(
+            _field(13, _field(1, pack(7, i)) + _field(2, pack(0, i)[8:]))
+            for i in (next(_bulk_ids) for _ in range(links_per_span))
+        )
+        head = _field(1, pack(1, first)) + _field(2, pack(0, first)[8:])
+        spans.append(_field(2, head + body + links))
+    resource = Resource(attributes=attributes({sc.RESOURCE_SERVICE_NAME: service}))
+    payload = _field(1, resource.SerializeToString()) + _field(2, b"".join(spans))
+    return ExportTraceServiceRequest.FromString(_field(1, payload))
+
+
 class FakeClock:
     def __init__(self, t: float = BASE_UNIX) -> None:
         self.t = t
@@ -302,4 +346,6 @@ class FakeClock:
         return self.t
 
 
-__all__ = ["FakeClock", "Ref", "TraceBuilder", "any_value", "attributes", "gpu_metrics"]
+__all__ = [
+    "FakeClock", "Ref", "TraceBuilder", "any_value", "attributes", "bulk_export", "gpu_metrics",
+]

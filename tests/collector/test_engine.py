@@ -167,6 +167,30 @@ def test_linked_batch_span_arriving_after_finalisation_is_counted_late():
     assert engine.pending_spans() == 0
 
 
+def test_children_arriving_after_their_request_was_folded_are_counted_late():
+    # Parent first, children 5 s later (an exporter per process, or a child ending after
+    # its parent): the request is folded without them; they are evicted a trace timeout
+    # after they came, when the parent's trace is no longer remembered, and still `late`.
+    engine, clock = make_engine(settle_s=1.0, trace_timeout_s=10.0)
+    b = TraceBuilder()
+    req = b.request(0.0, 0.1)
+    member = b.request(0.0, 0.1)
+    engine.ingest_traces(b.export())
+    settle(engine, clock, 2.0)
+    clock.tick(5.0)
+    b.stage(req, "compute", 0.01, 0.09)
+    b.stage(None, "compute", 0.01, 0.09, links=[member])
+    engine.ingest_traces(b.export())
+    for _ in range(11):  # advancing every second, as the collector does
+        settle(engine, clock, 1.0)
+    stats = engine.stats
+    assert stats.spans_dropped.get(sc.DROP_LATE) == 2
+    assert sc.DROP_INCOMPLETE_TRACE not in stats.spans_dropped
+    assert sc.DROP_ORPHAN_STAGE not in stats.spans_dropped
+    assert stats.traces_incomplete == 0
+    assert engine.pending_spans() == 0
+
+
 def test_export_resent_after_finalisation_is_not_counted_twice():
     # An exporter whose answer was lost (or a persistent queue replaying) sends the same
     # export again after its requests were finalised.
