@@ -48,7 +48,7 @@ from inferprof.instrumentation.records import (
     current_otel_context,
     detach_context,
 )
-from inferprof.instrumentation.generation import generation_attributes
+from inferprof.instrumentation.generation import COMPACT_AT, generation_attributes, merge_pairs
 from inferprof.instrumentation.runtime import Runtime
 from inferprof.instrumentation.stage import begin_request, reset_scope, timed_share
 
@@ -114,6 +114,7 @@ class _HttpRequest(RequestRecord):
         "stream",
         "chunk_times",
         "chunk_tokens",
+        "chunk_merged",
         "next_tokens",
         "root_path",
         "live_scope",
@@ -191,6 +192,10 @@ class _HttpRequest(RequestRecord):
         elif tokens != 1:
             counts = self.chunk_tokens = [1] * (len(times) - 1)
             counts.append(tokens)
+        if len(times) >= COMPACT_AT:  # a runaway stream: bounded memory (generation module)
+            if counts is None:
+                counts = self.chunk_tokens = [1] * len(times)
+            self.chunk_merged += merge_pairs(times, counts)
 
     def _complete(self) -> None:
         # A body-less request (GET; or a streaming response listening for disconnects)
@@ -201,9 +206,12 @@ class _HttpRequest(RequestRecord):
                 _ended_stage(_STAGE_RECEIVE, self.recv_start, self.recv_end, self.received),
             )
         if self.ser_start:
-            self.stages.append(
-                _ended_stage(_STAGE_SERIALIZE, self.ser_start, self.ser_end, self.sent)
-            )
+            start = self.ser_start
+            if self.chunk_times and self.generation is not None:
+                # A stream the engine's stages cover (queue, prefill, decode): serialize is
+                # what follows its last token, so that the stages do not overlap (§14).
+                start = min(self.chunk_times[-1], self.ser_end or start)
+            self.stages.append(_ended_stage(_STAGE_SERIALIZE, start, self.ser_end, self.sent))
         status = self.status
         if status is not None and status >= 500 and self.error is None:
             self.error = f"HTTP {status}"
@@ -222,14 +230,14 @@ class _HttpRequest(RequestRecord):
         if generation:
             self.attrs.update(generation)
 
-    def _emissions(self) -> tuple[list[int], list[int] | None] | None:
+    def _emissions(self) -> tuple[list[int], list[int] | None, int] | None:
         """When the response's tokens left: each streamed chunk's time; for a generation
         the engine recorded (the step API) answered in one body, the response's end."""
         if self.chunk_times:
-            return self.chunk_times, self.chunk_tokens
+            return self.chunk_times, self.chunk_tokens, self.chunk_merged
         gen = self.generation
         if gen is not None and gen.output and self.ser_end and not self.stream:
-            return [self.ser_end], [gen.output]
+            return [self.ser_end], [gen.output], 0
         return None
 
     def _enrich_live(self) -> None:
@@ -515,6 +523,7 @@ class InferprofMiddleware:
         rec.disconnected = False
         rec.stream = _NOT_STREAMED
         rec.chunk_times = rec.chunk_tokens = None
+        rec.chunk_merged = 0
         rec.next_tokens = 1
         rec.root_path = scope.get("root_path")  # as the request came in (mounts extend it)
         # Another instrumentation's span gets the HTTP attributes before it ends (send()).

@@ -254,6 +254,8 @@ class Step:
 
     def _members_done(self, end: int) -> None:
         for gen, tokens in self._decoders:
+            if gen.state == DONE:  # cancelled while the step ran
+                continue
             gen.last_step_end = end
             if gen.run_start:
                 gen._open_run()

@@ -288,12 +288,12 @@ def emission_attributes(
 
 
 def generation_attributes(
-    rec: Any, transport: tuple[list[int], list[int] | None] | None
+    rec: Any, transport: tuple[list[int], list[int] | None, int] | None
 ) -> dict[str, Any]:
     """A kept request's generation attributes (for its request span).
 
-    ``transport``: the times (ns) at which the response's chunks left the service and the
-    tokens of each (None: one each), from the HTTP middleware; they win over the engine's
+    ``transport``: the times (ns) at which the response's chunks left the service, the
+    tokens of each (None: one each) and the merges already made, from the HTTP middleware; they win over the engine's
     own emissions (:class:`Generation`). The engine's handle, when there is one, gives the
     token counts, the engine id and the preemptions.
     """
@@ -313,8 +313,8 @@ def generation_attributes(
         if gen.cancelled:
             attrs[semconv.ATTR_CANCELLED] = True
     if transport is not None and transport[0]:
-        times, tokens = transport
-        attrs.update(emission_attributes(rec.start, times, tokens))
+        times, tokens, merged = transport
+        attrs.update(emission_attributes(rec.start, times, tokens, merged))
         if gen is not None and gen.output:
             attrs[semconv.ATTR_TOKENS_OUTPUT] = gen.output
         else:

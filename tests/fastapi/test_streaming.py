@@ -241,6 +241,12 @@ def test_with_the_step_api_the_chunk_times_win_and_the_engine_counts(server):
     # a chunk leaves after the step that made its last token
     assert request.start_time + offsets[0] * 1e9 >= stages["decode"].start_time
     assert request.start_time + offsets[-1] * 1e9 >= stages["decode"].end_time - 1000
+    # serialize is what follows the last token: the engine's stages cover the stream
+    assert stages["serialize"].start_time == pytest.approx(
+        request.start_time + offsets[-1] * 1e9, abs=1000)
+    assert stages["serialize"].start_time >= stages["decode"].end_time
+    spans = sorted(stages.values(), key=lambda s: s.start_time)
+    assert all(a.end_time <= b.start_time for a, b in zip(spans, spans[1:]))
     steps = cap.by_name(semconv.ENGINE_STEP_SPAN_NAME)
     assert len(steps) == 5
     assert all(children_of(cap.spans(), s)[0].name == "inferprof.compute" for s in steps)
@@ -289,3 +295,30 @@ def test_chunk_tokens_rejects_bad_counts_and_is_a_no_op_outside_a_request():
     inferprof.fastapi.chunk_tokens(3)
     with pytest.raises(ValueError):
         inferprof.fastapi.chunk_tokens(-1)
+
+
+def test_a_runaway_stream_is_merged_pairwise_and_keeps_every_token():
+    from inferprof.instrumentation.generation import COMPACT_AT
+
+    n = COMPACT_AT + 1000
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        for _ in range(n):
+            await send({"type": "http.response.body", "body": b"data: x\n\n",
+                        "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def run():
+        transport = httpx.ASGITransport(app=inferprof.fastapi.InferprofMiddleware(app))
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            return await client.get("/stream")
+
+    with captured() as cap:
+        assert asyncio.run(run()).content.count(b"data:") == n
+    (request,) = cap.requests()
+    attrs = request.attributes
+    assert len(attrs[semconv.ATTR_GEN_EMIT_OFFSETS_S]) <= semconv.GEN_MAX_EMIT_ENTRIES
+    assert sum(attrs[semconv.ATTR_GEN_EMIT_TOKENS]) == n == attrs[semconv.ATTR_TOKENS_OUTPUT]
+    assert attrs[semconv.ATTR_GEN_EMIT_MERGED] > 0
