@@ -58,8 +58,6 @@ _GENERATING_KEYS = frozenset(
     }
 )
 _STEP_MARKS = (sc.ATTR_STEP_DECODE_TOKENS, sc.ATTR_STEP_PREFILL_TOKENS, sc.ATTR_STEP_REQUESTS)
-#: Device stages of an engine step (§14): children of the step span with the engine id.
-_STEP_STAGES = frozenset({sc.STAGE_H2D, sc.STAGE_COMPUTE, sc.STAGE_D2H})
 _NS = 1e9
 
 
@@ -83,11 +81,11 @@ def array_value(v: Any) -> array | None:
 
 
 def is_step_span(extra: dict, stage: Any, parent: bytes) -> bool:
-    """An engine step span (a root span with step attributes), or a device stage of one
-    (a child with ``inferprof.engine.id`` and stage ``h2d``/``compute``/``d2h``)."""
+    """An engine step span (a root span with step attributes), or a stage of one (a
+    stage span with ``inferprof.engine.id`` and a parent: request stages never carry it)."""
     if stage is None:
         return not parent and any(k in extra for k in _STEP_MARKS)
-    return bool(parent) and stage in _STEP_STAGES and sc.ATTR_ENGINE_ID in extra
+    return bool(parent) and sc.ATTR_ENGINE_ID in extra
 
 
 def marks_request(extra: dict | None) -> bool:
