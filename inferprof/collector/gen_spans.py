@@ -90,7 +90,9 @@ def is_step_span(extra: dict, stage: Any, parent: bytes) -> bool:
 
 def marks_request(extra: dict | None) -> bool:
     """Whether a request span's attributes make it an inference request on their own."""
-    return bool(extra) and not extra.keys() <= _MODEL_KEYS
+    if not extra:
+        return False
+    return not extra.keys() <= _MODEL_KEYS
 
 
 def is_generating(extra: dict) -> bool:
@@ -106,7 +108,7 @@ def model_of(extra: dict) -> Any:
 def seconds(extra: dict, key: str) -> float | None:
     """A non-negative finite number of seconds, or None."""
     v = extra.get(key)
-    if type(v) in (float, int) and math.isfinite(v) and v >= 0:
+    if isinstance(v, (float, int)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0:
         return float(v)
     return None
 

@@ -21,7 +21,7 @@ arrive, at most ``max_rows`` per engine and ``max_engines`` engines online.
 from __future__ import annotations
 
 import math
-from collections import defaultdict, deque
+from collections import deque
 from typing import Any
 
 import numpy as np
@@ -29,7 +29,12 @@ import numpy as np
 from inferprof import semconv as sc
 from inferprof.collector import gen_spans as gs
 from inferprof.collector.attribution import partition
-from inferprof.collector.generation_attribution import N_CAUSES, decide, gap_causes
+from inferprof.collector.generation_attribution import (
+    N_CAUSES,
+    decide,
+    gap_causes,
+    ttft_stage_order,
+)
 from inferprof.collector.sketch import (
     KEY_BITS,
     KeyMapping,
@@ -131,7 +136,8 @@ class StepIndex:
         n = gs.count(extra, sc.ATTR_STEP_DECODE_TOKENS) or 0
         tl.pending.append((start, end, float(p), float(n), now))
         kv = extra.get(sc.ATTR_STEP_KV_CACHE_USAGE)
-        if type(kv) in (float, int) and math.isfinite(kv) and 0 <= kv <= 1:
+        if isinstance(kv, (float, int)) and not isinstance(kv, bool) and math.isfinite(kv) \
+                and 0 <= kv <= 1:
             tl.kv_pending.append((start * _NS, float(kv), now))
         if self.max_rows is not None and len(tl.pending) > self.max_rows:
             self._consolidate(tl, now)
@@ -177,9 +183,11 @@ class StepIndex:
                 self.dropped += int(keep.sum()) - self.max_rows
                 keep &= np.cumsum(keep[::-1])[::-1] <= self.max_rows  # the latest rows
             tl.rows, tl.arrival = _with_end_max(tuple(c[keep] for c in cols[:4]), cols[4][keep])
-        elif tl.oldest < horizon:
+        elif tl.rows is not None and tl.oldest < horizon:
             keep = tl.arrival >= horizon
-            tl.rows, tl.arrival = _with_end_max(tuple(c[keep] for c in tl.rows[:4]), tl.arrival[keep])
+            tl.rows, tl.arrival = _with_end_max(
+                tuple(c[keep] for c in tl.rows[:4]), tl.arrival[keep]
+            )
         tl.oldest = float(tl.arrival.min()) if tl.arrival.size else math.inf
         if tl.kv_pending:
             new_kv = np.asarray(tl.kv_pending, np.float64).reshape(-1, 3)
@@ -237,6 +245,92 @@ def _valid_offsets(extra: dict) -> tuple[np.ndarray | None, np.ndarray | None]:
     return offsets, tokens
 
 
+class _Entries:
+    """Sketch entries and histogram values of one fold, packed at its end."""
+
+    __slots__ = ("cols", "hist", "metrics", "sids", "values", "weights")
+
+    def __init__(self) -> None:
+        self.sids: list[np.ndarray] = []
+        self.metrics: list[np.ndarray] = []
+        self.cols: list[np.ndarray] = []
+        self.values: list[np.ndarray] = []
+        self.weights: list[np.ndarray] = []
+        self.hist: list[tuple[int, int, np.ndarray, np.ndarray]] = []
+
+    def put(self, sid: int, metric: int, col: Any, v: Any, w: Any) -> None:
+        v = np.atleast_1d(np.asarray(v, np.float64))
+        self.sids.append(np.full(v.size, sid, np.int64))
+        self.metrics.append(np.full(v.size, metric, np.int64))
+        self.cols.append(np.broadcast_to(np.asarray(col, np.int64), v.shape))
+        self.values.append(v)
+        self.weights.append(np.broadcast_to(np.asarray(w, np.float64), v.shape))
+
+    def reduced(self, mapping: KeyMapping) -> tuple[np.ndarray, np.ndarray]:
+        v = np.concatenate(self.values)
+        codes = (
+            (np.concatenate(self.sids) << _SERIES_SHIFT)
+            | (np.concatenate(self.metrics) << _METRIC_SHIFT)
+            | (np.concatenate(self.cols) << KEY_BITS)
+            | mapping.key(v)
+        )
+        return reduce_codes(codes, np.concatenate(self.weights))
+
+
+def _spans_by_request(fin: Any, stage_names: list[str]):
+    """row -> [(stage name, start ns, end ns)] of the stage spans of ``fin.gen``'s rows."""
+    key = np.frombuffer(fin.span_key, np.int64)
+    span_req = key >> 32
+    span_stage = key & _LOW32
+    rows = np.asarray([row for row, _ in fin.gen], np.int64)
+    mine = np.flatnonzero(np.isin(span_req, rows))
+    mine = mine[np.argsort(span_req[mine], kind="stable")]
+    mine_req = span_req[mine]
+
+    def spans_of(row: int) -> list[tuple[str, int, int]]:
+        lo = int(np.searchsorted(mine_req, row, side="left"))
+        hi = int(np.searchsorted(mine_req, row, side="right"))
+        return [(stage_names[int(span_stage[j])], fin.span_start[j], fin.span_end[j])
+                for j in mine[lo:hi].tolist()]
+
+    return spans_of
+
+
+class _Merged:
+    """The sketch entries of a window, by (metric, column)."""
+
+    def __init__(self, groups: dict, mapping: KeyMapping) -> None:
+        self.groups = groups
+        self.mapping = mapping
+
+    def group(self, metric: int, col: int) -> tuple[np.ndarray, np.ndarray]:
+        empty = (np.empty(0, np.int64), np.empty(0))
+        return self.groups.get((metric << _COL_BITS) | col, empty)
+
+    def quantiles(self, metric: int) -> dict:
+        k, w = self.group(metric, 0)
+        p50, p95, p99 = quantiles_from_buckets(self.mapping, k, w, sc.QUANTILES)
+        return {"p50": p50, "p95": p95, "p99": p99}
+
+    def tail(self, metric: int, of: int, names: list[str]) -> dict[str, float]:
+        """Shares of each column over the entries keyed at or above the bucket holding
+        the p95 of ``of`` (§13's reading), by ``names`` (column order)."""
+        k, w = self.group(of, 0)
+        if not k.size or not (w > 0).any():
+            return {}
+        key = int(k[rank_index(np.cumsum(w), 0.95)])
+        k, w = self.group(metric, _TOTAL)
+        total = float(w[k >= key].sum())
+        if total <= 0:
+            return {}
+        out: dict[str, float] = {}
+        for col, name in enumerate(names):
+            kc, wc = self.group(metric, col)
+            if kc.size:
+                out[name] = out.get(name, 0.0) + float(wc[kc >= key].sum()) / total
+        return out
+
+
 class GenerationFold:
     """Not thread-safe: the engine serialises calls."""
 
@@ -290,131 +384,113 @@ class GenerationFold:
 
     def fold(self, fin: Any, series: list[int], stage_names: list[str], slice_index: int,
              now: float) -> None:
+        """Fold the generating requests of ``fin`` (``Finalised.gen``) into the slice."""
         if not fin.gen:
             return
-        span_req = np.frombuffer(fin.span_key, np.int64) >> 32
-        span_stage = np.frombuffer(fin.span_key, np.int64) & _LOW32
-        rows = np.asarray([row for row, _ in fin.gen], np.int64)
-        mine = np.flatnonzero(np.isin(span_req, rows))
-        mine = mine[np.argsort(span_req[mine], kind="stable")]
-        mine_req = span_req[mine]
-        sids, metrics, cols, values, weights = [], [], [], [], []
-        hist: list[tuple[int, int, np.ndarray, np.ndarray]] = []
+        acc = _Entries()
+        spans_of = _spans_by_request(fin, stage_names)
         counts = self._counts.setdefault(slice_index, {})
-        kv_spans: dict[tuple[int, tuple], list[float]] = {}
-
-        def put(sid: int, metric: int, col: Any, v: Any, w: Any) -> None:
-            v = np.atleast_1d(np.asarray(v, np.float64))
-            sids.append(np.full(v.size, sid, np.int64))
-            metrics.append(np.full(v.size, metric, np.int64))
-            cols.append(np.broadcast_to(np.asarray(col, np.int64), v.shape).copy())
-            values.append(v)
-            weights.append(np.broadcast_to(np.asarray(w, np.float64), v.shape).copy())
-
+        # (series, engine) -> [earliest start, latest end] (s) of its requests here
+        ran: dict[tuple[int, tuple], list[float]] = {}
         for row, extra in fin.gen:
             sid = series[row]
-            w = fin.weight[row]
-            start, end = fin.start[row], fin.end[row]
-            lo = int(np.searchsorted(mine_req, row, side="left"))
-            hi = int(np.searchsorted(mine_req, row, side="right"))
-            spans = [
-                (stage_names[int(span_stage[j])], fin.span_start[j], fin.span_end[j])
-                for j in mine[lo:hi].tolist()
-            ]
-            offsets, tokens = _valid_offsets(extra)
-            ttft = float(offsets[0]) if offsets is not None else gs.seconds(
-                extra, sc.ATTR_GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN)
-            e2e = (end - start) * _NS
-            if e2e == 0:
-                e2e = gs.seconds(extra, sc.ATTR_GEN_AI_LATENCY_E2E) or 0.0
-            out = gs.count(extra, sc.ATTR_TOKENS_OUTPUT)
-            if out is None:
-                out = gs.count(extra, sc.ATTR_GEN_AI_USAGE_COMPLETION_TOKENS)
-            if out is None and offsets is not None:
-                out = int(tokens.sum()) if tokens is not None else offsets.size
-            c = counts.get(sid)
-            if c is None:
-                c = counts[sid] = np.zeros(3)
-            c[_REQUESTS] += w
-            preempted = [(s, e) for name, s, e in spans if name == sc.STAGE_PREEMPTED]
-            if preempted or (gs.count(extra, sc.ATTR_GEN_PREEMPTIONS) or 0) > 0:
-                c[_PREEMPTED] += w
-            if extra.get(sc.ATTR_CANCELLED) is True:
-                c[_CANCELLED] += w
-            self.requests_folded += 1
-            if out is not None:
-                put(sid, Q_TOKENS, 0, float(out), w)
-                self.tokens_folded += out
-            hist.append((sid, H_GENAI_DURATION, np.array([e2e]), np.array([w])))
-            if ttft is not None:
-                ttft = min(ttft, e2e) if e2e > 0 else ttft
-                put(sid, Q_TTFT, 0, ttft, w)
-                hist.append((sid, H_TTFT, np.array([ttft]), np.array([w])))
-                hist.append((sid, H_GENAI_TTFT, np.array([ttft]), np.array([w])))
-                if out is not None and out >= 2:
-                    tpot = max(e2e - ttft, 0.0) / (out - 1)
-                    put(sid, Q_TPOT, 0, tpot, w)
-                    hist.append((sid, H_TPOT, np.array([tpot]), np.array([w])))
-                    hist.append((sid, H_GENAI_TPOT, np.array([tpot]), np.array([w])))
-                # The ttft partitioned between stages as §6 partitions e2e (§14).
-                first = start + round(ttft * 1e9)
-                _, exclusive, unatt = partition(start, first, spans)
-                stage_cols = [self._stage_col(n) for n in exclusive]
-                # Every entry keyed by the request's ttft: the tail is read by that key.
-                put(sid, T_TTFT, [*stage_cols, 0, _TOTAL],
-                    np.full(len(stage_cols) + 2, float(ttft)),
-                    [w * x for x in exclusive.values()] + [w * unatt, w * (first - start) * _NS])
             engine = extra.get(sc.ATTR_ENGINE_ID)
             ekey = (fin.service[row], *fin.instance[row],
                     engine if isinstance(engine, str) else sc.DEFAULT_ENGINE_ID)
-            if offsets is not None and offsets.size > 1:
-                steps = self.steps.steps(ekey, now)
-                if steps is not None:
-                    st, en, p, n, en_max = steps
-                    # The steps that can touch the request: started before its end, and
-                    # not among the leading steps that all ended before its start.
-                    sl = slice(int(np.searchsorted(en_max, start, side="right")),
-                               int(np.searchsorted(st, end, side="right")))
-                    steps_rel = ((st[sl] - start) * _NS, (en[sl] - start) * _NS, p[sl], n[sl])
-                else:
-                    steps_rel = None
-                pre = np.asarray([((s - start) * _NS, (e - start) * _NS) for s, e in preempted],
-                                 np.float64).reshape(-1, 2)
-                itl, k, causes = gap_causes(offsets, tokens, pre, steps_rel)
-                put(sid, Q_ITL, 0, itl, w * k)
-                hist.append((sid, H_ITL, itl, w * k))
-                gap = itl * k
-                for cause in range(N_CAUSES):
-                    put(sid, T_ITL, cause, itl, w * causes[:, cause])
-                put(sid, T_ITL, _TOTAL, itl, w * gap)
-            kv_spans.setdefault((sid, ekey), [math.inf, -math.inf])
-            span = kv_spans[(sid, ekey)]
-            span[0] = min(span[0], start * _NS)
-            span[1] = max(span[1], end * _NS)
-        for (sid, ekey), (t0, t1) in kv_spans.items():
-            # Readings while these requests ran, each counted once per series.
+            c = counts.get(sid)
+            if c is None:
+                c = counts[sid] = np.zeros(3)
+            self._fold_request(acc, sid, ekey, fin.weight[row], fin.start[row], fin.end[row],
+                               extra, spans_of(row), c, now)
+            span = ran.setdefault((sid, ekey), [math.inf, -math.inf])
+            span[0] = min(span[0], fin.start[row] * _NS)
+            span[1] = max(span[1], fin.end[row] * _NS)
+        for (sid, ekey), (t0, t1) in ran.items():
+            # KV readings while these requests ran, each counted once per series.
             mark = self._kv_mark.get((sid, ekey), -math.inf)
             lo = max(np.nextafter(t0, -math.inf), mark)
-            if t1 <= lo:
-                continue
-            self._kv_mark[(sid, ekey)] = t1
-            readings = self.steps.kv_between(ekey, lo, t1, now)
-            if readings.size:
-                put(sid, Q_KV, 0, readings, 1.0)
-        if values:
-            v = np.concatenate(values)
-            codes = (
-                (np.concatenate(sids) << _SERIES_SHIFT)
-                | (np.concatenate(metrics) << _METRIC_SHIFT)
-                | (np.concatenate(cols) << KEY_BITS)
-                | self.mapping.key(v)
-            )
+            if t1 > lo:
+                self._kv_mark[(sid, ekey)] = t1
+                readings = self.steps.kv_between(ekey, lo, t1, now)
+                if readings.size:
+                    acc.put(sid, Q_KV, 0, readings, 1.0)
+        if acc.values:
             chunks = self._chunks.setdefault(slice_index, [])
-            chunks.append(reduce_codes(codes, np.concatenate(weights)))
+            chunks.append(acc.reduced(self.mapping))
             if len(chunks) > 16:
                 self._chunks[slice_index] = [concat_reduce(chunks)]
-        for sid, h, v, w in hist:
+        for sid, h, v, w in acc.hist:
             self._histogram(sid, h, v, w)
+
+    def _fold_request(self, acc: _Entries, sid: int, ekey: tuple, w: float, start: int,
+                      end: int, extra: dict, spans: list, counts: np.ndarray,
+                      now: float) -> None:
+        offsets, tokens = _valid_offsets(extra)
+        ttft = float(offsets[0]) if offsets is not None else gs.seconds(
+            extra, sc.ATTR_GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN)
+        e2e = (end - start) * _NS
+        if e2e == 0:
+            e2e = gs.seconds(extra, sc.ATTR_GEN_AI_LATENCY_E2E) or 0.0
+        out = gs.count(extra, sc.ATTR_TOKENS_OUTPUT)
+        if out is None:
+            out = gs.count(extra, sc.ATTR_GEN_AI_USAGE_COMPLETION_TOKENS)
+        if out is None and offsets is not None:
+            out = int(tokens.sum()) if tokens is not None else offsets.size
+        preempted = [(s, e) for name, s, e in spans if name == sc.STAGE_PREEMPTED]
+        counts[_REQUESTS] += w
+        if preempted or (gs.count(extra, sc.ATTR_GEN_PREEMPTIONS) or 0) > 0:
+            counts[_PREEMPTED] += w
+        if extra.get(sc.ATTR_CANCELLED) is True:
+            counts[_CANCELLED] += w
+        self.requests_folded += 1
+        if out is not None:
+            acc.put(sid, Q_TOKENS, 0, float(out), w)
+            self.tokens_folded += out
+        acc.hist.append((sid, H_GENAI_DURATION, np.array([e2e]), np.array([w])))
+        if ttft is not None:
+            ttft = min(ttft, e2e) if e2e > 0 else ttft
+            self._fold_ttft(acc, sid, w, start, ttft, spans)
+            if out is not None and out >= 2:
+                tpot = max(e2e - ttft, 0.0) / (out - 1)
+                acc.put(sid, Q_TPOT, 0, tpot, w)
+                acc.hist.append((sid, H_TPOT, np.array([tpot]), np.array([w])))
+                acc.hist.append((sid, H_GENAI_TPOT, np.array([tpot]), np.array([w])))
+        if offsets is not None and offsets.size > 1:
+            self._fold_gaps(acc, sid, ekey, w, start, end, offsets, tokens, preempted, now)
+
+    def _fold_ttft(self, acc: _Entries, sid: int, w: float, start: int, ttft: float,
+                   spans: list) -> None:
+        acc.put(sid, Q_TTFT, 0, ttft, w)
+        acc.hist.append((sid, H_TTFT, np.array([ttft]), np.array([w])))
+        acc.hist.append((sid, H_GENAI_TTFT, np.array([ttft]), np.array([w])))
+        # The ttft partitioned between stages as §6 partitions e2e (§14); every entry is
+        # keyed by the request's ttft: the tail is read by that key.
+        first = start + round(ttft * 1e9)
+        _, exclusive, unatt = partition(start, first, spans)
+        cols = [self._stage_col(n) for n in exclusive]
+        acc.put(sid, T_TTFT, [*cols, 0, _TOTAL], np.full(len(cols) + 2, ttft),
+                [w * x for x in exclusive.values()] + [w * unatt, w * (first - start) * _NS])
+
+    def _fold_gaps(self, acc: _Entries, sid: int, ekey: tuple, w: float, start: int, end: int,
+                   offsets: np.ndarray, tokens: np.ndarray | None, preempted: list,
+                   now: float) -> None:
+        steps = self.steps.steps(ekey, now)
+        steps_rel = None
+        if steps is not None:
+            st, en, p, n, en_max = steps
+            # The steps that can touch the request: started before its end, and not
+            # among the leading steps that all ended before its start.
+            sl = slice(int(np.searchsorted(en_max, start, side="right")),
+                       int(np.searchsorted(st, end, side="right")))
+            steps_rel = ((st[sl] - start) * _NS, (en[sl] - start) * _NS, p[sl], n[sl])
+        pre = np.asarray([((s - start) * _NS, (e - start) * _NS) for s, e in preempted],
+                         np.float64).reshape(-1, 2)
+        itl, k, causes = gap_causes(offsets, tokens, pre, steps_rel)
+        acc.put(sid, Q_ITL, 0, itl, w * k)
+        acc.hist.append((sid, H_ITL, itl, w * k))
+        for cause in range(N_CAUSES):
+            acc.put(sid, T_ITL, cause, itl, w * causes[:, cause])
+        acc.put(sid, T_ITL, _TOTAL, itl, w * itl * k)
 
     def _histogram(self, sid: int, h: int, v: np.ndarray, w: np.ndarray) -> None:
         bounds = self.bounds[h]
@@ -463,10 +539,10 @@ class GenerationFold:
 
     def forget_series(self, sid: int) -> None:
         """A reclaimed series slot: its cumulative histograms and KV marks go."""
-        for key in [k for k in self._hist if k[0] == sid]:
-            del self._hist[key]
-        for key in [k for k in self._kv_mark if k[0] == sid]:
-            del self._kv_mark[key]
+        for hk in [k for k in self._hist if k[0] == sid]:
+            del self._hist[hk]
+        for mk in [k for k in self._kv_mark if k[0] == sid]:
+            del self._kv_mark[mk]
 
     # --- readers ------------------------------------------------------------------------
     def histograms(self) -> list[tuple[int, int, np.ndarray, float]]:
@@ -496,47 +572,12 @@ class GenerationFold:
                 if len(chunks) > 1:
                     chunks = self._chunks[idx] = [concat_reduce(chunks)]
                 parts.extend(gather(chunks[0], sids, _SERIES_SHIFT))
-        groups = split_groups(*concat_reduce(parts))
-
-        def group(metric: int, col: int) -> tuple[np.ndarray, np.ndarray]:
-            return groups.get((metric << _COL_BITS) | col, (np.empty(0, np.int64), np.empty(0)))
-
-        def qs(metric: int) -> dict:
-            k, w = group(metric, 0)
-            p50, p95, p99 = quantiles_from_buckets(self.mapping, k, w, sc.QUANTILES)
-            return {"p50": p50, "p95": p95, "p99": p99}
-
-        def p95_key(metric: int) -> int | None:
-            k, w = group(metric, 0)
-            if not k.size or not (w > 0).any():
-                return None
-            return int(k[rank_index(np.cumsum(w), 0.95)])
-
-        def tail(metric: int, names: list[str]) -> dict[str, float]:
-            key = p95_key(Q_TTFT if metric == T_TTFT else Q_ITL)
-            if key is None:
-                return {}
-            k, w = group(metric, _TOTAL)
-            total = float(w[k >= key].sum())
-            if total <= 0:
-                return {}
-            out = {}
-            for col, name in enumerate(names):
-                kc, wc = group(metric, col)
-                if kc.size:
-                    out[name] = out.get(name, 0.0) + float(wc[kc >= key].sum()) / total
-            return out
-
+        merged = _Merged(split_groups(*concat_reduce(parts)), self.mapping)
+        qs = merged.quantiles
         tokens = qs(Q_TOKENS)
-        ttft_shares = tail(T_TTFT, self._col_names)
-        itl_shares = tail(T_ITL, list(sc.ITL_CAUSES))
-        order = {name: i for i, name in enumerate(sc.CANONICAL_STAGES)}
-        ttft_stages = sorted(
-            (n for n in ttft_shares if n != sc.STAGE_UNATTRIBUTED),
-            key=lambda s: (order.get(s, len(order)), s),
-        )
-        if sc.STAGE_UNATTRIBUTED in ttft_shares:
-            ttft_stages.append(sc.STAGE_UNATTRIBUTED)
+        ttft_shares = merged.tail(T_TTFT, Q_TTFT, self._col_names)
+        itl_shares = merged.tail(T_ITL, Q_ITL, list(sc.ITL_CAUSES))
+        ttft_stages = ttft_stage_order(list(ttft_shares))
         kv = qs(Q_KV)
         section: dict[str, Any] = {
             "requests": round(requests),

@@ -75,7 +75,7 @@ def gap_causes(
         parts[:, PREEMPTED] = np.where(in_pre, seg, 0.0)
         rest[in_pre] = 0.0
     has_steps = steps is not None and steps[0].size > 0
-    if has_steps:
+    if steps is not None and has_steps:
         st_s, st_e, p, n = steps
         idx = np.searchsorted(st_s, mid, side="right") - 1
         ok = idx >= 0
@@ -129,8 +129,10 @@ def decide(gen: Mapping, base: Mapping) -> dict:
             "bottleneck": sc.VERDICT_UNKNOWN,
             "confidence": 0.0,
             "evidence": [
-                f"not enough data: a generation verdict needs at least {MIN_REQUESTS} "
-                f"generating requests, there are {requests}"
+                (
+                    f"not enough data: a generation verdict needs at least {MIN_REQUESTS} "
+                    f"generating requests, there are {requests}"
+                )
             ],
         }
     ttft_shares = {s["stage"]: s["share_of_p95"] for s in gen["ttft"].get("stages", ())}
@@ -150,10 +152,11 @@ def decide(gen: Mapping, base: Mapping) -> dict:
         )
         evidence = []
         if ttft_top == "waiting":
+            queue = ttft_shares.get(sc.STAGE_QUEUE, 0.0)
+            evicted = ttft_shares.get(sc.STAGE_PREEMPTED, 0.0)
             evidence.append(
                 f"{_pct(waiting)} of p95 TTFT is waiting for KV-cache admission (queue "
-                f"{_pct(ttft_shares.get(sc.STAGE_QUEUE, 0.0))}, preempted "
-                f"{_pct(ttft_shares.get(sc.STAGE_PREEMPTED, 0.0))})"
+                f"{_pct(queue)}, preempted {_pct(evicted)})"
             )
         if itl_top == sc.ITL_CAUSE_PREEMPTED:
             evidence.append(
@@ -172,11 +175,15 @@ def decide(gen: Mapping, base: Mapping) -> dict:
                 share,
                 sc.VERDICT_SCHEDULING,
                 [
-                    f"{_pct(share)} of the slowest inter-token gaps is other requests' "
-                    "prefill in the same engine steps: smaller prefill chunks or "
-                    "prefill/decode disaggregation shorten it",
-                    f"decode {_pct(itl_shares.get(sc.ITL_CAUSE_DECODE, 0.0))}, host "
-                    f"{_pct(itl_shares.get(sc.ITL_CAUSE_HOST, 0.0))} of those gaps",
+                    (
+                        f"{_pct(share)} of the slowest inter-token gaps is other requests' "
+                        "prefill in the same engine steps: smaller prefill chunks or "
+                        "prefill/decode disaggregation shorten it"
+                    ),
+                    (
+                        f"decode {_pct(itl_shares.get(sc.ITL_CAUSE_DECODE, 0.0))}, host "
+                        f"{_pct(itl_shares.get(sc.ITL_CAUSE_HOST, 0.0))} of those gaps"
+                    ),
                 ],
             )
         )

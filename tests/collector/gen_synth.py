@@ -221,7 +221,7 @@ def vllm_exports(sc_: Scenario, *, service: str = "vllm", model: str = "meta/lla
     b = TraceBuilder(service, scope="vllm.llm_engine")
     for r in sc_.requests:
         queue = next(s for s in r.stages if s[0] == "queue")
-        prefill = [s for s in r.stages if s[0] == "prefill"][0]
+        prefill = next(s for s in r.stages if s[0] == "prefill")
         first = r.start + r.ttft
         last = r.start + r.offsets[-1]
         attrs = {
