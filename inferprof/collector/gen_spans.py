@@ -12,6 +12,8 @@ import math
 from array import array
 from typing import Any
 
+import numpy as np
+
 from inferprof import semconv as sc
 
 #: Request-span attributes of generation (§14 and the engines' ``gen_ai.*``, §7).
@@ -59,6 +61,13 @@ _GENERATING_KEYS = frozenset(
 )
 _STEP_MARKS = (sc.ATTR_STEP_DECODE_TOKENS, sc.ATTR_STEP_PREFILL_TOKENS, sc.ATTR_STEP_REQUESTS)
 _NS = 1e9
+#: One double-valued AnyValue inside an ArrayValue, serialized: field 1 (values), length
+#: 9, field 4 (double_value, fixed64), the little-endian double.
+_DOUBLE_RECORD = np.dtype([("head", "V3"), ("value", "<f8")])
+_DOUBLE_HEAD = np.frombuffer(bytes([0x0A, 0x09, 0x21]), "V3")[0]
+#: One int-valued AnyValue below 128: field 1, length 2, field 3 (int_value, varint), 1 byte.
+_SMALL_INT_RECORD = np.dtype([("head", "V3"), ("value", "u1")])
+_SMALL_INT_HEAD = np.frombuffer(bytes([0x0A, 0x02, 0x18]), "V3")[0]
 
 
 def array_value(v: Any) -> array | None:
@@ -69,7 +78,21 @@ def array_value(v: Any) -> array | None:
     """
     if v.WhichOneof("value") != "array_value":
         return None
-    values = v.array_value.values
+    arr = v.array_value
+    # Fast path: an array of doubles only is, on the wire, one 11-byte record per value
+    # (AnyValue field tag, length 9, double_value tag, 8 bytes): read it in one numpy call
+    # instead of one protobuf object per value.
+    raw = arr.SerializeToString()
+    if raw and len(raw) % _DOUBLE_RECORD.itemsize == 0:
+        rec = np.frombuffer(raw, _DOUBLE_RECORD)
+        if (rec["head"] == _DOUBLE_HEAD).all():
+            return array("d", rec["value"].tobytes())
+    # Likewise small ints (0..127, tokens per chunk): 4 bytes each.
+    if raw and len(raw) % _SMALL_INT_RECORD.itemsize == 0:
+        rec = np.frombuffer(raw, _SMALL_INT_RECORD)
+        if (rec["head"] == _SMALL_INT_HEAD).all() and (rec["value"] < 0x80).all():
+            return array("d", rec["value"].astype(np.float64).tobytes())
+    values = arr.values
     if not values:
         return array("d")
     kind = values[0].WhichOneof("value")

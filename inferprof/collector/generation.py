@@ -56,6 +56,9 @@ _SERIES_SHIFT = _METRIC_SHIFT + 4
 Q_TTFT, Q_ITL, Q_TPOT, Q_TOKENS, Q_KV, T_TTFT, T_ITL = range(7)
 #: Column of the summed ttft / gap time in the tail stores (causes take 0..4).
 _TOTAL = (1 << _COL_BITS) - 1
+#: The entries of each gap: its itl quantile entry, its time per cause, its whole time.
+_GAP_METRICS = (Q_ITL, *[T_ITL] * (N_CAUSES + 1))
+_GAP_COLS = (0, *range(N_CAUSES), _TOTAL)
 # Per (slice, series) counters.
 _REQUESTS, _PREEMPTED, _CANCELLED = range(3)
 # Cumulative histograms (Prometheus).
@@ -248,7 +251,18 @@ def _valid_offsets(extra: dict) -> tuple[np.ndarray | None, np.ndarray | None]:
 class _Entries:
     """Sketch entries and histogram values of one fold, packed at its end."""
 
-    __slots__ = ("cols", "hist", "metrics", "sids", "values", "weights")
+    __slots__ = (
+        "code_weights",
+        "codes",
+        "cols",
+        "hist",
+        "metrics",
+        "one",
+        "one_hist",
+        "sids",
+        "values",
+        "weights",
+    )
 
     def __init__(self) -> None:
         self.sids: list[np.ndarray] = []
@@ -257,6 +271,12 @@ class _Entries:
         self.values: list[np.ndarray] = []
         self.weights: list[np.ndarray] = []
         self.hist: list[tuple[int, int, np.ndarray, np.ndarray]] = []
+        # single entries (per request), as plain tuples: numpy once per fold, not per call
+        self.one: list[tuple[int, int, int, float, float]] = []
+        self.one_hist: list[tuple[int, int, float, float]] = []
+        # entries already packed into codes (gaps, reduced per request)
+        self.codes: list[np.ndarray] = []
+        self.code_weights: list[np.ndarray] = []
 
     def put(self, sid: int, metric: int, col: Any, v: Any, w: Any) -> None:
         v = np.atleast_1d(np.asarray(v, np.float64))
@@ -266,15 +286,43 @@ class _Entries:
         self.values.append(v)
         self.weights.append(np.broadcast_to(np.asarray(w, np.float64), v.shape))
 
+    def scalar(self, sid: int, metric: int, col: int, v: float, w: float) -> None:
+        self.one.append((sid, metric, col, v, w))
+
+    def scalar_hist(self, sid: int, h: int, v: float, w: float) -> None:
+        self.one_hist.append((sid, h, v, w))
+
+    def histograms(self) -> list[tuple[int, int, np.ndarray, np.ndarray]]:
+        """Array histogram entries plus the single ones, one entry per (series, id)."""
+        out = list(self.hist)
+        if self.one_hist:
+            rows = np.asarray(self.one_hist, np.float64)
+            keys = rows[:, 0].astype(np.int64) << 8 | rows[:, 1].astype(np.int64)
+            for key in np.unique(keys).tolist():
+                sel = keys == key
+                out.append((key >> 8, key & 0xFF, rows[sel, 2], rows[sel, 3]))
+        return out
+
     def reduced(self, mapping: KeyMapping) -> tuple[np.ndarray, np.ndarray]:
-        v = np.concatenate(self.values)
-        codes = (
-            (np.concatenate(self.sids) << _SERIES_SHIFT)
-            | (np.concatenate(self.metrics) << _METRIC_SHIFT)
-            | (np.concatenate(self.cols) << KEY_BITS)
-            | mapping.key(v)
-        )
-        return reduce_codes(codes, np.concatenate(self.weights))
+        if self.one:
+            rows = np.asarray(self.one, np.float64)
+            ints = rows[:, :3].astype(np.int64)
+            self.sids.append(ints[:, 0])
+            self.metrics.append(ints[:, 1])
+            self.cols.append(ints[:, 2])
+            self.values.append(rows[:, 3])
+            self.weights.append(rows[:, 4])
+            self.one = []
+        codes, weights = list(self.codes), list(self.code_weights)
+        if self.values:
+            codes.append(
+                (np.concatenate(self.sids) << _SERIES_SHIFT)
+                | (np.concatenate(self.metrics) << _METRIC_SHIFT)
+                | (np.concatenate(self.cols) << KEY_BITS)
+                | mapping.key(np.concatenate(self.values))
+            )
+            weights.append(np.concatenate(self.weights))
+        return reduce_codes(np.concatenate(codes), np.concatenate(weights))
 
 
 def _spans_by_request(fin: Any, stage_names: list[str]):
@@ -414,12 +462,12 @@ class GenerationFold:
                 readings = self.steps.kv_between(ekey, lo, t1, now)
                 if readings.size:
                     acc.put(sid, Q_KV, 0, readings, 1.0)
-        if acc.values:
+        if acc.values or acc.one or acc.codes:
             chunks = self._chunks.setdefault(slice_index, [])
             chunks.append(acc.reduced(self.mapping))
             if len(chunks) > 16:
                 self._chunks[slice_index] = [concat_reduce(chunks)]
-        for sid, h, v, w in acc.hist:
+        for sid, h, v, w in acc.histograms():
             self._histogram(sid, h, v, w)
 
     def _fold_request(self, acc: _Entries, sid: int, ekey: tuple, w: float, start: int,
@@ -444,32 +492,33 @@ class GenerationFold:
             counts[_CANCELLED] += w
         self.requests_folded += 1
         if out is not None:
-            acc.put(sid, Q_TOKENS, 0, float(out), w)
+            acc.scalar(sid, Q_TOKENS, 0, float(out), w)
             self.tokens_folded += out
-        acc.hist.append((sid, H_GENAI_DURATION, np.array([e2e]), np.array([w])))
+        acc.scalar_hist(sid, H_GENAI_DURATION, e2e, w)
         if ttft is not None:
             ttft = min(ttft, e2e) if e2e > 0 else ttft
             self._fold_ttft(acc, sid, w, start, ttft, spans)
             if out is not None and out >= 2:
                 tpot = max(e2e - ttft, 0.0) / (out - 1)
-                acc.put(sid, Q_TPOT, 0, tpot, w)
-                acc.hist.append((sid, H_TPOT, np.array([tpot]), np.array([w])))
-                acc.hist.append((sid, H_GENAI_TPOT, np.array([tpot]), np.array([w])))
+                acc.scalar(sid, Q_TPOT, 0, tpot, w)
+                acc.scalar_hist(sid, H_TPOT, tpot, w)
+                acc.scalar_hist(sid, H_GENAI_TPOT, tpot, w)
         if offsets is not None and offsets.size > 1:
             self._fold_gaps(acc, sid, ekey, w, start, end, offsets, tokens, preempted, now)
 
     def _fold_ttft(self, acc: _Entries, sid: int, w: float, start: int, ttft: float,
                    spans: list) -> None:
-        acc.put(sid, Q_TTFT, 0, ttft, w)
-        acc.hist.append((sid, H_TTFT, np.array([ttft]), np.array([w])))
-        acc.hist.append((sid, H_GENAI_TTFT, np.array([ttft]), np.array([w])))
+        acc.scalar(sid, Q_TTFT, 0, ttft, w)
+        acc.scalar_hist(sid, H_TTFT, ttft, w)
+        acc.scalar_hist(sid, H_GENAI_TTFT, ttft, w)
         # The ttft partitioned between stages as §6 partitions e2e (§14); every entry is
         # keyed by the request's ttft: the tail is read by that key.
         first = start + round(ttft * 1e9)
         _, exclusive, unatt = partition(start, first, spans)
-        cols = [self._stage_col(n) for n in exclusive]
-        acc.put(sid, T_TTFT, [*cols, 0, _TOTAL], np.full(len(cols) + 2, ttft),
-                [w * x for x in exclusive.values()] + [w * unatt, w * (first - start) * _NS])
+        for name, x in exclusive.items():
+            acc.scalar(sid, T_TTFT, self._stage_col(name), ttft, w * x)
+        acc.scalar(sid, T_TTFT, 0, ttft, w * unatt)
+        acc.scalar(sid, T_TTFT, _TOTAL, ttft, w * (first - start) * _NS)
 
     def _fold_gaps(self, acc: _Entries, sid: int, ekey: tuple, w: float, start: int, end: int,
                    offsets: np.ndarray, tokens: np.ndarray | None, preempted: list,
@@ -486,11 +535,20 @@ class GenerationFold:
         pre = np.asarray([((s - start) * _NS, (e - start) * _NS) for s, e in preempted],
                          np.float64).reshape(-1, 2)
         itl, k, causes = gap_causes(offsets, tokens, pre, steps_rel)
-        acc.put(sid, Q_ITL, 0, itl, w * k)
         acc.hist.append((sid, H_ITL, itl, w * k))
-        for cause in range(N_CAUSES):
-            acc.put(sid, T_ITL, cause, itl, w * causes[:, cause])
-        acc.put(sid, T_ITL, _TOTAL, itl, w * itl * k)
+        # The request's gaps summed per bucket first (a few dozen buckets for hundreds of
+        # gaps): the quantile entries, then each cause's and the total's tail entries.
+        keys, inverse = np.unique(self.mapping.key(itl), return_inverse=True)
+        inverse = inverse.ravel()
+        columns = (w * k, *(w * causes.T), w * itl * k)
+        acc.codes.append((
+            (sid << _SERIES_SHIFT)
+            | (np.asarray(_GAP_METRICS) << _METRIC_SHIFT)[:, None]
+            | (np.asarray(_GAP_COLS) << KEY_BITS)[:, None]
+            | keys[None, :]
+        ).ravel())
+        acc.code_weights.append(np.concatenate(
+            [np.bincount(inverse, weights=c, minlength=keys.size) for c in columns]))
 
     def _histogram(self, sid: int, h: int, v: np.ndarray, w: np.ndarray) -> None:
         bounds = self.bounds[h]

@@ -78,12 +78,14 @@ def simulate(
     kv: float | None = None,
     weights: tuple[float, ...] = (1.0,),
     cancel_prob: float = 0.0,
+    output_tokens: tuple[int, int] = (2, 60),
 ) -> Scenario:
     """Steps back to back with ``host_s`` between them; a share ``prefill_every`` of them
     carries a prefill chunk of ``prefill_tokens`` (other requests' prompts). Requests arrive
     spread over the run, wait about ``queue_s`` (exponential), prefill in the next step,
     then emit a token at the end of each later step (+ ``host_s``/2), sometimes two in one
-    chunk; with ``preempt_prob`` a request is evicted for 20-60 steps once."""
+    chunk; with ``preempt_prob`` a request is evicted for 20-60 steps once. Output lengths
+    are uniform in ``output_tokens`` (high end excluded)."""
     steps: list[Step] = []
     t = 0.0
     for _ in range(n_steps):
@@ -103,7 +105,7 @@ def simulate(
         prefill_step = steps[j]
         stages = [("queue", start, prefill_step.start), ("prefill", prefill_step.start,
                                                            prefill_step.end)]
-        out = int(rng.integers(2, 60))
+        out = int(rng.integers(*output_tokens))
         emits: list[float] = [prefill_step.end + host_s / 2]
         tokens = [1]
         j += 1

@@ -12,12 +12,15 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsServiceRequest,
 )
 
 from inferprof import semconv as sc
 from inferprof.collector.engine import Engine
+from inferprof.collector.gen_spans import array_value
 from inferprof.collector.generation import StepIndex
 from tests.collector.gen_synth import (
     Scenario,
@@ -31,6 +34,9 @@ from tests.collector.gen_synth import (
     truth_ttft,
     truth_ttft_shares,
     vllm_exports,
+)
+from tests.collector.gen_synth import (
+    any_value as gen_any_value,
 )
 from tests.collector.synth import BASE_UNIX, FakeClock, TraceBuilder, attributes
 
@@ -262,3 +268,14 @@ def test_step_index_is_bounded_and_expires():
     index.add_step(("s", "h", "k"), {sc.ATTR_STEP_DECODE_TOKENS: 1}, 0, 5, 12.0)
     assert set(index.engines) == {("s", "h", "k", "0")}
     assert math.isinf(StepIndex(math.inf).retention_s)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.one_of(
+    st.lists(st.floats(allow_nan=False, allow_infinity=False, width=64), max_size=40),
+    st.lists(st.integers(min_value=-(2**63), max_value=2**63 - 1), max_size=40),
+    st.lists(st.integers(min_value=0, max_value=130), max_size=40),
+))
+def test_array_attributes_read_exactly_whatever_their_wire_shape(values):
+    got = array_value(gen_any_value(values))
+    assert got is not None and list(got) == [float(v) for v in values]
