@@ -38,7 +38,19 @@ def test_llm_demo_json_has_client_engine_and_collector_figures():
     seen = breakdown["requests"]
     assert 0.9 * client["requests"] <= seen <= client["requests"] + 8, (seen, client)
     stages = {s["stage"] for s in breakdown["stages"]}
-    assert {semconv.STAGE_RECEIVE, semconv.STAGE_TOKENIZE} <= stages
+    assert {semconv.STAGE_RECEIVE, semconv.STAGE_TOKENIZE, semconv.STAGE_QUEUE,
+            semconv.STAGE_PREFILL, semconv.STAGE_DECODE, semconv.STAGE_PREEMPTED} <= stages
+    # The generation section: every request generating, evictions seen as preemptions,
+    # the KV-cache usage from the step spans, and the server's TTFT inside the client's
+    # (test_demo_llm_traces.py matches them request by request).
+    gen = breakdown["generation"]
+    assert gen["requests"] == seen
+    assert 0 < gen["preempted_requests"] <= engine["evictions"]
+    assert gen["kv_cache"]["usage_p95"] > 0.5
+    assert 0 < gen["ttft"]["p50"] <= client["ttft_s"]["p50"] * 1.02
+    assert 0 < gen["ttft"]["p95"] <= client["ttft_s"]["p95"] * 1.02
+    # Streams waiting for a KV cache too small for them: the definite verdict.
+    assert gen["verdict"]["bottleneck"] == semconv.VERDICT_KV_CACHE, gen["verdict"]
 
 
 def test_llm_demo_prints_client_figures_engine_counts_and_a_verdict():
@@ -49,7 +61,7 @@ def test_llm_demo_prints_client_figures_engine_counts_and_a_verdict():
     for figure in ("ttft", "itl", "tpot"):
         assert f"        {figure} " in out
     assert "engine:" in out and "evictions" in out
-    assert "verdict:" in out
+    assert f"generation verdict: {semconv.VERDICT_KV_CACHE}" in out
 
 
 def test_llm_demo_options_are_checked():

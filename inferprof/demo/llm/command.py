@@ -131,10 +131,8 @@ def render(result: dict[str, Any]) -> str:
         else:
             lines.append("the collector received no complete request traces")
         return "\n".join(lines)
+    # The table ends with the generation section and its verdict (report/render.py).
     lines.append(_format_table(doc))
-    generation = doc.get("generation")
-    if generation:
-        lines += ["", format_generation(generation)]
     return "\n".join(lines)
 
 
@@ -144,38 +142,4 @@ def _format_table(doc: dict[str, Any]) -> str:
     return format_table(doc)
 
 
-def format_generation(gen: dict[str, Any]) -> str:
-    """The breakdown's ``generation`` section (contract §7) as text."""
-
-    def ms(v: Any) -> str:
-        return "-" if v is None else f"{v * 1000:.1f}"
-
-    def shares(items: list[dict[str, Any]], key: str) -> str:
-        return ", ".join(f"{it[key]} {it['share_of_p95']:.0%}"
-                         for it in sorted(items, key=lambda it: -it["share_of_p95"]))
-
-    lines = [f"generation: {gen.get('requests')} requests, "
-             f"{gen.get('preempted_requests', 0)} preempted"]
-    for key in ("ttft", "itl", "tpot"):
-        q = gen.get(key)
-        if not q:
-            continue
-        line = f"  {key:<5} p50 {ms(q.get('p50'))} ms, p95 {ms(q.get('p95'))} ms, " \
-               f"p99 {ms(q.get('p99'))} ms"
-        if q.get("stages"):
-            line += f"; share of p95: {shares(q['stages'], 'stage')}"
-        if q.get("causes"):
-            line += f"; share of p95: {shares(q['causes'], 'cause')}"
-        lines.append(line)
-    kv = gen.get("kv_cache")
-    if kv and kv.get("usage_p95") is not None:
-        lines.append(f"  KV cache usage p95 {kv['usage_p95']:.0%}")
-    verdict = gen.get("verdict")
-    if verdict:
-        lines.append(f"generation verdict: {verdict['bottleneck']} "
-                     f"(confidence {verdict.get('confidence', 0):.2f})")
-        lines += [f"  - {e}" for e in verdict.get("evidence", [])]
-    return "\n".join(lines)
-
-
-__all__ = ["DEFAULT_CONCURRENCY", "format_generation", "render", "run_llm_demo"]
+__all__ = ["DEFAULT_CONCURRENCY", "render", "run_llm_demo"]

@@ -20,7 +20,7 @@ import gc
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from typing import Any
 
 from inferprof._optional import require
@@ -40,6 +40,7 @@ COMPLETIONS_PATH = "/v1/completions"
 MAX_PROMPT_CHARS = 20_000
 #: Largest ``max_tokens`` accepted (larger: 422).
 MAX_OUTPUT_TOKENS = 1024
+_DONE = "data: [DONE]\n\n"
 
 
 @contextlib.contextmanager
@@ -48,25 +49,28 @@ def _no_stage(name: str, **_: Any) -> Iterator[None]:
 
 
 class Detokenizer:
-    """Text of each new token, decoded against everything produced so far.
+    """Text of each new token, decoded incrementally (as vLLM does).
 
-    Byte-level BPE tokens can end inside a UTF-8 character; decoding the whole output
-    and emitting only what is new (holding back a trailing replacement character) keeps
-    every chunk valid text.
+    Byte-level BPE tokens can end inside a UTF-8 character: a piece is decoded from a
+    short window of recent tokens and held back while it ends in a replacement character,
+    so every chunk is valid text and the cost per token does not grow with the output.
     """
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
         self._ids: list[int] = []
-        self._sent = 0
+        self._prefix = 0  # the window's start
+        self._read = 0  # tokens already turned into text
 
     def add(self, tokens: tuple[int, ...], final: bool = False) -> str:
         self._ids.extend(tokens)
-        text = self._tokenizer.decode(self._ids)
-        stable = len(text) if final or not text.endswith("\ufffd") else len(text) - 1
-        piece = text[self._sent:stable]
-        self._sent = max(self._sent, stable)
-        return piece
+        decode = self._tokenizer.decode
+        before = decode(self._ids[self._prefix:self._read])
+        after = decode(self._ids[self._prefix:])
+        if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return after[len(before):]
 
 
 def create_app(settings: LLMSettings | None = None, *, instrument: EngineInstrument | None = None,
@@ -116,9 +120,16 @@ def create_app(settings: LLMSettings | None = None, *, instrument: EngineInstrum
         meta = {"id": f"cmpl-{req.id}", "created": int(time.time()),
                 "model": body.model or settings.model_name}
         if body.stream:
+            # The response starts with the first token, so a request that fails before it
+            # still gets an error status, and the response's own time (serialize) begins
+            # where the generation's output does.
+            events = _events(engine, req, queue, Detokenizer(tokenizer), meta, state)
+            first = await events.__anext__()
+            if first == _DONE:
+                await events.aclose()
+                raise fastapi.HTTPException(status_code=500, detail="generation failed")
             return responses.StreamingResponse(
-                _events(engine, req, queue, Detokenizer(tokenizer), meta, state),
-                media_type="text/event-stream",
+                _prepend(first, events), media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         output, reason = await _collect(engine, req, queue, state)
         if reason == FINISH_ERROR:
@@ -215,7 +226,8 @@ async def _collect(engine: Engine, req: Any, queue: "asyncio.Queue[Delivery]",
 
 
 async def _events(engine: Engine, req: Any, queue: "asyncio.Queue[Delivery]",
-                  detok: Detokenizer, meta: dict[str, Any], state: _State) -> AsyncIterator[str]:
+                  detok: Detokenizer, meta: dict[str, Any],
+                  state: _State) -> AsyncGenerator[str, None]:
     finished = False
     try:
         while not finished:
@@ -228,11 +240,27 @@ async def _events(engine: Engine, req: Any, queue: "asyncio.Queue[Delivery]",
                      "choices": [{"index": 0, "text": text, "logprobs": None,
                                   "finish_reason": delivery.finish_reason}]}
             yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
-        yield "data: [DONE]\n\n"
+        yield _DONE
     finally:
         state.in_flight -= 1
         if not finished:  # the client went away mid-stream (or the app is stopping)
             engine.cancel(req)
+
+
+async def _prepend(first: str,
+                   events: AsyncGenerator[str, None]) -> AsyncGenerator[str, None]:
+    """``first``, then the rest of ``events``; closing this closes ``events``.
+
+    Were this never iterated (the client left before the response started), ``events``
+    has started and is closed when collected, by the event loop's async-generator hooks:
+    its ``finally`` cancels the request either way.
+    """
+    try:
+        yield first
+        async for chunk in events:
+            yield chunk
+    finally:
+        await events.aclose()
 
 
 class _Telemetry:
