@@ -594,6 +594,12 @@ class GenerationFold:
         for idx in [i for i in self._counts if i < oldest_index]:
             del self._counts[idx]
         self.steps.prune(now)
+        # KV marks of engines gone from the index (scanned only once they outnumber the
+        # live engines: amortised, not per call).
+        if len(self._kv_mark) > 2 * len(self.steps.engines) + 64:
+            live = self.steps.engines
+            for mk in [k for k in self._kv_mark if k[1] not in live]:
+                del self._kv_mark[mk]
 
     def forget_series(self, sid: int) -> None:
         """A reclaimed series slot: its cumulative histograms and KV marks go."""
