@@ -504,7 +504,10 @@ class GenerationFold:
                 acc.scalar_hist(sid, H_TPOT, tpot, w)
                 acc.scalar_hist(sid, H_GENAI_TPOT, tpot, w)
         if offsets is not None and offsets.size > 1:
-            self._fold_gaps(acc, sid, ekey, w, start, end, offsets, tokens, preempted, now)
+            # An eviction's cost within a gap: the wait and the prompt's recomputation (a
+            # `prefill` after the first token is one), §14.
+            evicted = preempted + [(s, e) for name, s, e in spans if name == sc.STAGE_PREFILL]
+            self._fold_gaps(acc, sid, ekey, w, start, end, offsets, tokens, evicted, now)
 
     def _fold_ttft(self, acc: _Entries, sid: int, w: float, start: int, ttft: float,
                    spans: list) -> None:

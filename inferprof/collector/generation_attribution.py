@@ -3,7 +3,8 @@
 ``gap_causes`` splits each inter-token gap of one request between §7's causes, from the
 request's own ``preempted`` spans and its engine's step spans (contract §14):
 
-* time in the request's ``preempted`` spans is ``preempted``, before anything else;
+* time in the request's ``preempted`` spans, and in its own ``prefill`` spans after its
+  first token (the recomputation after an eviction), is ``preempted``, before anything else;
 * time in an engine step with P prefill and N decode tokens is ``prefill_interference``
   for P/(P+N) of it and ``decode`` for the rest (a step with neither count: ``decode``);
 * the rest of the gap is ``host`` when a step of the engine overlaps the gap, else
@@ -46,7 +47,7 @@ def gap_causes(
 
     ``offsets``: emit times (seconds from the request's start, non-decreasing);
     ``tokens``: tokens per chunk (None: 1 each); ``preempted``: (n, 2) intervals in the
-    same seconds; ``steps``: (start, end, prefill tokens, decode tokens) of the engine's
+    same seconds (eviction and recomputation); ``steps``: (start, end, prefill tokens, decode tokens) of the engine's
     steps near the request, sorted by start, in the same seconds (None: the engine has
     no step spans). Returns per gap ``g/k``, ``k`` and a (gaps, 5) array of seconds per
     cause (rows sum to ``g``).

@@ -332,7 +332,9 @@ def truth_itl_shares(sc_: Scenario, *, with_steps: bool = True) -> dict[str, flo
     num = dict.fromkeys(sc.ITL_CAUSES, 0.0)
     den = 0.0
     for r in sc_.requests:
-        pre = [(s, e) for name, s, e in r.stages if name == "preempted"]
+        # an eviction's cost: the wait, and the recomputed prompt after the first token
+        pre = [(s, e) for name, s, e in r.stages
+               if name == "preempted" or (name == "prefill" and s >= r.start + r.ttft)]
         for g in range(1, len(r.offsets)):
             k = r.tokens[g]
             a, b = r.start + r.offsets[g - 1], r.start + r.offsets[g]
