@@ -136,6 +136,9 @@ METRIC_DCGM_SM_OCCUPANCY: Final = "inferprof.gpu.dcgm.sm_occupancy"
 METRIC_DCGM_TENSOR_ACTIVE: Final = "inferprof.gpu.dcgm.tensor_active"
 METRIC_DCGM_DRAM_ACTIVE: Final = "inferprof.gpu.dcgm.dram_active"
 ATTR_HW_ID: Final = "hw.id"
+#: GPU model name on GPU samples (OpenTelemetry hardware conventions), e.g.
+#: "NVIDIA H100 80GB HBM3": the collector prices GPU time by it (--gpu-hour-price).
+ATTR_HW_MODEL: Final = "hw.model"
 #: Share of time the memory controller was busy (NVML ``utilization.memory``, DCGM
 #: ``DCGM_FI_DEV_MEM_COPY_UTIL``), ratio 0..1. Not ``hw.gpu.memory.utilization``: the
 #: OpenTelemetry convention defines that one as memory *used* over memory size (§10).
@@ -164,6 +167,12 @@ PROM_STAGE_SHARE_OF_P95: Final = "inferprof_stage_share_of_p95"
 PROM_BOTTLENECK: Final = "inferprof_bottleneck"
 #: Extension: ``queue.behind_batches`` of the breakdown (collector/queueing.py).
 PROM_QUEUE_BEHIND_BATCHES: Final = "inferprof_queue_behind_batches"
+PROM_STAGE_GPU_SECONDS: Final = "inferprof_stage_gpu_seconds_per_request"
+PROM_STAGE_ENERGY: Final = "inferprof_stage_energy_joules_per_request"
+PROM_STAGE_COST: Final = "inferprof_stage_cost_per_request"
+PROM_PADDING_WASTE: Final = "inferprof_padding_waste_ratio"
+PROM_GPU_UTILIZATION_DURING_COMPUTE: Final = "inferprof_gpu_utilization_during_compute"
+PROM_GPU_POWER_DURING_COMPUTE: Final = "inferprof_gpu_power_watts_during_compute"
 PROM_SPANS_RECEIVED: Final = "inferprof_spans_received_total"
 PROM_SPANS_DROPPED: Final = "inferprof_spans_dropped_total"
 PROM_TRACES_INCOMPLETE: Final = "inferprof_traces_incomplete_total"

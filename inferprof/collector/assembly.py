@@ -41,6 +41,7 @@ from typing import Any
 from inferprof import semconv as sc
 from inferprof.collector import gen_spans as _gen
 from inferprof.collector import triton_spans as _triton
+from inferprof.collector.cost import member_share
 from inferprof.collector.verdict import normalize_gpu_id
 
 _DAY_NS = 86_400 * 1_000_000_000
@@ -98,6 +99,8 @@ _PADDED = sc.ATTR_TOKENS_PADDED
 _GPU_ID = sc.ATTR_GPU_ID
 _BATCH_SIZE = sc.ATTR_BATCH_SIZE
 _BEHIND_S = sc.ATTR_QUEUE_BEHIND_BATCHES_S
+_PROMPT_TOKENS = sc.ATTR_TOKENS_PROMPT
+_GEN_AI_PROMPT_TOKENS = sc.ATTR_GEN_AI_USAGE_PROMPT_TOKENS
 _QUEUE = sc.STAGE_QUEUE
 
 
@@ -218,7 +221,10 @@ class Finalised:
     ``queue_behind``: flat (span position, seconds) of ``queue`` spans whose batcher
     reported ``inferprof.queue.behind_batches_s``; the position indexes ``span_key``.
     ``trace_id`` per request: its trace's id (16 bytes), for the examples and exemplars
-    that point at it.
+    that point at it. ``tokens`` per request: its request span's ``inferprof.tokens.prompt``
+    (0: not given). ``device``: flat (request index, stage number, seconds, share) per work
+    span (``h2d``, compute stages, ``d2h``) attributed to a request, every member of a batch
+    included: the span's duration and the request's share of it (``cost.member_share``).
     """
 
     __slots__ = (
@@ -234,7 +240,9 @@ class Finalised:
         "span_end",
         "span_key",
         "span_start",
+        "device",
         "start",
+        "tokens",
         "trace_id",
         "weight",
         "work",
@@ -260,6 +268,8 @@ class Finalised:
         self.trace_id: list[bytes] = []
         #: (request index, its wanted attributes) of generating requests (gen_spans).
         self.gen: list[tuple[int, dict]] = []
+        self.tokens = array("q")
+        self.device = array("d")  # flat (request index, stage number, seconds, share)
 
     def __len__(self) -> int:
         return len(self.start)
@@ -794,6 +804,7 @@ class Assembler:
                 self._stage_attrs(out, row, stage, s, e, res, extra, (tid, sid), now)
             elif self.stage_names[stage] in _WORK_STAGES:  # a bare work span: no batch
                 out.work.extend((row, s * 1e-9, e * 1e-9))
+                out.device.extend((row, stage, (e - s) * 1e-9 if e > s else 0.0, 1.0))
         self.ignored += ignored
         links = self.links
         if repeated:
@@ -826,19 +837,24 @@ class Assembler:
                         self._stage_attrs(out, row, stage, s, e, res, extra, ident, now)
                     elif self.stage_names[stage] in _WORK_STAGES:
                         out.work.extend((row, s * 1e-9, e * 1e-9))
+                        out.device.extend((row, stage, (e - s) * 1e-9 if e > s else 0.0, 1.0))
             if translated and rid not in rows and rid in translated:
                 # A Triton request with no inferprof stage of its own: its derived stages.
                 model, derived, used = translated[rid]
                 row = rows[rid] = self._open_row(spans[rid], out)
                 out.model[row] = model
                 for name, s, e in derived:
-                    add_key(row << 32 | self._stage_number(name))
+                    number = self._stage_number(name)
+                    add_key(row << 32 | number)
                     add_start(s)
                     add_end(e)
                     if name in _WORK_STAGES:
                         # Requests Triton batched together share these times: the engine
                         # keeps one of each (no work_share: Triton traces all or none).
                         out.work.extend((row, s * 1e-9, e * 1e-9))
+                        # Triton's spans give no batch size: each request is charged the
+                        # whole window (docs/concepts.md, cost).
+                        out.device.extend((row, number, (e - s) * 1e-9 if e > s else 0.0, 1.0))
                 if len(derived) < len(_triton.STAGES):
                     self.triton_partial += 1
                 self.ignored -= used  # counted as ignored above; they were not
@@ -894,6 +910,10 @@ class Assembler:
         out.error.append(1 if flags & _FLAG_ERROR else 0)
         if extra and _gen.is_generating(extra):
             out.gen.append((row, extra))
+        tokens = extra.get(_PROMPT_TOKENS) if extra else None
+        if tokens is None and extra:
+            tokens = extra.get(_GEN_AI_PROMPT_TOKENS)
+        out.tokens.append(tokens if type(tokens) is int and tokens > 0 else 0)
         return row
 
     def _stage_attrs(
@@ -931,6 +951,9 @@ class Assembler:
                     self.seen_batches[key] = now
                     out.batches.append((row, eff, pad))
         if stage in _WORK_STAGES:
+            # Every member's share of the span (cost): not once per batch like the rest.
+            share = member_share(out.tokens[row], extra.get(_EFFECTIVE), extra.get(_BATCH_SIZE))
+            out.device.extend((row, stage_id, (e - s) * 1e-9 if e > s else 0.0, share))
             # Once per batch: its id within the service instance (service.name,
             # host.name, service.instance.id). A span of no batch id is not remembered,
             # unless it names a GPU (a linked span joins the GPU samples once: remembered

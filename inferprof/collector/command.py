@@ -32,6 +32,28 @@ def _windows(ctx: click.Context, param: click.Parameter, value: str | None) -> A
         raise click.BadParameter(f"expected comma-separated seconds: {exc}") from None
 
 
+def gpu_hour_prices(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> Any:
+    """Click callback of ``--gpu-hour-price`` (``collect`` and ``report``)."""
+    from inferprof.collector.cost import parse_prices
+
+    try:
+        return parse_prices(values) or None
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+#: ``--gpu-hour-price``, shared by ``collect`` and ``report``.
+gpu_hour_price_option = click.option(
+    "--gpu-hour-price",
+    "gpu_hour_prices",
+    multiple=True,
+    metavar="[MODEL=]PRICE",
+    callback=gpu_hour_prices,
+    help="Price of one GPU-hour, for the cost per request (repeatable): MODEL=PRICE for "
+    "GPUs whose samples name that hw.model, PRICE for every other GPU.",
+)
+
+
 @click.command("collect")
 @click.option(
     "--config", "config", type=click.Path(dir_okay=False), help="TOML or YAML settings file."
@@ -130,6 +152,7 @@ def _windows(ctx: click.Context, param: click.Parameter, value: str | None) -> A
     help="Link the breakdown's slow traces: a URL with {trace_id}, e.g. "
     "http://localhost:16686/trace/{trace_id} (Jaeger) or a Grafana Explore URL.",
 )
+@gpu_hour_price_option
 @log_level_option
 def collect(config: str | None, log_level: str, **options: Any) -> None:
     """Receive OTLP traces and GPU metrics; serve per-stage breakdowns and /metrics.

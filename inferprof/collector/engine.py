@@ -34,7 +34,7 @@ import math
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -55,6 +55,7 @@ from inferprof.collector.attribution import (
     tail_codes,
     tail_shares,
 )
+from inferprof.collector import cost as _cost
 from inferprof.collector.examples import ExampleStore
 from inferprof.collector.exemplars import Exemplar, ExemplarStore
 from inferprof.collector.generation import GenerationFold
@@ -70,7 +71,13 @@ from inferprof.collector.sketch import (
     reduce_codes,
     split_groups,
 )
-from inferprof.collector.verdict import GpuSamples, decide, gpu_evidence, is_gpu_metric
+from inferprof.collector.verdict import (
+    GpuSamples,
+    decide,
+    gpu_evidence,
+    is_gpu_metric,
+    normalize_gpu_id,
+)
 
 #: Upper bounds (seconds) of the Prometheus histogram buckets: 0.5 ms .. 60 s, the
 #: range of serving latencies from a single small-model stage to a long generation.
@@ -201,6 +208,7 @@ class Engine:
         retention_s: float | None = None,
         triton_spans: bool = True,
         share_pending_cap: bool = True,
+        gpu_hour_prices: Iterable[tuple[str, float]] = (),
         clock: Callable[[], float] = time.time,
     ) -> None:
         if not isinstance(settle_s, (int, float)) or settle_s < 0:
@@ -290,6 +298,16 @@ class Engine:
         self._examples = ExampleStore()
         #: per histogram bucket, a request's trace id (OpenMetrics exemplars)
         self._exemplars = ExemplarStore(_NB)
+        #: GPU-seconds per (slice, series, stage), GPU models, prices (cost.py)
+        self._cost = _cost.CostStore()
+        #: price per GPU-hour by hw.model ("": any other GPU)
+        self.gpu_hour_prices = dict(gpu_hour_prices)
+        for model, price in self.gpu_hour_prices.items():
+            if not isinstance(model, str) or not _cost.valid_price(price):
+                raise ValueError(
+                    "gpu_hour_prices must be (GPU model or '', price >= 0) pairs, got "
+                    f"{model!r}: {price!r}"
+                )
         self._finalised = 0
         self._overflow = 0
         self._next_advance = 0.0
@@ -353,10 +371,12 @@ class Engine:
                             ignored += 1
                             continue
                         for dp in getattr(metric, kind).data_points:
-                            hw_id = ""
+                            hw_id = gpu_model = ""
                             for kv in dp.attributes:
                                 if kv.key == sc.ATTR_HW_ID:
                                     hw_id = kv.value.string_value
+                                elif kv.key == sc.ATTR_HW_MODEL:
+                                    gpu_model = kv.value.string_value
                             v = (
                                 dp.as_double
                                 if dp.WhichOneof("value") == "as_double"
@@ -369,6 +389,8 @@ class Engine:
                                     errors.append(f"{metric.name} data point: {why}")
                                 continue
                             self._gpu.add(host, hw_id, metric.name, dp.time_unix_nano * 1e-9, v)
+                            if gpu_model:
+                                self._cost.model_of(host, normalize_gpu_id(hw_id), gpu_model)
                             accepted += 1
         return IngestResult(accepted, rejected, tuple(errors))
 
@@ -415,6 +437,7 @@ class Engine:
             for idx in [i for i in self._slices if i < oldest]:
                 del self._slices[idx]
             self._examples.prune(oldest)
+            self._cost.prune(oldest)
             self._gpu.prune(now - self.retention_s)
             self._gen.prune(oldest, now)
 
@@ -470,6 +493,7 @@ class Engine:
         self._examples.forget_series(sid)
         self._exemplars.forget_series(sid)
         self._gen.forget_series(sid)
+        self._cost.forget_series(sid)
         self._reclaimed += 1
         return sid
 
@@ -681,6 +705,12 @@ class Engine:
         self._finalised += n
 
         stage = self._stage_columns(np.frombuffer(fin.span_key, np.int64) & _LOW32)
+        if fin.device:
+            device = np.frombuffer(fin.device, np.float64).reshape(-1, 4)
+            cols = self._stage_columns(device[:, 1].astype(np.int64))
+            self._cost.add(index, np.asarray(series, np.int64),
+                           np.frombuffer(fin.weight, np.float64), device, cols,
+                           cols < _NO_COLUMN)
         queue_col = self._stage_index.get(sc.STAGE_QUEUE)
         is_queue = stage == queue_col if queue_col is not None else None
         if fin.work or (is_queue is not None and is_queue.any()):
@@ -1052,6 +1082,14 @@ class Engine:
             names,
             lambda s: (s == sc.STAGE_UNATTRIBUTED, order.get(s, len(order)), s),
         )
+        cost = _cost.section(
+            {names[c]: v for c, v in self._cost.totals([sl.index for sl in slices], sids).items()},
+            requests,
+            sc.COMPUTE_STAGES.__contains__,
+            self._gpu.during(sc.METRIC_GPU_POWER_DRAW, compute),
+            self._cost.price(self.gpu_hour_prices, compute),
+            lambda s: (order.get(s, len(order)), s),
+        )
         eff, pad, batches = padding
         doc = {
             "service": service,
@@ -1080,6 +1118,8 @@ class Engine:
         generation = self._gen.section(sids, [sl.index for sl in slices], doc["verdict"])
         if generation is not None:
             doc["generation"] = generation
+        if cost is not None:
+            doc["cost"] = cost
         return doc
 
 

@@ -29,6 +29,15 @@ engine's current state. Families:
   ``gen_ai_server_request_duration_seconds`` (histograms since start, labels
   ``service``, ``model``); ``inferprof_ttft_share_of_p95{stage}`` and
   ``inferprof_itl_share_of_p95{cause}`` over the window;
+* ``inferprof_stage_gpu_seconds_per_request{service,model,stage}``,
+  ``inferprof_stage_energy_joules_per_request{service,model,stage}`` and
+  ``inferprof_stage_cost_per_request{service,model,stage}`` — the breakdown's ``cost``
+  over the window (``cost.py``; energy for compute stages with power samples, cost with a
+  ``--gpu-hour-price``);
+* ``inferprof_padding_waste_ratio{service,model}``,
+  ``inferprof_gpu_utilization_during_compute{service,model}`` (the mean) and
+  ``inferprof_gpu_power_watts_during_compute{service,model}`` (the mean) — the breakdown's
+  padding and GPU figures over the window, absent where it has none;
 * ``inferprof_spans_received_total``, ``inferprof_spans_dropped_total{reason}``,
   ``inferprof_traces_incomplete_total``.
 
@@ -146,6 +155,40 @@ class EngineCollector:
         self.window_s = float(window_s)
         self.max_series = max_series
 
+    @staticmethod
+    def _resource_families(core, svc: str, mdl: str, stg: str, window_s: float) -> dict:
+        """The cost, padding and GPU gauges (filled by ``_add_resources``)."""
+        per_stage = [svc, mdl, stg]
+        return {
+            "gpu_seconds": core.GaugeMetricFamily(
+                sc.PROM_STAGE_GPU_SECONDS,
+                f"GPU-seconds per request in each stage over the last {window_s:g} s: a "
+                "batch's device time split among its members (by tokens where known).",
+                labels=per_stage),
+            "energy": core.GaugeMetricFamily(
+                sc.PROM_STAGE_ENERGY,
+                f"Joules per request in each compute stage over the last {window_s:g} s: "
+                "GPU-seconds times the mean power drawn during compute.",
+                labels=per_stage),
+            "money": core.GaugeMetricFamily(
+                sc.PROM_STAGE_COST,
+                f"Cost per request in each stage over the last {window_s:g} s, in the unit "
+                "of --gpu-hour-price: GPU-seconds times the price per GPU-hour / 3600.",
+                labels=per_stage),
+            "padding": core.GaugeMetricFamily(
+                sc.PROM_PADDING_WASTE,
+                f"Share of padded tokens that are padding over the last {window_s:g} s.",
+                labels=[svc, mdl]),
+            "utilization": core.GaugeMetricFamily(
+                sc.PROM_GPU_UTILIZATION_DURING_COMPUTE,
+                f"Mean GPU utilisation during compute spans over the last {window_s:g} s.",
+                labels=[svc, mdl]),
+            "power": core.GaugeMetricFamily(
+                sc.PROM_GPU_POWER_DURING_COMPUTE,
+                f"Mean GPU power draw (W) during compute spans over the last {window_s:g} s.",
+                labels=[svc, mdl]),
+        }
+
     def describe(self) -> list:
         # Empty: the families are dynamic; registering must not trigger a collect().
         return []
@@ -249,6 +292,7 @@ class EngineCollector:
             "Share of p95-and-slower inter-token gaps spent on each cause (sums to 1).",
             labels=[svc, mdl, sc.PROM_LABEL_CAUSE],
         )
+        resources = self._resource_families(core, svc, mdl, stg, window_s)
         for service, model in series:
             try:
                 doc = self.engine.breakdown(service, model, window_s)
@@ -279,6 +323,7 @@ class EngineCollector:
                     ttft_share.add_metric([service, model, st["stage"]], st["share_of_p95"])
                 for c in generation["itl"]["causes"]:
                     itl_share.add_metric([service, model, c["cause"]], c["share_of_p95"])
+            _add_resources(resources, service, model, doc)
         yield quantile
         yield latency
         yield share
@@ -286,6 +331,7 @@ class EngineCollector:
         yield behind
         yield ttft_share
         yield itl_share
+        yield from resources.values()
 
         stats = self.engine.stats
         yield core.CounterMetricFamily(
@@ -307,5 +353,26 @@ class EngineCollector:
         yield dropped
         for name, help_text, field in _ENGINE_COUNTERS:
             yield core.CounterMetricFamily(name, help_text, value=getattr(stats, field))
+
+def _add_resources(families: dict, service: str, model: str, doc: dict) -> None:
+    cost = doc.get("cost")
+    if cost:
+        for st in cost["stages"]:
+            labels = [service, model, st["stage"]]
+            families["gpu_seconds"].add_metric(labels, st["gpu_seconds_per_request"])
+            if st["energy_joules_per_request"] is not None:
+                families["energy"].add_metric(labels, st["energy_joules_per_request"])
+            if st["cost_per_request"] is not None:
+                families["money"].add_metric(labels, st["cost_per_request"])
+        power = cost.get("power_watts_during_compute")
+        if power:
+            families["power"].add_metric([service, model], power["mean"])
+    waste = (doc.get("padding") or {}).get("waste_ratio")
+    if waste is not None:
+        families["padding"].add_metric([service, model], waste)
+    util = (doc.get("gpu") or {}).get("utilization_during_compute")
+    if util:
+        families["utilization"].add_metric([service, model], util["mean"])
+
 
 __all__ = ["EngineCollector"]

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from inferprof.collector.attribution import DEFAULT_MAX_STAGES, MAX_MAX_STAGES, MIN_MAX_STAGES
+from inferprof.collector.cost import parse_prices, valid_price
 from inferprof.collector.examples import check_template
 from inferprof.collector.sketch import RELATIVE_ACCURACY_MAX, RELATIVE_ACCURACY_MIN
 
@@ -106,6 +107,7 @@ ENV_ADVANCE_INTERVAL_S = "INFERPROF_COLLECTOR_ADVANCE_INTERVAL_S"
 ENV_TRITON_SPANS = "INFERPROF_COLLECTOR_TRITON_SPANS"  # true/false, 1/0, yes/no, on/off
 ENV_SHARE_PENDING_CAP = "INFERPROF_COLLECTOR_SHARE_PENDING_CAP"  # true/false, like the above
 ENV_TRACE_URL = "INFERPROF_COLLECTOR_TRACE_URL"
+ENV_GPU_HOUR_PRICES = "INFERPROF_COLLECTOR_GPU_HOUR_PRICES"  # comma-separated [MODEL=]PRICE
 ENV_CONFIG = "INFERPROF_COLLECTOR_CONFIG"
 
 # file:///path appends to an inferprof protobuf dump that `inferprof report` reads.
@@ -199,6 +201,7 @@ _ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
     "triton_spans": (ENV_TRITON_SPANS, _parse_bool),
     "share_pending_cap": (ENV_SHARE_PENDING_CAP, _parse_bool),
     "trace_url": (ENV_TRACE_URL, _parse_str),
+    "gpu_hour_prices": (ENV_GPU_HOUR_PRICES, lambda v: parse_prices(_parse_list(v))),
 }
 
 
@@ -248,6 +251,8 @@ class CollectorSettings:
     share_pending_cap: bool = _DEFAULT_SHARE_PENDING_CAP
     #: URL template of one trace ({trace_id}): the breakdown's examples link to it
     trace_url: str | None = None
+    #: price per GPU-hour by GPU model (hw.model; "": every other GPU), for the cost figures
+    gpu_hour_prices: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         # Normalise sequences given as lists so the record stays hashable.
@@ -312,6 +317,7 @@ class CollectorSettings:
             "max_gpu_hosts": self.max_gpu_hosts,
             "triton_spans": self.triton_spans,
             "share_pending_cap": self.share_pending_cap,
+            "gpu_hour_prices": self.gpu_hour_prices,
         }
 
     # --- resolution ---------------------------------------------------------------------
@@ -421,6 +427,16 @@ def load_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
             continue
         if name == "forward_headers" and isinstance(value, dict):
             value = tuple((str(k), str(v)) for k, v in value.items())
+        elif name == "gpu_hour_prices":
+            # {model: price}, a list of [MODEL=]PRICE items, or one comma-separated string
+            items = (
+                [f"{k}={v}" if k else str(v) for k, v in value.items()]
+                if isinstance(value, dict)
+                else _parse_list(value) if isinstance(value, str)
+                else [str(v) for v in value] if isinstance(value, list)
+                else [str(value)]
+            )
+            value = _try(lambda i=items: parse_prices(i), f"config key {key}={value!r}")
         elif isinstance(value, list):
             value = tuple(value)
         elif isinstance(value, str) and name in (
@@ -513,6 +529,14 @@ def _check_field(name: str, value: Any) -> None:
             raise ValueError(f"{name} must be true or false, got {value!r}")
     elif name == "trace_url":
         check_template(value)
+    elif name == "gpu_hour_prices":
+        if not all(
+            isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)
+            and valid_price(pair[1]) for pair in value
+        ):
+            raise ValueError(
+                f"gpu_hour_prices must be (GPU model or '', price >= 0) pairs, got {value!r}"
+            )
     elif name == "forward_headers":
         for key, _ in value:
             if not key or any(c in key for c in " \r\n:"):

@@ -87,6 +87,7 @@ _FB_TOTAL = "DCGM_FI_DEV_FB_TOTAL"
 _FB_FIELDS = (_FB_FREE, _FB_RESERVED, _FB_TOTAL)
 
 LABEL_UUID = "UUID"
+LABEL_MODEL_NAME = "modelName"  # the GPU's model: the samples' hw.model
 #: Host labels tried in order when no ``host_label`` is given (4.6.0-4.8.3 renamed it).
 HOST_LABELS = ("Hostname", "hostname")
 LABEL_MIG_INSTANCE = "GPU_I_ID"
@@ -117,6 +118,7 @@ def parse_exposition(
     # (host, uuid) -> {series name: (value, timestamp ns)}; the first series of a GPU wins
     # (a GPU time-shared by several pods appears once per pod with the same value).
     gpus: dict[tuple[str | None, str], dict[str, tuple[float, int]]] = {}
+    models: dict[str, str] = {}
     for family in parser.text_string_to_metric_families(text):
         for s in family.samples:
             name = s.name
@@ -135,6 +137,8 @@ def parse_exposition(
             # exposition timestamps are whole milliseconds; the parser gives float seconds
             t = now_ns if s.timestamp is None else round(float(s.timestamp) * 1e3) * 1_000_000
             gpus.setdefault((host, uuid), {}).setdefault(name, (value, t))
+            if labels.get(LABEL_MODEL_NAME):
+                models[uuid] = labels[LABEL_MODEL_NAME]
     samples = []
     for (host, uuid), series in gpus.items():
         values: dict[str, float] = {}
@@ -151,7 +155,7 @@ def parse_exposition(
         if not values:
             continue
         t = max(ts for _, ts in series.values())
-        samples.append(GpuSample(t, uuid, tuple(values.items()), host))
+        samples.append(GpuSample(t, uuid, tuple(values.items()), host, models.get(uuid)))
     return samples
 
 

@@ -142,6 +142,7 @@ class NvmlSource:
         self._gpm: dict[str, _Gpm] = {}
         self._nvml: Any = None
         self._gpus: list[tuple[Any, str]] = []  # (handle, uuid)
+        self._names: dict[str, str] = {}  # uuid -> model name (hw.model)
         # uuid -> readers switched off because NVML said "not supported" on that GPU
         self._unsupported: dict[str, set[str]] = {}
         self._errors = RateLimitedLog(_logger, "NVML reads")
@@ -182,6 +183,12 @@ class NvmlSource:
             gpus = chosen
         self._nvml = nvml
         self._gpus = [(handle, uuid) for _, handle, uuid in gpus]
+        self._names = {}
+        for handle, uuid in self._gpus:
+            try:  # the model name prices the GPU's time (collector cost); optional
+                self._names[uuid] = _text(nvml.nvmlDeviceGetName(handle))
+            except nvml.NVMLError:
+                pass
         self._unsupported = {uuid: set() for _, uuid in self._gpus}
         self._gpm = {}
         if self._use_gpm:
@@ -239,7 +246,8 @@ class NvmlSource:
                     else:
                         failed.append(f"{uuid} {reader_name}: {exc}")
             if values:
-                samples.append(GpuSample(time.time_ns(), uuid, tuple(values)))
+                samples.append(
+                    GpuSample(time.time_ns(), uuid, tuple(values), model=self._names.get(uuid)))
         if failed:
             if not samples:
                 raise RuntimeError("NVML reads failed: " + "; ".join(failed))

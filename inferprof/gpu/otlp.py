@@ -44,6 +44,8 @@ def to_metrics_data(samples: Iterable[GpuSample], resource: Resource) -> Metrics
         point_attrs = attrs.get(s.hw_id)
         if point_attrs is None:
             point_attrs = attrs[s.hw_id] = {sc.ATTR_HW_ID: s.hw_id}
+            if s.model:
+                point_attrs[sc.ATTR_HW_MODEL] = s.model
         for name, value in s.values:
             metrics.setdefault(name, []).append(NumberDataPoint(
                 attributes=point_attrs, start_time_unix_nano=0,

@@ -55,12 +55,15 @@ class GpuSample:
     ``values`` holds (contract metric, value) pairs in the contract's units. ``host`` is
     the ``host.name`` the reading belongs to when the source knows it (dcgm-exporter's
     ``Hostname`` label, a recording's host), else None: the sampler's own host name.
+    ``model``: the GPU's model name (``hw.model``, e.g. "NVIDIA H100 80GB HBM3") when the
+    source knows it; the collector prices GPU time by it.
     """
 
     time_unix_nano: int
     hw_id: str
     values: tuple[tuple[str, float], ...]
     host: str | None = None
+    model: str | None = None
 
     def __post_init__(self) -> None:
         if not self.hw_id:

@@ -14,6 +14,7 @@ import sys
 import click
 
 from inferprof._optional import require
+from inferprof.collector.command import gpu_hour_price_option
 
 #: Offline engine settings: traces are finalised only at the end of input unless the
 #: pending-span cap forces an early flush (see ``_feed``).
@@ -70,10 +71,12 @@ def build_documents(
     model: str | None = None,
     progress: bool = False,
     dropped: dict | None = None,
+    gpu_hour_prices=(),
 ) -> list[dict]:
     """Breakdown documents (contract §5, ``window_s`` null) of ``files``, one per
     (service, model), filtered by ``service``/``model``; ``dropped``, when given, receives
-    the spans dropped by reason (as the collector counts them)."""
+    the spans dropped by reason (as the collector counts them); ``gpu_hour_prices``:
+    (GPU model or "", price) pairs for the cost figures."""
     from inferprof.collector.attribution import MAX_MAX_STAGES
     from inferprof.collector.engine import Engine
 
@@ -84,6 +87,7 @@ def build_documents(
         max_pending_spans=_OFFLINE_MAX_PENDING,
         # No /metrics to keep small: every stage name the columns allow.
         max_stages=MAX_MAX_STAGES,
+        gpu_hour_prices=gpu_hour_prices or (),
     )
     _feed(engine, files, progress)
     if dropped is not None:
@@ -126,12 +130,13 @@ def build_documents(
     help="Link each slow trace listed: a URL with {trace_id}, e.g. "
     "http://localhost:16686/trace/{trace_id} (Jaeger) or a Grafana Explore URL.",
 )
+@gpu_hour_price_option
 @click.option(
     "--progress/--no-progress",
     default=None,
     help="Progress bar on stderr (default: when stderr is a terminal).",
 )
-def report(files, fmt, service, model, html_out, trace_url, progress) -> None:
+def report(files, fmt, service, model, html_out, trace_url, gpu_hour_prices, progress) -> None:
     """Per-stage latency breakdown of OTLP FILES: OpenTelemetry Collector file-exporter
     output (format json or proto, optionally gzipped) or inferprof protobuf dumps."""
     from inferprof.collector.examples import check_template, with_links
@@ -144,7 +149,7 @@ def report(files, fmt, service, model, html_out, trace_url, progress) -> None:
         progress = sys.stderr.isatty()
     dropped: dict[str, int] = {}
     try:
-        docs = build_documents(files, service, model, progress, dropped)
+        docs = build_documents(files, service, model, progress, dropped, gpu_hour_prices)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
     if dropped:

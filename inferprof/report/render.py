@@ -42,6 +42,28 @@ def title(doc: dict) -> str:
     return f"service {doc['service']!r}{model_part} — {scope}"
 
 
+def _cost_lines(cost: dict | None) -> list[str]:
+    """GPU time, energy and money per request, per stage (the document's ``cost``)."""
+    if not cost:
+        return []
+    parts = ", ".join(
+        f"{st['stage']} {_ms(st['gpu_seconds_per_request'])}" for st in cost["stages"]
+    )
+    line = f"cost per request: GPU {_ms(cost['gpu_seconds_per_request'])} ms ({parts})"
+    if cost.get("energy_joules_per_request") is not None:
+        watts = cost["power_watts_during_compute"]
+        line += (
+            f", energy {cost['energy_joules_per_request']:.3g} J "
+            f"(mean {watts['mean']:.0f} W during compute, {watts['samples']} samples)"
+        )
+    if cost.get("cost_per_request") is not None:
+        line += (
+            f", {cost['cost_per_request']:.3g} per request "
+            f"(at {cost['gpu_hour_price']:g} per GPU-hour)"
+        )
+    return [line]
+
+
 def _notes(doc: dict) -> list[str]:
     """Errors, padding, queue and GPU lines (empty when the document has none of them)."""
     lines = []
@@ -74,6 +96,7 @@ def _notes(doc: dict) -> list[str]:
             f"queue: {_pct(queue['behind_batches'])} of queue time passed while earlier batches "
             "were being processed" + how
         )
+    lines.extend(_cost_lines(doc.get("cost")))
     gpu = doc.get("gpu") or {}
     util = gpu.get("utilization_during_compute")
     if util:

@@ -277,8 +277,9 @@ def gpu_metrics(
     host: str = "host-1",
     hw_id: str = "GPU-0",
     base_unix: float = BASE_UNIX,
+    model: str | None = None,
 ) -> ExportMetricsServiceRequest:
-    """One gauge with a data point per ``(t, value)`` sample."""
+    """One gauge with a data point per ``(t, value)`` sample; ``model``: its ``hw.model``."""
     req = ExportMetricsServiceRequest()
     rm = req.resource_metrics.add()
     rm.resource.attributes.extend(attributes({sc.RESOURCE_HOST_NAME: host}))
@@ -288,7 +289,7 @@ def gpu_metrics(
         dp = m.gauge.data_points.add()
         dp.time_unix_nano = round(base_unix * 1e9) + round(t * 1e9)
         dp.as_double = v
-        dp.attributes.extend(attributes({sc.ATTR_HW_ID: hw_id}))
+        dp.attributes.extend(attributes({sc.ATTR_HW_ID: hw_id, sc.ATTR_HW_MODEL: model}))
     return req
 
 

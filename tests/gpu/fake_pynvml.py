@@ -28,6 +28,8 @@ class FakeGpu:
     power_mw: int = 71_234
     clock_mhz: int = 1_980
     temperature_c: int = 33
+    #: nvmlDeviceGetName's answer (bytes, as older nvidia-ml-py gives it, or str)
+    name: str | bytes = b"NVIDIA H100 80GB HBM3"
     #: NVML function names that raise NVMLError_NotSupported on this GPU
     unsupported: set[str] = field(default_factory=set)
     #: NVML function names that raise NVMLError_GpuIsLost on this GPU
@@ -77,6 +79,10 @@ def build(gpus: list[FakeGpu], *, init_error: type[real.NVMLError] | None = None
     def nvmlDeviceGetUUID(gpu: FakeGpu) -> str | bytes:
         return gpu.uuid
 
+    def nvmlDeviceGetName(gpu: FakeGpu) -> str | bytes:
+        check(gpu, "nvmlDeviceGetName")
+        return gpu.name
+
     def nvmlDeviceGetUtilizationRates(gpu: FakeGpu):
         check(gpu, "nvmlDeviceGetUtilizationRates")
         gpu_pct, mem_pct = gpu.util[min(gpu.calls, len(gpu.util) - 1)]
@@ -103,7 +109,7 @@ def build(gpus: list[FakeGpu], *, init_error: type[real.NVMLError] | None = None
         return gpu.temperature_c
 
     for fn in (nvmlInit, nvmlShutdown, nvmlDeviceGetCount, nvmlDeviceGetHandleByIndex,
-               nvmlDeviceGetUUID, nvmlDeviceGetUtilizationRates, nvmlDeviceGetMemoryInfo,
+               nvmlDeviceGetUUID, nvmlDeviceGetName, nvmlDeviceGetUtilizationRates, nvmlDeviceGetMemoryInfo,
                nvmlDeviceGetPowerUsage, nvmlDeviceGetClockInfo, nvmlDeviceGetTemperature):
         setattr(mod, fn.__name__, fn)
     mod.state = state  # tests read whether NVML was shut down again

@@ -245,3 +245,12 @@ def test_a_host_label_no_series_carries_is_said(caplog):
     said = [r.getMessage() for r in caplog.records if "host label" in r.getMessage()]
     assert len(said) == 2 and "'Pod'" in said[0] and "case sensitive" in said[0]
     assert "keep the exporter's Hostname label" in said[0]
+
+
+def test_the_model_name_label_is_the_samples_hw_model():
+    text = _series("DCGM_FI_DEV_POWER_USAGE", "300", gpu="0", UUID="GPU-a", Hostname="n1",
+                   modelName="NVIDIA H100 80GB HBM3")
+    (sample,) = parse_exposition(text, now_ns=1)
+    assert sample.model == "NVIDIA H100 80GB HBM3"
+    bare = _series("DCGM_FI_DEV_POWER_USAGE", "300", gpu="0", UUID="GPU-a", Hostname="n1")
+    assert parse_exposition(bare, now_ns=1)[0].model is None

@@ -281,3 +281,27 @@ def test_gpm_once_reopened_and_switched_off_mid_run(fake_nvml, capsys):
     assert src.gpm_gpu_ids == [] and mod.state["gpm_samples"] == 0
     assert sc.METRIC_GPU_UTILIZATION in src.read()[0].as_dict()
     src.close()
+
+
+def test_samples_name_the_gpu_model_as_hw_model(fake_nvml):
+    from opentelemetry.sdk.resources import Resource
+
+    from inferprof.gpu.otlp import to_metrics_data
+
+    fake_nvml([FakeGpu(UUID_A), FakeGpu(UUID_B, name="NVIDIA L4"),
+               FakeGpu("GPU-00000000-0000-0000-0000-000000000003",
+                       unsupported={"nvmlDeviceGetName"})])
+    src = NvmlSource()
+    src.open()
+    try:
+        samples = src.read()
+    finally:
+        src.close()
+    assert [s.model for s in samples] == ["NVIDIA H100 80GB HBM3", "NVIDIA L4", None]
+    data = to_metrics_data(samples, Resource({}))
+    points = {
+        dict(p.attributes)[sc.ATTR_HW_ID]: dict(p.attributes).get(sc.ATTR_HW_MODEL)
+        for m in data.resource_metrics[0].scope_metrics[0].metrics for p in m.data.data_points
+    }
+    assert points == {UUID_A: "NVIDIA H100 80GB HBM3", UUID_B: "NVIDIA L4",
+                      "GPU-00000000-0000-0000-0000-000000000003": None}

@@ -241,6 +241,40 @@ def test_prometheus_stores_the_histograms_exemplars_pointing_at_slow_traces(prom
                 assert ids & slow, (panel["title"], expr)
 
 
+def test_dashboard_cost_panels_read_the_breakdowns_cost(prometheus):
+    from tests.collector.synth import gpu_metrics
+    from tests.collector.test_cost import POWER, _workload
+
+    base = time.time() - 30
+    export, *_ = _workload(base)
+    dashboard = json.loads(DASHBOARD.read_text())
+    panels = {p["id"]: p for p in dashboard["panels"]}
+    with running_app(gpu_hour_prices=(("", 3.6),)) as app:
+        app.engine.ingest_traces(export)
+        for gpu in ("GPU-0", "GPU-1"):
+            app.engine.ingest_metrics(gpu_metrics(POWER, metric=sc.METRIC_GPU_POWER_DRAW,
+                                                  hw_id=gpu, base_unix=base))
+        app.engine.ingest_metrics(gpu_metrics([(0.15, 0.5), (0.25, 0.7)], base_unix=base))
+        doc = breakdown(app, "svc", model="a").json()
+        url = prometheus(f"127.0.0.1:{app.api_port}")
+
+        def panel(pid: int, ref: str = "A") -> dict:
+            (target,) = [t for t in panels[pid]["targets"] if t["refId"] == ref]
+            expr = target["expr"].replace("$service", "svc").replace("$model", "a")
+            return {r["metric"].get("stage", ""): float(r["value"][1]) for r in _query(url, expr)}
+
+        stages = {st["stage"]: st for st in doc["cost"]["stages"]}
+        assert panel(13) == pytest.approx(
+            {k: v["gpu_seconds_per_request"] for k, v in stages.items()})
+        assert panel(14) == pytest.approx(
+            {"compute": stages["compute"]["energy_joules_per_request"]})
+        assert panel(15) == pytest.approx({k: v["cost_per_request"] for k, v in stages.items()})
+        assert panel(15, "B") == pytest.approx({"": doc["cost"]["cost_per_request"]})
+        assert panel(16, "A") == pytest.approx({"": doc["padding"]["waste_ratio"]})
+        assert panel(16, "B") == pytest.approx(
+            {"": doc["gpu"]["utilization_during_compute"]["mean"]})
+
+
 def test_dashboard_reads_one_series_per_stage_from_several_collectors(prometheus):
     # Scaled out (trace-ID load balancing), every collector reports the same service: the
     # dashboard's per-service panels must show one line per stage, not one per collector,
