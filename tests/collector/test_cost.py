@@ -26,7 +26,7 @@ POWER = [(0.05 + 0.1 * i, 100.0 + 200.0 * (0.05 + 0.1 * i)) for i in range(30)]
 PERIOD = 0.1
 
 
-def _workload(base_unix: float = BASE_UNIX):
+def _workload(base_unix: float = BASE_UNIX, one_model: bool = False):
     """Three batches and a lone request, on two GPUs, across models a and b.
 
     * batch A (links encoding, GPU-0): compute [0.1, 0.3] over members of 10, 30 and 60
@@ -36,19 +36,22 @@ def _workload(base_unix: float = BASE_UNIX):
       one member of each model;
     * request C (model a): its own compute [2.0, 2.05] on GPU-0, no batch: all of it.
     Returns the export and the exact GPU-seconds per (model, stage) summed, the requests
-    per model and the compute windows (gpu, start, end).
+    per model and the compute windows (gpu, start, end). ``one_model``: every request is
+    model a (which series a batch's compute window joins the GPU samples for depends on
+    the member folded first; with one model, there is no choice).
     """
     b = TraceBuilder(base_unix=base_unix)
+    other = "a" if one_model else "b"
     a1 = b.request(0.0, 0.4, model="a", **{PROMPT: 10})
     a2 = b.request(0.0, 0.4, model="a", **{PROMPT: 30})
-    b1 = b.request(0.0, 0.4, model="b", **{PROMPT: 60})
+    b1 = b.request(0.0, 0.4, model=other, **{PROMPT: 60})
     batch = [a1, a2, b1]
     for m in batch:
         b.stage(m, "queue", 0.0, 0.08)
     b.stage(None, "h2d", 0.08, 0.1, links=batch, batch_id="A", batch_size=3)
     b.stage(None, "compute", 0.1, 0.3, links=batch, batch_id="A", batch_size=3,
             effective=100, padded=120, gpu_id="GPU-0")
-    for model in ("a", "b"):
+    for model in ("a", other):
         m = b.request(0.9, 1.2, model=model)
         b.stage(m, "compute", 1.0, 1.1, batch_id="B", batch_size=2, gpu_id="GPU-1")
     c = b.request(1.95, 2.1, model="a")
@@ -60,14 +63,17 @@ def _workload(base_unix: float = BASE_UNIX):
         ("b", "h2d"): 0.02 / 3,
     }
     requests = {"a": 4, "b": 2}
-    windows = {"a": [("GPU-0", 0.1, 0.3), ("GPU-1", 1.0, 1.1), ("GPU-0", 2.0, 2.05)]}
+    windows = [("GPU-0", 0.1, 0.3), ("GPU-1", 1.0, 1.1), ("GPU-0", 2.0, 2.05)]
+    if one_model:
+        truth = {("a", st): truth[("a", st)] + truth[("b", st)] for st in ("compute", "h2d")}
+        requests = {"a": 6}
     return b.export(), truth, requests, windows
 
 
-def _engine(prices=(), power=True, models=(None, None)) -> Engine:
+def _engine(prices=(), power=True, models=(None, None), one_model=False) -> Engine:
     engine = Engine(settle_s=0, clock=FakeClock(), retention_s=math.inf,
                     gpu_hour_prices=prices)
-    export, *_ = _workload()
+    export, *_ = _workload(one_model=one_model)
     engine.ingest_traces(export)
     if power:
         for gpu, model in zip(("GPU-0", "GPU-1"), models):
@@ -105,12 +111,10 @@ def test_gpu_seconds_per_request_split_by_tokens_evenly_or_whole(model):
 
 
 def test_energy_per_request_from_the_power_drawn_during_compute():
-    # (model a: a batch's compute window joins the GPU samples for the series of the
-    # member the collector saw first, a's in both batches)
     model = "a"
-    _, truth, requests, windows = _workload()
-    doc = _engine().breakdown("svc", model, None)
-    watts = _mean_power(windows[model])
+    _, truth, requests, windows = _workload(one_model=True)
+    doc = _engine(one_model=True).breakdown("svc", model, None)
+    watts = _mean_power(windows)
     assert doc["cost"]["power_watts_during_compute"]["mean"] == pytest.approx(watts)
     compute = _stages(doc)["compute"]
     assert compute["energy_joules_per_request"] == pytest.approx(
@@ -129,8 +133,9 @@ def test_no_power_samples_no_energy_and_no_price_no_money():
 
 
 def test_money_prices_each_gpu_by_its_model_weighted_by_compute_time():
-    _, truth, requests, windows = _workload()
-    engine = _engine(prices=parse_prices(["H100=4.0", "1.0"]), models=("H100", "L4"))
+    _, truth, requests, windows = _workload(one_model=True)
+    engine = _engine(prices=parse_prices(["H100=4.0", "1.0"]), models=("H100", "L4"),
+                     one_model=True)
     doc = engine.breakdown("svc", "a", None)
     # a's windows: 0.2 s and 0.05 s on GPU-0 (H100: 4.0), 0.1 s on GPU-1 (L4: no price
     # of its own, the default 1.0)
@@ -140,12 +145,12 @@ def test_money_prices_each_gpu_by_its_model_weighted_by_compute_time():
         assert st["cost_per_request"] == pytest.approx(
             truth[("a", stage)] / requests["a"] * price / 3600)
     # without a price for other GPUs, only the H100's windows are priced
-    only = _engine(prices=parse_prices(["H100=4.0"]), models=("H100", "L4"))
+    only = _engine(prices=parse_prices(["H100=4.0"]), models=("H100", "L4"), one_model=True)
     assert only.breakdown("svc", "a", None)["cost"]["gpu_hour_price"] == pytest.approx(4.0)
 
 
 def test_cost_padding_and_gpu_figures_on_metrics():
-    engine = _engine(prices=(("", 2.0),))
+    engine = _engine(prices=(("", 2.0),), one_model=True)
     engine.ingest_metrics(gpu_metrics([(0.15, 0.5), (0.25, 0.7)]))
     registry = CollectorRegistry()
     registry.register(EngineCollector(engine, window_s=1e9))
