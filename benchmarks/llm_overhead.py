@@ -101,13 +101,13 @@ def _table(results: dict[str, list[dict]], configs: list[str], args: argparse.Na
         return s["itl_s"]["p99"]
 
     lines = [
-        f"LLM demo, {args.rounds} rounds x {args.duration:g} s, closed loop of "
-        f"{args.concurrency} streams, model {args.model_size}, KV cache {args.kv_blocks} "
-        f"blocks ({elapsed / 60:.1f} min); medians over rounds, ratios to `{BASELINE}` are "
-        "medians of per-round ratios",
+        (f"LLM demo, {args.rounds} rounds x {args.duration:g} s, closed loop of "
+         f"{args.concurrency} streams, model {args.model_size}, KV cache {args.kv_blocks} "
+         f"blocks ({elapsed / 60:.1f} min); medians over rounds, ratios to `{BASELINE}` are "
+         "medians of per-round ratios"),
         "",
-        "| mode | tokens/s | x off | req/s | ttft p50 ms | ttft p99 ms | itl p50 ms "
-        "| itl p99 ms | itl p99 x off | errors |",
+        ("| mode | tokens/s | x off | req/s | ttft p50 ms | ttft p99 ms | itl p50 ms "
+         "| itl p99 ms | itl p99 x off | errors |"),
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for mode in configs:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import random
@@ -115,9 +116,9 @@ def format_summary(summary: dict[str, Any]) -> str:
     def ms(v: float | None) -> str:
         return "-" if v is None else f"{v * 1000:.1f}"
 
-    lines = [f"client: {summary['requests']} requests in {summary['duration_s']:.1f} s "
-             f"({summary['throughput_rps']:.1f} req/s, {summary['output_tokens']} tokens, "
-             f"{summary['tokens_per_s']:.0f} tokens/s), {summary['errors']} errors"]
+    lines = [(f"client: {summary['requests']} requests in {summary['duration_s']:.1f} s "
+              f"({summary['throughput_rps']:.1f} req/s, {summary['output_tokens']} tokens, "
+              f"{summary['tokens_per_s']:.0f} tokens/s), {summary['errors']} errors")]
     for key, label in (("ttft_s", "ttft"), ("itl_s", "itl"), ("tpot_s", "tpot"),
                        ("latency_s", "end-to-end")):
         v = summary[key]
@@ -157,7 +158,7 @@ async def _one(client: Any, url: str, prompt: str, max_tokens: int, started: flo
         rec.error("stream ended early")
         return False
     rec.ttft_s.append(arrivals[0] - started)
-    rec.itl_s.extend(b - a for a, b in zip(arrivals, arrivals[1:]))
+    rec.itl_s.extend(b - a for a, b in itertools.pairwise(arrivals))
     rec.e2e_s.append(arrivals[-1] - started)
     rec.tokens.append(len(arrivals))
     return True

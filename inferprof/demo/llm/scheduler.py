@@ -32,6 +32,7 @@ from inferprof.demo.llm.request import (
     ScheduledItem,
 )
 
+
 class Scheduler:
     """Builds each step's batch; the engine runs it and reports back with :meth:`advance`."""
 
