@@ -63,7 +63,7 @@ from opentelemetry.proto.trace.v1 import trace_pb2
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from inferprof import semconv as sc
-from inferprof._config import _DEFAULT_SAMPLE_RATE, _DEFAULT_TAIL_QUANTILE
+from inferprof._config import DEFAULT_SAMPLE_RATE, DEFAULT_TAIL_QUANTILE
 from inferprof.collector.engine import Engine
 from inferprof.collector.sketch import exact_weighted_quantile
 from inferprof.collector.verdict import decide
@@ -94,7 +94,7 @@ STAGES = (
     sc.STAGE_SERIALIZE,
 )
 GPU_SAMPLE_PERIOD_S = 0.1
-DEFAULT_SETTING = (_DEFAULT_SAMPLE_RATE, _DEFAULT_TAIL_QUANTILE)
+DEFAULT_SETTING = (DEFAULT_SAMPLE_RATE, DEFAULT_TAIL_QUANTILE)
 _GRID = (
     (0.01, 0.9),
     (0.02, 0.9),

@@ -15,8 +15,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from inferprof import semconv
-
-__version__ = "0.1.0"
+from inferprof._version import __version__
 
 # public name -> module that defines it; resolved lazily by __getattr__.
 _LAZY = {

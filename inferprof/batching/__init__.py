@@ -15,7 +15,7 @@ _LAZY = {
     "batch": "inferprof.batching.hooks",
     "current_batch": "inferprof.batching.hooks",
     "set_tokens": "inferprof.batching.hooks",
-    "EventDevice": "inferprof.batching.device",
+    "EventDevice": "inferprof.instrumentation.device",
 }
 
 __all__ = list(_LAZY)

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from inferprof import semconv
-from inferprof._config import batch_encoding_setting
 from inferprof.batching.hooks import Batch, QueueHandle, _enqueue
+from inferprof.instrumentation.config import batch_encoding_setting
 
 _logger = logging.getLogger(__name__)
 _ATTR_BEHIND = semconv.ATTR_QUEUE_BEHIND_BATCHES_S

@@ -26,7 +26,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from inferprof import semconv
-from inferprof._config import active_runtime, batch_encoding_setting
+from inferprof.instrumentation.active import active_runtime
+from inferprof.instrumentation.config import batch_encoding_setting
 from inferprof.instrumentation.records import (
     MEMBERSHIP_LOCK,
     NO_BATCHES,
@@ -34,9 +35,10 @@ from inferprof.instrumentation.records import (
     BatchRecord,
     RequestRecord,
     StageRecord,
+    set_batch_tokens,
 )
-from inferprof.instrumentation.runtime import new_trace_id
-from inferprof.instrumentation.stage import Stage, _check_stage, _NoopStage
+from inferprof.instrumentation.spans import new_trace_id
+from inferprof.instrumentation.stage import NoopStage, Stage, check_stage
 
 _logger = logging.getLogger(__name__)
 _time_ns = time.time_ns
@@ -160,7 +162,7 @@ class _BoundStage(Stage):
             self._outer = None
 
 
-class _ClosedBatchStage(_NoopStage):
+class _ClosedBatchStage(NoopStage):
     """``b.stage()`` after the batch's block: records nothing, as a decorator too (a plain
     no-op stage defers a decorated function to a real stage at each call)."""
 
@@ -208,7 +210,7 @@ class Batch:
 
     def stage(self, name: str, *, device: Any = None, **attributes: Any) -> Stage:
         """A stage of this batch, usable from any thread or task."""
-        _check_stage(name)
+        check_stage(name)
         if self.record is None:
             return Stage(name, device, attributes)  # off: no batch scope, a no-op stage
         if self.record.closed:
@@ -222,7 +224,7 @@ class Batch:
 
     def set_tokens(self, *, effective: int | None = None, padded: int | None = None) -> None:
         """Real and padded token counts of the batch (``inferprof.tokens.*``)."""
-        _set_tokens(self.record, effective, padded)
+        set_batch_tokens(self.record, effective, padded)
 
     def set_attribute(self, key: str, value: Any) -> None:
         if self.record is not None:
@@ -318,22 +320,6 @@ class Batch:
         return self.__exit__(exc_type, exc, tb)
 
 
-def _set_tokens(record: BatchRecord | None, effective: int | None, padded: int | None) -> None:
-    for name, value in (("effective", effective), ("padded", padded)):
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int) or value < 0
-        ):
-            raise ValueError(f"{name} tokens must be a non-negative int, got {value!r}")
-    if effective is not None and padded is not None and padded < effective:
-        raise ValueError(f"padded tokens ({padded}) must be >= effective tokens ({effective})")
-    if record is None:
-        return
-    if effective is not None:
-        record.tokens[semconv.ATTR_TOKENS_EFFECTIVE] = effective
-    if padded is not None:
-        record.tokens[semconv.ATTR_TOKENS_PADDED] = padded
-
-
 def batch(
     handles: Iterable[QueueHandle],
     *,
@@ -371,7 +357,7 @@ class _NoBatch:
     batch_id = None
 
     def set_tokens(self, *, effective: int | None = None, padded: int | None = None) -> None:
-        _set_tokens(None, effective, padded)
+        set_batch_tokens(None, effective, padded)
 
     def set_attribute(self, key: str, value: Any) -> None:
         pass

@@ -16,7 +16,7 @@ from inferprof.cli.signals import until_signal
 from inferprof.collector import settings as _settings
 
 
-def _header(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> Any:
+def header_option(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> Any:
     try:
         return tuple(_settings._split_header(v) for v in values) or None
     except ValueError as exc:
@@ -94,7 +94,7 @@ gpu_hour_price_option = click.option(
     "--forward-header",
     "forward_headers",
     multiple=True,
-    callback=_header,
+    callback=header_option,
     help="key=value header/metadata sent with forwarded exports (repeatable).",
 )
 @click.option("--forward-ca", type=click.Path(dir_okay=False), help="CA bundle for TLS forwarding.")

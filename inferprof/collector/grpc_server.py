@@ -26,7 +26,7 @@ from inferprof.collector.auth import GrpcAuthInterceptor
 from inferprof.collector.decode import FORMAT_PROTOBUF, BodyError, encode_response, parse_request
 
 if TYPE_CHECKING:  # pragma: no cover
-    from inferprof.collector.app import Intake
+    from inferprof.collector.intake import Intake
 
 _log = logging.getLogger(__name__)
 

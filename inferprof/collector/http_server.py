@@ -44,7 +44,7 @@ from inferprof.collector.examples import with_links
 if TYPE_CHECKING:  # pragma: no cover
     from prometheus_client import CollectorRegistry
 
-    from inferprof.collector.app import Intake
+    from inferprof.collector.intake import Intake
 
 _log = logging.getLogger(__name__)
 

@@ -51,9 +51,9 @@ _DRAIN_TIMEOUT_S = 10.0
 
 
 def _header(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> Any:
-    from inferprof.collector.command import _header as collector_header  # as collect's
+    from inferprof.collector.command import header_option  # as collect's
 
-    return collector_header(ctx, param, values)
+    return header_option(ctx, param, values)
 
 
 def _echo(message: str, quiet: bool) -> None:

@@ -37,7 +37,10 @@ from opentelemetry import trace as trace_api
 from opentelemetry.semconv.attributes import http_attributes, url_attributes
 from opentelemetry.trace import SpanKind
 
-from inferprof import _config, semconv
+from inferprof import semconv
+from inferprof.fastapi._fastapi_compat import native_tracing
+from inferprof.instrumentation.active import active_runtime
+from inferprof.instrumentation.config import excluded_paths_setting, resolve
 from inferprof.instrumentation.records import (
     SCOPE,
     UNTIMED,
@@ -403,7 +406,7 @@ class InferprofMiddleware:
             raise ValueError(f"record_content must be a bool, got {record_content!r}")
         self.app = app
         paths = (
-            _config.excluded_paths_setting(excluded_paths) if excluded_paths is not None else None
+            excluded_paths_setting(excluded_paths) if excluded_paths is not None else None
         )
         # None: follow the runtime's configuration (configure(excluded_paths=...) / env).
         self._excluded_paths = split_paths(paths) if paths is not None else None
@@ -424,7 +427,7 @@ class InferprofMiddleware:
         #: (runtime, _content_limit_for(runtime)), worked out once per runtime
         self._content_limit: tuple[Runtime, int] | None = None
         if tracer_provider is not None:
-            config = _config._resolve(
+            config = resolve(
                 record_content=record_content,
                 content_max_bytes=content_max_bytes,
                 excluded_paths=paths,
@@ -438,7 +441,7 @@ class InferprofMiddleware:
             return
         rt = self._runtime
         if rt is None:
-            rt = _config.active_runtime()
+            rt = active_runtime()
         if rt is None or not rt.enabled:
             await self.app(scope, receive, send)
             return
@@ -636,7 +639,7 @@ def instrument(app: Any, *, fastapi_tracing: bool = False, **options: Any) -> An
     if options.get("excluded_paths") is not None:
         # Starlette builds the middleware on the first request: a bad setting would only
         # surface there, failing that request. Checked here, it fails at start-up.
-        _config.excluded_paths_setting(options["excluded_paths"])
+        excluded_paths_setting(options["excluded_paths"])
     if fastapi_tracing:
         app.add_middleware(InferprofMiddleware, _fastapi_tracing=True, **options)
     else:
@@ -646,10 +649,9 @@ def instrument(app: Any, *, fastapi_tracing: bool = False, **options: Any) -> An
 
 
 def _native_tracing_off(app: Any) -> None:
-    # FastAPI keeps its telemetry settings in this dict and reads "tracing" per request
-    # (fastapi/telemetry/_asgi.py, NativeTelemetry); older releases have none of it.
-    config = getattr(app, "_telemetry", None)
-    if isinstance(config, dict) and config.get("tracing"):
+    # FastAPI reads "tracing" per request (fastapi/telemetry/_asgi.py, NativeTelemetry).
+    config = native_tracing(app)
+    if config is not None and config.get("tracing"):
         config["tracing"] = False
         _logger.info("inferprof: FastAPI's own request tracing turned off; inferprof's "
                      "middleware makes the request span (instrument(app, "

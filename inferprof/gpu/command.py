@@ -18,12 +18,14 @@ from typing import IO, Any
 import click
 from click.core import ParameterSource
 
-from inferprof import _config
+from inferprof import _settings
+from inferprof import environment_variables as ev
 from inferprof import semconv as sc
 from inferprof.cli import as_flags, configure_logging, log_level_option
 from inferprof.cli.signals import until_signal
 from inferprof.gpu import sampler as _sampler
 from inferprof.gpu.records import METRICS, GpuSample, Source, SourceUnavailable
+from inferprof.instrumentation.config import DEFAULT_MODE, PROTOCOLS
 
 
 def _field(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> Any:
@@ -96,7 +98,7 @@ def _check_applies(ctx: click.Context, name: str) -> None:
 
 
 def _source(name: str | None, opts: dict[str, Any]) -> Source:
-    name = _config._choice(name, _sampler.ENV_SOURCE, sc.GPU_SOURCES, sc.GPU_SOURCE_NVML,
+    name = _settings.choice(name, _sampler.ENV_SOURCE, sc.GPU_SOURCES, sc.GPU_SOURCE_NVML,
                            "source")
     _check_applies(click.get_current_context(), name)
     gpus = list(opts["gpus"]) or None
@@ -108,13 +110,13 @@ def _source(name: str | None, opts: dict[str, Any]) -> Source:
     if name == sc.GPU_SOURCE_DCGM_EXPORTER:
         from inferprof.gpu.dcgm_exporter import DEFAULT_URL, DcgmExporterSource
 
-        url = opts["dcgm_url"] or _config._env(_sampler.ENV_DCGM_URL) or DEFAULT_URL
+        url = opts["dcgm_url"] or _settings.env(_sampler.ENV_DCGM_URL) or DEFAULT_URL
         return DcgmExporterSource(url, fields=opts["dcgm_fields"],
                                   host_label=opts["dcgm_host_label"])
     if name == sc.GPU_SOURCE_REPLAY:
         from inferprof.gpu.replay import ReplaySource
 
-        path = opts["replay"] or _config._env(_sampler.ENV_REPLAY)
+        path = opts["replay"] or _settings.env(_sampler.ENV_REPLAY)
         if path is None:
             raise ValueError(f"--source replay needs --replay FILE (or {_sampler.ENV_REPLAY})")
         return ReplaySource(path, loop=opts["loop"])
@@ -128,10 +130,10 @@ def _source(name: str | None, opts: dict[str, Any]) -> Source:
 def _disabled_by() -> str | None:
     """The variable that turns inferprof off in this environment, as start_sampler() reads
     them; None when it is on."""
-    if _config._flag(None, _config.ENV_OTEL_SDK_DISABLED, False):
-        return f"{_config.ENV_OTEL_SDK_DISABLED}=true"
-    mode = _config._choice(None, _config.ENV_MODE, sc.MODES, _config._DEFAULT_MODE, "mode")
-    return f"{_config.ENV_MODE}={sc.MODE_OFF}" if mode == sc.MODE_OFF else None
+    if _settings.flag(None, ev.OTEL_SDK_DISABLED, False):
+        return f"{ev.OTEL_SDK_DISABLED}=true"
+    mode = _settings.choice(None, ev.INFERPROF_MODE, sc.MODES, DEFAULT_MODE, "mode")
+    return f"{ev.INFERPROF_MODE}={sc.MODE_OFF}" if mode == sc.MODE_OFF else None
 
 
 def _plural(n: int, word: str) -> str:
@@ -186,7 +188,7 @@ def _host_used(src: Source, st: _sampler.SamplerSettings) -> str:
                                  "OTEL_EXPORTER_OTLP_[METRICS_]ENDPOINT, else "
                                  "http://localhost:4317, or http://localhost:4318/v1/metrics "
                                  "with http/protobuf).")
-@click.option("--protocol", type=click.Choice(_config.PROTOCOLS),
+@click.option("--protocol", type=click.Choice(PROTOCOLS),
               help="OTLP protocol (default: OTEL_EXPORTER_OTLP_[METRICS_]PROTOCOL, else grpc).")
 @click.option("--host-name", help="host.name of the samples: must equal the one on the "
                                   "service's spans (default: this machine's, as configure() "

@@ -6,7 +6,7 @@ kernel ran -> ratio), memory-controller busy share, memory used and size
 (``nvmlDeviceGetMemoryInfo``, bytes), power (``nvmlDeviceGetPowerUsage``, mW -> W), the
 graphics clock (MHz) and the core temperature (Cel). ``hw.id`` is the GPU's UUID as NVML
 reports it (``GPU-<8-4-4-4-12 lower-case hex>``), which is what ``inferprof.gpu.id`` on the
-service's CUDA stages holds (``inferprof.batching.device.gpu_uuid``), so the collector can
+service's CUDA stages holds (``inferprof.instrumentation.device.gpu_uuid``), so the collector can
 join the two.
 
 SM activity, SM occupancy, tensor-pipe and DRAM-bandwidth activity come from NVML's GPU

@@ -26,9 +26,11 @@ from opentelemetry.sdk.metrics.export import (
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
-from inferprof import __version__, _config
 from inferprof import semconv as sc
+from inferprof._version import __version__
 from inferprof.gpu.records import METRICS, GpuSample
+from inferprof.instrumentation import active
+from inferprof.instrumentation import config as instr_config
 
 _logger = logging.getLogger(__name__)
 _SCOPE = InstrumentationScope(sc.INSTRUMENTATION_SCOPE, __version__)
@@ -76,13 +78,13 @@ def service_host_name() -> str:
     """
     from opentelemetry import trace as trace_api
 
-    rt = _config._runtime  # read, not built: active_runtime() would install one
+    rt = active.configured_runtime()  # read, not built: active_runtime() would build one
     for provider in (getattr(rt, "tracer_provider", None), trace_api.get_tracer_provider()):
         resource = getattr(provider, "resource", None)
         host = getattr(resource, "attributes", {}).get(sc.RESOURCE_HOST_NAME)
         if isinstance(host, str) and host:
             return host
-    host = _config._resource(None, None).attributes.get(sc.RESOURCE_HOST_NAME)
+    host = instr_config.resource(None, None).attributes.get(sc.RESOURCE_HOST_NAME)
     return str(host)
 
 
@@ -90,11 +92,11 @@ def sampler_resource(source: str, host_name: str, service_name: str | None) -> R
     """The resource of the sampler's exports: ``configure()``'s (fresh
     ``service.instance.id``, ``OTEL_RESOURCE_ATTRIBUTES`` folded in), with ``host_name``
     and ``inferprof.gpu.source``."""
-    base = _config._resource(service_name, {sc.RESOURCE_GPU_SOURCE: source})
+    base = instr_config.resource(service_name, {sc.RESOURCE_GPU_SOURCE: source})
     return base.merge(Resource({sc.RESOURCE_HOST_NAME: host_name}))
 
 
-def metrics_config(endpoint: str | None, protocol: str | None) -> _config.Config:
+def metrics_config(endpoint: str | None, protocol: str | None) -> instr_config.Config:
     """Where GPU samples go, as a ``configure()`` configuration.
 
     ``endpoint``/``protocol`` given: those, read as ``configure(endpoint=..., protocol=...)``
@@ -102,36 +104,37 @@ def metrics_config(endpoint: str | None, protocol: str | None) -> _config.Config
     Otherwise ``OTEL_EXPORTER_OTLP_METRICS_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_ENDPOINT`` and
     ``..._METRICS_PROTOCOL`` / ``..._PROTOCOL`` (default: gRPC to ``localhost:4317``).
     """
-    config = _config.current_config() if endpoint is None and protocol is None else None
+    config = active.current_config() if endpoint is None and protocol is None else None
     if config is None or not config.enabled:
-        config = _config._resolve(endpoint=endpoint, protocol=protocol, owns=False)
+        config = instr_config.resolve(endpoint=endpoint, protocol=protocol, owns=False)
     return config
 
 
 #: Where the SDK's ``OTLPMetricExporter`` sends when no endpoint is configured (its own
 #: defaults: ``opentelemetry-exporter-otlp-proto-grpc`` / ``-proto-http``).
 DEFAULT_ENDPOINTS = {
-    _config.PROTOCOL_GRPC: "http://localhost:4317",
-    _config.PROTOCOL_HTTP: "http://localhost:4318/v1/metrics",
+    instr_config.PROTOCOL_GRPC: "http://localhost:4317",
+    instr_config.PROTOCOL_HTTP: "http://localhost:4318/v1/metrics",
 }
 
 
-def metrics_target(config: _config.Config) -> tuple[str, str]:
+def metrics_target(config: instr_config.Config) -> tuple[str, str]:
     """The protocol and the URL the metric exporter for ``config`` really sends to: the
     configured one, else the exporter's default for the protocol."""
-    protocol, url = _config.metrics_endpoint(config)
-    return protocol, url or DEFAULT_ENDPOINTS.get(protocol, DEFAULT_ENDPOINTS[_config.PROTOCOL_GRPC])
+    protocol, url = instr_config.metrics_endpoint(config)
+    default = DEFAULT_ENDPOINTS[instr_config.PROTOCOL_GRPC]
+    return protocol, url or DEFAULT_ENDPOINTS.get(protocol, default)
 
 
-def metric_exporter(config: _config.Config) -> Any:
+def metric_exporter(config: instr_config.Config) -> Any:
     """The official ``OTLPMetricExporter`` (gRPC or HTTP/protobuf) for ``config``; headers,
     timeout, compression and TLS come from the ``OTEL_EXPORTER_OTLP_[METRICS_]*``
     variables, which the exporter reads itself."""
-    protocol, url = _config.metrics_endpoint(config)
-    mismatch = _config.protocol_port_mismatch(url, protocol)
+    protocol, url = instr_config.metrics_endpoint(config)
+    mismatch = instr_config.protocol_port_mismatch(url, protocol)
     if mismatch:
         _logger.warning("%s", mismatch)
-    return _config._metric_exporter(config)
+    return instr_config.metric_exporter(config)
 
 
 __all__ = ["DEFAULT_ENDPOINTS", "metric_exporter", "metrics_config", "metrics_target", "sampler_resource", "service_host_name", "to_metrics_data"]

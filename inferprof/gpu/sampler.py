@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import math
 import os
 import threading
 import time
@@ -38,20 +37,23 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import Any
 
-from inferprof import _config
+from inferprof import _config, _settings
+from inferprof import environment_variables as ev
 from inferprof import semconv as sc
 from inferprof.gpu import otlp
 from inferprof.gpu.records import GpuSample, RateLimitedLog, SamplerStats, Source, SourceUnavailable
+from inferprof.instrumentation import active
+from inferprof.instrumentation.config import DEFAULT_MODE, Config
 
 _logger = logging.getLogger(__name__)
 
-ENV_SOURCE = "INFERPROF_GPU_SOURCE"
-ENV_INTERVAL = "INFERPROF_GPU_INTERVAL"
-ENV_EXPORT_INTERVAL = "INFERPROF_GPU_EXPORT_INTERVAL"
-ENV_DCGM_URL = "INFERPROF_GPU_DCGM_URL"
-ENV_REPLAY = "INFERPROF_GPU_REPLAY"
-ENV_HOST_NAME = "INFERPROF_GPU_HOST_NAME"
-ENV_MAX_QUEUE_SIZE = "INFERPROF_GPU_MAX_QUEUE_SIZE"
+ENV_SOURCE = ev.INFERPROF_GPU_SOURCE
+ENV_INTERVAL = ev.INFERPROF_GPU_INTERVAL
+ENV_EXPORT_INTERVAL = ev.INFERPROF_GPU_EXPORT_INTERVAL
+ENV_DCGM_URL = ev.INFERPROF_GPU_DCGM_URL
+ENV_REPLAY = ev.INFERPROF_GPU_REPLAY
+ENV_HOST_NAME = ev.INFERPROF_GPU_HOST_NAME
+ENV_MAX_QUEUE_SIZE = ev.INFERPROF_GPU_MAX_QUEUE_SIZE
 
 _DEFAULT_SOURCE = sc.GPU_SOURCE_NVML
 #: Export once a second: the collector folds requests about two seconds after they end
@@ -90,25 +92,6 @@ class SamplerSettings:
     endpoint: str | None
 
 
-def _positive_float(arg: Any, env: str, default: float, what: str) -> float:
-    if arg is not None:
-        if isinstance(arg, bool) or not isinstance(arg, (int, float)) or not (
-                arg > 0 and math.isfinite(arg)):
-            raise ValueError(f"{what} must be a positive number of seconds, got {arg!r}")
-        return float(arg)
-    raw = _config._env(env)
-    if raw is None:
-        return default
-    try:
-        value = float(raw)
-        if value > 0 and math.isfinite(value):
-            return value
-    except ValueError:
-        pass
-    _logger.warning("ignoring %s=%r: not a positive number; using %r", env, raw, default)
-    return default
-
-
 def resolve_source(
     source: str | Source | None,
     *,
@@ -123,7 +106,7 @@ def resolve_source(
             raise TypeError(f"source must be one of {sc.GPU_SOURCES} or a Source, got {source!r}")
         name = None
     else:
-        name = _config._choice(source, ENV_SOURCE, sc.GPU_SOURCES, _DEFAULT_SOURCE, "source")
+        name = _settings.choice(source, ENV_SOURCE, sc.GPU_SOURCES, _DEFAULT_SOURCE, "source")
     # As the CLI: an option of another source is a mistake, not something to ignore.
     if dcgm_url is not None and name != sc.GPU_SOURCE_DCGM_EXPORTER:
         raise ValueError(f"dcgm_url applies to the {sc.GPU_SOURCE_DCGM_EXPORTER!r} source only, "
@@ -140,11 +123,11 @@ def resolve_source(
     if name == sc.GPU_SOURCE_DCGM_EXPORTER:
         from inferprof.gpu.dcgm_exporter import DEFAULT_URL, DcgmExporterSource
 
-        return DcgmExporterSource(dcgm_url or _config._env(ENV_DCGM_URL) or DEFAULT_URL)
+        return DcgmExporterSource(dcgm_url or _settings.env(ENV_DCGM_URL) or DEFAULT_URL)
     if name == sc.GPU_SOURCE_REPLAY:
         from inferprof.gpu.replay import ReplaySource
 
-        path = replay if replay is not None else _config._env(ENV_REPLAY)
+        path = replay if replay is not None else _settings.env(ENV_REPLAY)
         if path is None:
             raise ValueError(f"the replay source needs a recording: replay= or {ENV_REPLAY}")
         return ReplaySource(path)
@@ -185,14 +168,14 @@ class GpuSampler:
         if exporter is not None and not hasattr(exporter, "export"):
             raise TypeError(f"exporter must be a MetricExporter, got {exporter!r}")
         self.source = source
-        host = host_name or _config._env(ENV_HOST_NAME)
-        configured = _config.current_config()
+        host = host_name or _settings.env(ENV_HOST_NAME)
+        configured = active.current_config()
         service = (service_name or (configured.service_name if configured else None)
-                   or _config._env(_config.ENV_OTEL_SERVICE_NAME) or _DEFAULT_SERVICE_NAME)
+                   or _settings.env(ev.OTEL_SERVICE_NAME) or _DEFAULT_SERVICE_NAME)
         if exporter is None:
             # The exporter itself is built in start(), once the source has opened: a
             # sampler that cannot run opens no connection.
-            self._config: _config.Config | None = otlp.metrics_config(endpoint, protocol)
+            self._config: Config | None = otlp.metrics_config(endpoint, protocol)
             protocol_used, url = otlp.metrics_target(self._config)
         else:
             self._config = None
@@ -204,10 +187,10 @@ class GpuSampler:
                 f"max_export_batch_size must be a positive int, got {max_export_batch_size!r}")
         self.settings = SamplerSettings(
             source=source.name,
-            interval=_positive_float(interval, ENV_INTERVAL, source.default_interval, "interval"),
-            export_interval=_positive_float(export_interval, ENV_EXPORT_INTERVAL,
+            interval=_settings.positive_seconds(interval, ENV_INTERVAL, source.default_interval, "interval"),
+            export_interval=_settings.positive_seconds(export_interval, ENV_EXPORT_INTERVAL,
                                             _DEFAULT_EXPORT_INTERVAL_S, "export_interval"),
-            max_queue_size=_config._positive_int(max_queue_size, ENV_MAX_QUEUE_SIZE,
+            max_queue_size=_settings.positive_int(max_queue_size, ENV_MAX_QUEUE_SIZE,
                                                  _DEFAULT_MAX_QUEUE_SIZE, "max_queue_size"),
             max_export_batch_size=max_export_batch_size or _DEFAULT_MAX_EXPORT_BATCH_SIZE,
             host_name=host or otlp.service_host_name(),
@@ -498,10 +481,10 @@ def start_sampler(
     does ``INFERPROF_MODE=off`` / ``OTEL_SDK_DISABLED=true`` (logged at INFO). Stop the
     sampler with ``.stop()``; it is stopped at interpreter exit otherwise.
     """
-    mode = _config._choice(None, _config.ENV_MODE, sc.MODES, _config._DEFAULT_MODE, "mode")
-    configured = _config.current_config()
+    mode = _settings.choice(None, ev.INFERPROF_MODE, sc.MODES, DEFAULT_MODE, "mode")
+    configured = active.current_config()
     if (configured is not None and not configured.enabled) or (configured is None and (
-            mode == sc.MODE_OFF or _config._flag(None, _config.ENV_OTEL_SDK_DISABLED, False))):
+            mode == sc.MODE_OFF or _settings.flag(None, ev.OTEL_SDK_DISABLED, False))):
         reason = "GPU sampling is off: inferprof is disabled in this process"
         _logger.info("%s", reason)
         return DisabledSampler(reason)
@@ -535,6 +518,7 @@ def _register_atexit(sampler: GpuSampler) -> None:
         _live.add(sampler)
         if not _atexit_registered:
             atexit.register(_stop_all)
+            _config.add_shutdown_hook(_stop_all)  # inferprof.shutdown() stops them first
             _atexit_registered = True
 
 

@@ -13,12 +13,12 @@ def stats() -> Any:
     """A :class:`~inferprof.instrumentation.accounting.StatsSnapshot` (all zero with
     ``mode="off"``); after ``inferprof.shutdown()``, the final counts of the configuration
     it shut down; None when inferprof has not been configured."""
-    from inferprof import _config
+    from inferprof.instrumentation import active
 
-    rt = _config._runtime if _config._runtime is not None else _config.active_runtime()
+    rt = active.configured_runtime() or active.active_runtime()
     if rt is not None:
         return rt.snapshot()
-    final = _config._final_stats
+    final = active.final_stats()
     return final.snapshot() if final is not None else None
 
 

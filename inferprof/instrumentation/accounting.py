@@ -3,10 +3,11 @@
 Spans emitted and spans dropped, and why:
 
 When the exporter is down, spans must be dropped — never queued without bound, never
-slowing requests — and the drops must be visible. The SDK's ``BatchSpanProcessor`` already
-bounds its queue (``OTEL_BSP_MAX_QUEUE_SIZE``, default 2048) and never blocks ``on_end``;
-these wrappers count what it throws away (queue full) and what the exporter fails to send,
-so ``inferprof.instrumentation.stats()`` and the OTel counter ``inferprof.spans.dropped``
+slowing requests — and the drops must be visible. inferprof's batch processor
+(``processor.BatchSpanProcessor``) bounds its queue (``OTEL_BSP_MAX_QUEUE_SIZE``, default
+2048), never blocks ``on_end`` and counts what it throws away (queue full);
+:class:`CountingSpanExporter` counts what the exporter fails to send; so
+``inferprof.instrumentation.stats()`` and the OTel counter ``inferprof.spans.dropped``
 report them.
 
 Queued traces: when ``configure()`` built the provider, a kept request goes into the
@@ -29,7 +30,6 @@ trace; drops are counted in spans.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from opentelemetry.sdk.trace import ReadableSpan
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from inferprof.instrumentation.otlp_encode import (
     encode_request,
@@ -49,8 +49,6 @@ _logger = logging.getLogger(__name__)
 #: Traces built between voluntary GIL releases on the export thread, so that a large
 #: export does not hold the request threads off for a whole switch interval (5 ms).
 _BUILD_SLICE = 16
-#: Seconds between two "export queue full" warnings.
-_DROP_WARNING_INTERVAL_S = 10.0
 
 
 class DeferredTrace:
@@ -83,7 +81,7 @@ class EncodedTrace:
 
 
 #: Queue entries that stand for several spans (the rest are single ReadableSpans).
-_TRACE_ENTRIES = (DeferredTrace, EncodedTrace)
+TRACE_ENTRIES = (DeferredTrace, EncodedTrace)
 
 
 class EncodedSpans:
@@ -162,7 +160,7 @@ class CountingSpanExporter(SpanExporter):
     def __init__(self, exporter: SpanExporter, stats: Stats, max_batch: int = 512) -> None:
         self._exporter = exporter
         self._stats = stats
-        self._max_batch = max(1, max_batch)
+        self.max_batch = max(1, max_batch)
 
     @property
     def accepts_encoded(self) -> bool:
@@ -170,7 +168,7 @@ class CountingSpanExporter(SpanExporter):
         return bool(getattr(self._exporter, "accepts_encoded", False))
 
     def export(self, spans: Sequence[Any]) -> SpanExportResult:
-        if any(type(s) in _TRACE_ENTRIES for s in spans):
+        if any(type(s) in TRACE_ENTRIES for s in spans):
             return self._export_deferred(spans)
         return self._export(spans)
 
@@ -213,7 +211,7 @@ class CountingSpanExporter(SpanExporter):
                 built += 1
                 if built % _BUILD_SLICE == 0:
                     time.sleep(0)  # let the request threads in (GIL)
-            if pending >= self._max_batch:
+            if pending >= self.max_batch:
                 if self._send(spans, traces, pending, direct) is not SpanExportResult.SUCCESS:
                     result = SpanExportResult.FAILURE
                 spans, traces, pending = [], [], 0
@@ -262,114 +260,12 @@ class CountingSpanExporter(SpanExporter):
         return self._exporter.force_flush(timeout_millis)
 
 
-class CountingBatchSpanProcessor(BatchSpanProcessor):
-    """A ``BatchSpanProcessor`` that counts the spans its bounded queue drops.
-
-    When the queue is full (the exporter slow or down) the SDK logs a warning for every
-    entry it drops, which on a busy service is a log line per request; here the oldest
-    entry is dropped the same way, counted, and a warning logged at most every
-    ``_DROP_WARNING_INTERVAL_S`` seconds.
-    """
-
-    def __init__(self, exporter: SpanExporter, stats: Stats, **kwargs) -> None:
-        super().__init__(exporter, **kwargs)
-        self._stats = stats
-        # The SDK keeps its queue private; when its layout changes we lose only the
-        # queue-full count (export failures are still counted by the exporter wrapper).
-        inner = self._inner = getattr(self, "_batch_processor", None)
-        self._queue = getattr(inner, "_queue", None)
-        self._max = getattr(inner, "_max_queue_size", None)
-        #: the SDK's own queueing entry point, or None when its layout changed (then
-        #: configure() does not defer traces and spans are built on the request's thread)
-        self._emit = getattr(inner, "emit", None)
-        self._awaken = getattr(inner, "_worker_awaken", None)
-        self._can_drop = (
-            getattr(self._queue, "maxlen", None) == self._max
-            and self._awaken is not None
-            and hasattr(inner, "_shutdown")
-            and hasattr(inner, "_pid")
-        )
-        self._next_warning = 0.0
-        batch_size = getattr(inner, "_max_export_batch_size", None)
-        if isinstance(exporter, CountingSpanExporter) and batch_size:
-            exporter._max_batch = batch_size  # spans per export call, deferred traces built
-        #: whether the exporter takes encoded bytes (then traces are encoded at request end)
-        self.accepts_encoded = isinstance(exporter, CountingSpanExporter) and (
-            exporter.accepts_encoded
-        )
-
-    def shutdown(self, timeout_millis: int | None = None) -> None:
-        """Flush and stop, waiting at most ``timeout_millis`` (the SDK's processor, called
-        by its provider, has no bound of its own: 30 s, each export retrying for up to 10 s
-        against a dead endpoint). What is not exported by then is dropped, and counted."""
-        inner = self._inner
-        if timeout_millis is None or not callable(getattr(inner, "shutdown", None)):
-            super().shutdown()
-        else:
-            inner.shutdown(timeout_millis=timeout_millis)
-        self._count_left_behind()
-
-    def _count_left_behind(self) -> None:
-        """Count the entries the shut-down queue will never export. Each is popped, so an
-        entry is counted once: here, or by the exporter wrapper if the export thread took it."""
-        queue = self._queue
-        if queue is None:
-            return
-        left = 0
-        while True:
-            try:
-                entry = queue.pop()
-            except IndexError:
-                break
-            left += entry.n if type(entry) in _TRACE_ENTRIES else 1
-        with self._stats._lock:
-            self._stats.shutdown += left
-
-    def on_end(self, span: Any) -> None:
-        entry = type(span) in _TRACE_ENTRIES
-        if not entry and not (span.context and span.context.trace_flags.sampled):
-            return
-        queue = self._queue
-        if queue is not None and len(queue) >= self._max:
-            # The queue drops its oldest entry to make room: count its spans.
-            try:
-                oldest = queue[-1]
-            except IndexError:  # the export thread emptied it meanwhile
-                oldest = None
-            self._stats.queue_full += oldest.n if type(oldest) in _TRACE_ENTRIES else 1
-            if self._drop_oldest(span):
-                return
-        if entry:
-            self._emit(span)  # sampled by construction: it was kept
-        else:
-            super().on_end(span)
-
-    def _drop_oldest(self, span: Any) -> bool:
-        """Queue ``span`` in place of the oldest entry as the SDK does, minus its log line
-        per drop. False where the SDK must do it (shut down, forked, changed layout)."""
-        inner = self._inner
-        if not self._can_drop or inner._shutdown or inner._pid != os.getpid():
-            return False
-        self._queue.appendleft(span)  # a bounded deque: the oldest entry falls off
-        if not self._awaken.is_set():
-            self._awaken.set()
-        now = time.monotonic()
-        if now >= self._next_warning:
-            self._next_warning = now + _DROP_WARNING_INTERVAL_S
-            _logger.warning(
-                "inferprof's span export queue is full (the exporter is slow or down): "
-                "%d spans dropped so far, counted in inferprof.spans.dropped",
-                self._stats.queue_full,
-            )
-        return True
-
-
 __all__ = [
+    "TRACE_ENTRIES",
     "DeferredTrace",
     "EncodedSpans",
     "EncodedTrace",
     "Stats",
     "StatsSnapshot",
     "CountingSpanExporter",
-    "CountingBatchSpanProcessor",
 ]

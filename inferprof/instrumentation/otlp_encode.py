@@ -29,6 +29,8 @@ from typing import Any
 from opentelemetry.trace import SpanKind
 
 from inferprof.instrumentation.records import span_id_of
+from inferprof.instrumentation.spans import SpanSpec, stage_spec
+from inferprof.instrumentation.spans import error_parts as _error_parts
 from inferprof.semconv import ATTR_STAGE, SPAN_NAME_PREFIX
 
 _logger = logging.getLogger(__name__)
@@ -312,9 +314,7 @@ _FLAGS_LOCAL = b"\x85\x01" + _pack_i(_FLAGS_HAS_IS_REMOTE)
 _FLAGS_REMOTE = b"\x85\x01" + _pack_i(_FLAGS_HAS_IS_REMOTE | _FLAGS_IS_REMOTE)
 
 
-def _spec_span(
-    tid: bytes, state: bytes, spec: tuple, error_parts: Any
-) -> bytes:
+def _spec_span(tid: bytes, state: bytes, spec: SpanSpec) -> bytes:
     name, span_id, parent, kind, start, end, attrs, error, links = spec
     out = [b"\x0a\x10", tid, b"\x12\x08", span_id.to_bytes(8, "big"), state]
     flags = _FLAGS_LOCAL
@@ -340,7 +340,7 @@ def _spec_span(
     out += (enc, b"\x39", _pack_q(start or 0), b"\x41", _pack_q(end or 0))
     status = None
     if error is not None:
-        status, events, extra = error_parts(error, end)
+        status, events, extra = _error_parts(error, end)
         if extra:
             attrs = {**attrs, **extra}
     out.append(_attributes(9, attrs))
@@ -352,19 +352,14 @@ def _spec_span(
     return _span_field(b"".join(out))
 
 
-#: ``runtime._error_parts`` (status, events, extra attributes of a span's error).
-_error_parts: Any = None
-
-
-def encode_trace_spans(trace_id: int, specs: Sequence[tuple], trace_state: Any = None) -> bytes:
+def encode_trace_spans(
+    trace_id: int, specs: Sequence[SpanSpec], trace_state: Any = None
+) -> bytes:
     """One trace's spans as repeated ``ScopeSpans.spans`` fields (field 2), ready to be
     concatenated with other traces' under one scope by :func:`wrap_trace_spans`."""
-    global _error_parts
-    if _error_parts is None:  # runtime imports this module: bind it on first use
-        from inferprof.instrumentation.runtime import _error_parts
     tid = trace_id.to_bytes(16, "big")
     state = _trace_state(3, trace_state)
-    return b"".join([_spec_span(tid, state, spec, _error_parts) for spec in specs])
+    return b"".join([_spec_span(tid, state, spec) for spec in specs])
 
 
 _stage_heads: dict[str, tuple[bytes, bytes]] = {}
@@ -384,9 +379,6 @@ def _stage_head(name: str) -> tuple[bytes, bytes]:
 def batch_stage_body(st: Any, attrs: Mapping[str, Any]) -> bytes:
     """A batch stage's span after its ids (name, kind, times, ``attrs``, error, status,
     flags): the same bytes in every member's copy, so a batch encodes it once."""
-    global _error_parts
-    if _error_parts is None:
-        from inferprof.instrumentation.runtime import _error_parts
     end = st.end
     out = [_stage_head(st.name)[0], b"\x39", _pack_q(st.start or 0), b"\x41", _pack_q(end or 0)]
     if st.error is None:
@@ -401,36 +393,29 @@ def batch_stage_body(st: Any, attrs: Mapping[str, Any]) -> bytes:
 
 def encode_request_trace(
     trace_id: int,
-    head: Sequence[tuple],
+    head: Sequence[SpanSpec],
     stages: Sequence[Any],
     root: int,
     end: int,
     copies: Sequence[tuple[Sequence[Any], Any]] = (),
     trace_state: Any = None,
 ) -> bytes:
-    """A kept request's trace, as :func:`encode_trace_spans` gives it for the specs
-    ``Runtime._request_trace`` builds, with no spec tuple or merged attribute dict per
-    stage: ``head``, the request span's spec (or none); ``stages``, its stage records,
-    children of ``root`` unless nested, ending at ``end`` if still open; ``copies``, per
-    batch copied under the request (``children`` encoding), its stage records and
-    ``body(stage)``, the stage's :func:`batch_stage_body`. Each copy draws a span id (in
-    the spec path's order) and has for parent the copy of its stage's parent, else ``root``."""
-    global _error_parts
-    if _error_parts is None:
-        from inferprof.instrumentation.runtime import _error_parts
+    """A kept request's trace, the bytes :func:`encode_trace_spans` gives for the specs
+    ``Runtime._request_trace`` builds (``spans.stage_spec`` per stage), written with no
+    spec tuple or merged attribute dict per stage (the tests compare both paths): ``head``,
+    the request span's spec (or none); ``stages``, its stage records, children of ``root``
+    unless nested, ending at ``end`` if still open; ``copies``, per batch copied under the
+    request (``children`` encoding), its stage records and ``body(stage)``, the stage's
+    :func:`batch_stage_body`. Each copy draws a span id (in the spec path's order) and has
+    for parent the copy of its stage's parent, else ``root``."""
     tid = trace_id.to_bytes(16, "big")
     state = _trace_state(3, trace_state)
-    out = [_spec_span(tid, state, spec, _error_parts) for spec in head]
+    out = [_spec_span(tid, state, spec) for spec in head]
     root_b = root.to_bytes(8, "big")
     for st in stages:
         attrs = st.attrs
         if st.error is not None or ATTR_STAGE in attrs:  # rare: the general path
-            parent = st.parent
-            out.append(_spec_span(tid, state, (
-                SPAN_NAME_PREFIX + st.name, span_id_of(st),
-                span_id_of(parent) if parent is not None else root, _INTERNAL, st.start,
-                st.end or end, {ATTR_STAGE: st.name, **attrs}, st.error, (),
-            ), _error_parts))
+            out.append(_spec_span(tid, state, stage_spec(st, root, end)))
             continue
         names, stage_attr = _stage_head(st.name)
         parent = st.parent
@@ -483,83 +468,11 @@ def encode_traces(traces: Sequence[tuple[Any, tuple]]) -> bytes:
     return wrap_trace_spans([(rt, encode_trace_spans(*trace)) for rt, trace in traces])
 
 
-def grpc_span_exporter(**kwargs: Any) -> Any:
-    """The SDK's OTLP/gRPC span exporter, encoding with :func:`encode_request`."""
-    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-        ExportTraceServiceRequest,
-    )
-
-    parse = ExportTraceServiceRequest.FromString
-
-    from inferprof.instrumentation.accounting import EncodedSpans
-
-    class FastOTLPSpanExporter(OTLPSpanExporter):
-        #: CountingSpanExporter may hand it EncodedSpans (bytes built from records).
-        accepts_encoded = True
-
-        # The gRPC stub wants a message: parsing our bytes (C, upb) costs far less than
-        # the SDK's Python-side message building it replaces.
-        def _translate_data(self, data: Sequence[Any]) -> Any:
-            if type(data) is EncodedSpans:
-                return parse(data.payload)
-            return parse(encode_request(data))
-
-    return FastOTLPSpanExporter(**kwargs)
-
-
-def http_span_exporter(**kwargs: Any) -> Any:
-    """The SDK's OTLP/HTTP (protobuf) span exporter, sending :func:`encode_request` bytes.
-
-    The SDK's HTTP exporter encodes and sends in one ``export()``; the sending half is its
-    ``_client.export(bytes)`` (opentelemetry-exporter-otlp-proto-http 1.40 and later),
-    which keeps its headers, compression, TLS, timeout and retries. Where that is missing
-    (older releases) the exporter says it takes no encoded bytes and the SDK's own
-    ``export()`` runs, spans built as ``ReadableSpan``s: slower, never wrong.
-    """
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-    from opentelemetry.sdk.trace.export import SpanExportResult
-
-    from inferprof.instrumentation.accounting import EncodedSpans
-
-    class FastHTTPSpanExporter(OTLPSpanExporter):
-        def __init__(self, **options: Any) -> None:
-            super().__init__(**options)
-            client = getattr(self, "_client", None)
-            #: CountingSpanExporter may hand it EncodedSpans (bytes built from records).
-            self.accepts_encoded = callable(getattr(client, "export", None)) and hasattr(
-                self, "_shutdown"
-            )
-
-        def export(self, spans: Any) -> Any:
-            if not self.accepts_encoded:
-                return super().export(spans)
-            if self._shutdown:
-                _logger.warning("inferprof's OTLP/HTTP exporter is shut down; spans dropped")
-                return SpanExportResult.FAILURE
-            payload = spans.payload if type(spans) is EncodedSpans else encode_request(spans)
-            limit = getattr(self, "_max_request_size", 0) or 0
-            if 0 < limit < len(payload):
-                _logger.warning(
-                    "dropping %d spans: their OTLP request is %d bytes, over the exporter's "
-                    "max_request_size of %d", len(spans), len(payload), limit
-                )
-                return SpanExportResult.FAILURE
-            result = self._client.export(payload)
-            if getattr(result, "success", False):
-                return SpanExportResult.SUCCESS
-            return SpanExportResult.FAILURE
-
-    return FastHTTPSpanExporter(**kwargs)
-
-
 __all__ = [
     "batch_stage_body",
     "encode_request",
     "encode_request_trace",
     "encode_trace_spans",
     "encode_traces",
-    "grpc_span_exporter",
-    "http_span_exporter",
     "wrap_trace_spans",
 ]

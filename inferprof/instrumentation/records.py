@@ -16,10 +16,10 @@ from typing import Any
 
 from opentelemetry import context as context_api
 from opentelemetry import trace as trace_api
-from opentelemetry.context.contextvars_context import ContextVarsRuntimeContext
-from opentelemetry.trace.propagation import _SPAN_KEY
 
 from inferprof import semconv
+from inferprof.instrumentation._otel_compat import OTEL_CONTEXT as _OTEL_CONTEXT
+from inferprof.instrumentation._otel_compat import SPAN_KEY as _SPAN_KEY
 
 _SAMPLED = trace_api.TraceFlags(trace_api.TraceFlags.SAMPLED)
 _NOT_SAMPLED = trace_api.TraceFlags(trace_api.TraceFlags.DEFAULT)
@@ -42,7 +42,7 @@ class StageRecord:
         self.end: int | None = None
         self.attrs = attrs
         self.error: BaseException | None = None
-        # Pending device timing (inferprof.batching.device), resolved before emission.
+        # Pending device timing (inferprof.instrumentation.device), resolved before emission.
         self.device: Any = None
 
     def set_attribute(self, key: str, value: Any) -> None:
@@ -265,9 +265,26 @@ class BatchRecord:
 
     def set_tokens(self, *, effective: int | None = None, padded: int | None = None) -> None:
         """Real and padded token counts of the batch (``inferprof.tokens.*``)."""
-        from inferprof.batching.hooks import _set_tokens
+        set_batch_tokens(self, effective, padded)
 
-        _set_tokens(self, effective, padded)
+
+def set_batch_tokens(
+    record: BatchRecord | None, effective: int | None, padded: int | None
+) -> None:
+    """Check token counts (``ValueError``) and put them on ``record`` (None: check only)."""
+    for name, value in (("effective", effective), ("padded", padded)):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 0
+        ):
+            raise ValueError(f"{name} tokens must be a non-negative int, got {value!r}")
+    if effective is not None and padded is not None and padded < effective:
+        raise ValueError(f"padded tokens ({padded}) must be >= effective tokens ({effective})")
+    if record is None:
+        return
+    if effective is not None:
+        record.tokens[semconv.ATTR_TOKENS_EFFECTIVE] = effective
+    if padded is not None:
+        record.tokens[semconv.ATTR_TOKENS_PADDED] = padded
 
 
 # --- the OpenTelemetry context, without the API's layers ---------------------------------
@@ -275,15 +292,8 @@ class BatchRecord:
 # four Python calls (get_current, set_span_in_context, set_value, attach) and two more to
 # detach; with the default runtime context (a ContextVar, fixed when
 # ``opentelemetry.context`` is imported) the same takes one ``get``, one ``set`` and one
-# ``reset`` of that variable. Any other runtime context goes through the API.
-_runtime_context = getattr(context_api, "_RUNTIME_CONTEXT", None)
-_OTEL_CONTEXT: ContextVar | None = (
-    _runtime_context._current_context
-    if type(_runtime_context) is ContextVarsRuntimeContext
-    and isinstance(getattr(_runtime_context, "_current_context", None), ContextVar)
-    else None
-)
-del _runtime_context
+# ``reset`` of that variable (``_otel_compat.OTEL_CONTEXT``). Any other runtime context
+# goes through the API.
 
 
 def current_otel_context() -> Any:
@@ -349,6 +359,7 @@ __all__ = [
     "NO_BATCHES",
     "current_owner",
     "span_id_of",
+    "set_batch_tokens",
     "current_otel_context",
     "attach_span",
     "detach_context",

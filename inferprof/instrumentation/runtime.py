@@ -14,32 +14,32 @@ its own failures.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import itertools
 import logging
 import random
 import time
-import traceback
 from collections.abc import Iterable
 from typing import Any
 
 from opentelemetry import trace as trace_api
-from opentelemetry.sdk.trace import Event, ReadableSpan
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
 from opentelemetry.sdk.trace.sampling import Decision
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.trace import Link, SpanKind, Status, StatusCode
+from opentelemetry.trace import Link, SpanKind
 
-from inferprof import __version__, semconv
-from inferprof.batching import device as _device
-from inferprof.batching.device import resolve_stages
+from inferprof import semconv
+from inferprof._version import __version__
+from inferprof.instrumentation import _otel_compat
+from inferprof.instrumentation import device as _device
 from inferprof.instrumentation.accounting import (
     DeferredTrace,
     EncodedTrace,
     Stats,
     StatsSnapshot,
 )
+from inferprof.instrumentation.device import resolve_stages
 from inferprof.instrumentation.otlp_encode import (
     batch_stage_body,
     encode_request_trace,
@@ -54,55 +54,26 @@ from inferprof.instrumentation.records import (
     span_id_of,
 )
 from inferprof.instrumentation.sampling import TailSampler, TimingBudget
+from inferprof.instrumentation.spans import (
+    UNSET,
+    SpanSpec,
+    batch_stage_attrs,
+    error_parts,
+    new_span_id,
+    new_spec,
+    new_trace_id,
+    stage_spec,
+)
 
 _logger = logging.getLogger(__name__)
 
 _SAMPLED = trace_api.TraceFlags(trace_api.TraceFlags.SAMPLED)
 _NOT_SAMPLED = trace_api.TraceFlags(trace_api.TraceFlags.DEFAULT)
-_UNSET = Status(StatusCode.UNSET)
 _getrandbits = random.getrandbits
 _random = random.random
 _MODEL_NAME = semconv.ATTR_MODEL_NAME
-_TOKEN_STAGES = frozenset({semconv.STAGE_BATCH_ASSEMBLY}) | semconv.COMPUTE_STAGES
-
-
-def new_span_id() -> int:
-    # getrandbits(64) is 0 with probability 2**-64; an invalid id would only make one span
-    # unexportable, but the check is nearly free.
-    return _getrandbits(64) or 1
-
-
-def new_trace_id() -> int:
-    return _getrandbits(128) or 1
-
-
-def _error_parts(error: Any, when: int) -> tuple[Status, tuple, dict]:
-    """Status, events and extra attributes for a span that ended with ``error``."""
-    if isinstance(error, tuple):  # frozen already (_freeze_errors)
-        return error
-    if isinstance(error, str):  # an error without an exception (e.g. an HTTP 5xx response)
-        return Status(StatusCode.ERROR, error), (), {}
-    if isinstance(error, asyncio.CancelledError):
-        return _UNSET, (), {semconv.ATTR_CANCELLED: True}
-    etype = type(error)
-    name = (
-        etype.__qualname__
-        if etype.__module__ == "builtins"
-        else f"{etype.__module__}.{etype.__qualname__}"
-    )
-    event = Event(
-        "exception",
-        {
-            "exception.type": name,
-            "exception.message": str(error),
-            "exception.stacktrace": "".join(
-                traceback.format_exception(etype, error, error.__traceback__)
-            ),
-            "exception.escaped": "True",
-        },
-        timestamp=when,
-    )
-    return Status(StatusCode.ERROR, f"{etype.__name__}: {error}"), (event,), {}
+_INTERNAL = SpanKind.INTERNAL
+_span_name = semconv.span_name
 
 
 def _sampler_ratio(sampler: Any, parent: trace_api.SpanContext | None) -> float:
@@ -112,7 +83,7 @@ def _sampler_ratio(sampler: Any, parent: trace_api.SpanContext | None) -> float:
     if isinstance(sampler, sampling.ParentBased):
         if parent is not None and parent.is_valid:
             return 1.0
-        sampler = sampler._root  # the SDK exposes no public accessor
+        sampler = _otel_compat.root_sampler(sampler)
     if isinstance(sampler, sampling.TraceIdRatioBased):
         return sampler.rate if sampler.rate > 0 else 1.0
     return 1.0
@@ -121,19 +92,17 @@ def _sampler_ratio(sampler: Any, parent: trace_api.SpanContext | None) -> float:
 def _roots_always_on(sampler: Any) -> bool:
     from opentelemetry.sdk.trace import sampling
 
-    if isinstance(sampler, sampling.ParentBased):
-        sampler = sampler._root
+    sampler = _otel_compat.root_sampler(sampler)
     return (
         sampler is sampling.ALWAYS_ON
-        or isinstance(sampler, sampling.StaticSampler)
-        and (sampler._decision is Decision.RECORD_AND_SAMPLE)
+        or _otel_compat.static_decision(sampler) is Decision.RECORD_AND_SAMPLE
     )
 
 
 def _freeze_stage_errors(stages: Iterable[StageRecord], default_end: int) -> None:
     for st in stages:
         if st.error is not None and not isinstance(st.error, tuple):
-            st.error = _error_parts(st.error, st.end or default_end)
+            st.error = error_parts(st.error, st.end or default_end)
 
 
 def _freeze_errors(rec: RequestRecord, batches: list) -> None:
@@ -141,7 +110,7 @@ def _freeze_errors(rec: RequestRecord, batches: list) -> None:
     waiting in the export queue must not keep a traceback (and every frame's locals,
     model inputs included) alive, and the message must be the one of the moment."""
     if rec.error is not None and not isinstance(rec.error, tuple):
-        rec.error = _error_parts(rec.error, rec.end)
+        rec.error = error_parts(rec.error, rec.end)
     _freeze_stage_errors(rec.stages, rec.end)
     for _, stages in batches:
         _freeze_stage_errors(stages, rec.end)
@@ -199,7 +168,7 @@ class Runtime:
             return
         self.tracer = tracer_provider.get_tracer(semconv.INSTRUMENTATION_SCOPE, __version__)
         if isinstance(tracer_provider, SdkTracerProvider):
-            self._processor = tracer_provider._active_span_processor  # see module docstring
+            self._processor = _otel_compat.span_processor(tracer_provider)  # module docstring
             self._resource = tracer_provider.resource
             self._sampler = tracer_provider.sampler
             self._root_weight = 1.0 / _sampler_ratio(self._sampler, None)
@@ -413,38 +382,14 @@ class Runtime:
                 attrs[semconv.ATTR_SAMPLE_WEIGHT] = float(weight)
             if rec.stages_dropped:
                 attrs[semconv.ATTR_STAGES_DROPPED] = rec.stages_dropped
-            parent = rec.parent
-            specs.append(
-                (
-                    rec.name,
-                    rec.span_id,
-                    parent,
-                    rec.kind,
-                    rec.start,
-                    end,
-                    attrs,
-                    rec.error,
-                    back_links,
-                )
-            )
+            specs.append(new_spec(SpanSpec, (
+                rec.name, rec.span_id, rec.parent, rec.kind, rec.start, end, attrs, rec.error,
+                back_links,
+            )))
         root = rec.span_id
-        for st in rec.stages if own_stages is None else own_stages:
-            attrs = {semconv.ATTR_STAGE: st.name}
-            attrs.update(st.attrs)
-            parent_stage = st.parent
-            specs.append(
-                (
-                    semconv.span_name(st.name),
-                    span_id_of(st),
-                    span_id_of(parent_stage) if parent_stage is not None else root,
-                    SpanKind.INTERNAL,
-                    st.start,
-                    st.end or end,
-                    attrs,
-                    st.error,
-                    (),
-                )
-            )
+        specs.extend([
+            stage_spec(st, root, end) for st in (rec.stages if own_stages is None else own_stages)
+        ])
         for batch, batch_stages in batches if copy_batches else ():
             if batch.encoding != semconv.BATCH_ENCODING_CHILDREN:
                 continue
@@ -454,31 +399,12 @@ class Runtime:
             for st in batch_stages:
                 copy_id = new_span_id()
                 mapping[st] = copy_id
-                specs.append(
-                    (
-                        semconv.span_name(st.name),
-                        copy_id,
-                        mapping.get(st.parent, root) if st.parent is not None else root,
-                        SpanKind.INTERNAL,
-                        st.start,
-                        st.end,
-                        self._batch_attrs(batch, st),
-                        st.error,
-                        (),
-                    )
-                )
+                specs.append(new_spec(SpanSpec, (
+                    _span_name(st.name), copy_id,
+                    mapping.get(st.parent, root) if st.parent is not None else root,
+                    _INTERNAL, st.start, st.end, batch_stage_attrs(batch, st), st.error, (),
+                )))
         return trace_id, specs, rec.trace_state
-
-    @staticmethod
-    def _batch_attrs(batch: BatchRecord, st: StageRecord) -> dict:
-        attrs = {semconv.ATTR_STAGE: st.name}
-        attrs.update(batch.attrs)
-        if batch.stages_dropped:
-            attrs[semconv.ATTR_STAGES_DROPPED] = batch.stages_dropped
-        if st.name in _TOKEN_STAGES:
-            attrs.update(batch.tokens)
-        attrs.update(st.attrs)
-        return attrs
 
     # --- batches -----------------------------------------------------------------------
     def new_batch_id(self) -> str:
@@ -535,19 +461,11 @@ class Runtime:
         specs = []
         for st in stages:
             parent_stage = st.parent
-            specs.append(
-                (
-                    semconv.span_name(st.name),
-                    span_id_of(st),
-                    span_id_of(parent_stage) if parent_stage is not None else None,
-                    SpanKind.INTERNAL,
-                    st.start,
-                    st.end or end,
-                    self._batch_attrs(batch, st),
-                    st.error,
-                    links,
-                )
-            )
+            specs.append(new_spec(SpanSpec, (
+                _span_name(st.name), span_id_of(st),
+                span_id_of(parent_stage) if parent_stage is not None else None, _INTERNAL,
+                st.start, st.end or end, batch_stage_attrs(batch, st), st.error, links,
+            )))
         return batch.trace_id or new_trace_id(), specs, None
 
     # --- the sink ----------------------------------------------------------------------
@@ -601,7 +519,7 @@ class Runtime:
             body = bodies.get(st)
             if body is not None:
                 return body
-        body = batch_stage_body(st, self._batch_attrs(batch, st))
+        body = batch_stage_body(st, batch_stage_attrs(batch, st))
         if batch.closed:
             if bodies is None:
                 bodies = batch.bodies = {}
@@ -616,10 +534,9 @@ class Runtime:
             on_end(span)
         self.stats.emitted += len(spans)
 
-    def _spans(self, trace_id: int, specs: Iterable[tuple], trace_state: Any = None) -> list:
-        """``ReadableSpan`` objects for ``specs`` (name, span id, parent, kind, start, end,
-        attributes, error, links); the parent is a SpanContext, None, or a span id of this
-        trace. Without an SDK provider the spans are emitted through the API instead."""
+    def _spans(self, trace_id: int, specs: Iterable[SpanSpec], trace_state: Any = None) -> list:
+        """``ReadableSpan`` objects for ``specs``. Without an SDK provider the spans are
+        emitted through the API instead."""
         if self._processor is None:
             self._emit_via_api(trace_id, specs)
             return []
@@ -635,9 +552,9 @@ class Runtime:
                     parent_ctx = parents[parent] = trace_api.SpanContext(
                         trace_id, parent, False, _SAMPLED, trace_state
                     )
-            status, events = _UNSET, ()
+            status, events = UNSET, ()
             if error is not None:
-                status, events, extra = _error_parts(error, end)
+                status, events, extra = error_parts(error, end)
                 if extra:
                     attrs.update(extra)
             out.append(
@@ -658,7 +575,7 @@ class Runtime:
             )
         return out
 
-    def _emit_via_api(self, trace_id: int, specs: Iterable[tuple]) -> None:
+    def _emit_via_api(self, trace_id: int, specs: Iterable[SpanSpec]) -> None:
         # A non-SDK provider chooses its own ids: map ours to the contexts it produced.
         actual: dict[int, trace_api.SpanContext] = {}
         n = 0
@@ -676,7 +593,7 @@ class Runtime:
                 name, context=ctx, kind=kind, attributes=attrs, links=links, start_time=start
             )
             if error is not None:
-                status, events, extra = _error_parts(error, end)
+                status, events, extra = error_parts(error, end)
                 if extra:
                     span.set_attributes(extra)
                 for event in events:

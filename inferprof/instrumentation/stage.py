@@ -13,6 +13,7 @@ unchanged. ``asyncio.CancelledError`` is recorded as ``inferprof.cancelled = tru
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import logging
@@ -28,7 +29,8 @@ from opentelemetry import trace as trace_api
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from inferprof import semconv
-from inferprof._config import active_runtime
+from inferprof.instrumentation.active import active_runtime
+from inferprof.instrumentation.device import begin_device_stage, parse_cuda_device
 from inferprof.instrumentation.records import (
     SCOPE,
     UNTIMED,
@@ -75,7 +77,7 @@ def reset_scope(token: Token) -> None:
         SCOPE.set(None)
 
 
-def _check_stage(name: str) -> None:
+def check_stage(name: str) -> None:
     if name in _VALID:
         return
     semconv.validate_stage(name)
@@ -219,8 +221,6 @@ class Stage(StageRecord):
         span = self._span
         try:
             if exc is not None:
-                import asyncio
-
                 if isinstance(exc, asyncio.CancelledError):
                     span.set_attribute(semconv.ATTR_CANCELLED, True)
                 else:
@@ -232,8 +232,6 @@ class Stage(StageRecord):
             _logger.exception("inferprof could not end a stage span")
 
     def _begin_device(self, rec: StageRecord) -> None:
-        from inferprof.batching.device import begin_device_stage
-
         try:
             self._timing = begin_device_stage(rec, self._where)
         except Exception:
@@ -256,10 +254,8 @@ def stage(name: str, *, device: Any = None, **attributes: Any) -> Stage:
     launches are timed by when the GPU ran them, not when Python queued them.
     """
     if name not in _VALID:
-        _check_stage(name)
+        check_stage(name)
     if device is not None:
-        from inferprof.batching.device import parse_cuda_device
-
         parse_cuda_device(device)  # ValueError for a bad device, at the call site
     elif not attributes and (
         (scope := SCOPE.get()) is UNTIMED or (scope is None and active_runtime() is None)
@@ -268,12 +264,12 @@ def stage(name: str, *, device: Any = None, **attributes: Any) -> Stage:
         # do-nothing object, so the uninstrumented path costs no allocation.
         noop = _NOOPS.get(name)
         if noop is None:
-            noop = _NOOPS[name] = _NoopStage(name)
+            noop = _NOOPS[name] = NoopStage(name)
         return noop  # type: ignore[return-value]
     return Stage(name, device, attributes)
 
 
-class _NoopStage:
+class NoopStage:
     """``stage()`` when nothing is recorded. As a decorator it defers to a real Stage, which
     decides at each call (inferprof may be configured after the decorated function is
     defined)."""
@@ -286,13 +282,13 @@ class _NoopStage:
     def set_attribute(self, key: str, value: Any) -> None:
         pass
 
-    def __enter__(self) -> _NoopStage:
+    def __enter__(self) -> NoopStage:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         return False
 
-    async def __aenter__(self) -> _NoopStage:
+    async def __aenter__(self) -> NoopStage:
         return self
 
     async def __aexit__(self, exc_type, exc, tb) -> bool:
@@ -302,7 +298,7 @@ class _NoopStage:
         return Stage(self.name, None, {})(fn)
 
 
-_NOOPS: dict[str, _NoopStage] = {}
+_NOOPS: dict[str, NoopStage] = {}
 
 
 # --- requests --------------------------------------------------------------------------------
@@ -527,5 +523,5 @@ def current_request() -> RequestRecord | None:
 
 __all__ = [
     "stage", "request", "current_request", "Stage", "RequestScope", "begin_request",
-    "reset_scope", "timed_share", "under_live_span",
+    "reset_scope", "timed_share", "under_live_span", "NoopStage", "check_stage",
 ]

@@ -28,7 +28,7 @@ from opentelemetry import trace as trace_api
 from opentelemetry.trace import Status, StatusCode
 
 from inferprof import semconv
-from inferprof._config import active_runtime
+from inferprof.instrumentation.active import active_runtime
 from inferprof.instrumentation.records import (
     SCOPE,
     UNTIMED,

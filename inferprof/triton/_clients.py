@@ -42,6 +42,7 @@ from inferprof.triton._kinds import (
     start,
     version,
 )
+from inferprof.triton._triton_compat import async_request_greenlet
 
 _logger = logging.getLogger(__name__)
 
@@ -187,7 +188,7 @@ class _TimedAsyncRequest:
 
 
 def _finished(pending: Any) -> bool:
-    greenlet = getattr(pending, "_greenlet", None)
+    greenlet = async_request_greenlet(pending)
     try:
         return greenlet is None or bool(greenlet.ready())
     except Exception:  # another client version: take the failure as the end

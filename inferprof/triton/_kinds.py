@@ -17,6 +17,7 @@ from typing import Any
 
 from inferprof import semconv
 from inferprof.triton._call import NetworkCall, begin
+from inferprof.triton._triton_compat import grpc_input_bytes, http_input_bytes
 
 _logger = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ _ELEMENT_SIZE = {
 def http_sent(inputs: Iterable) -> int:
     n = 0
     for tensor in inputs:
-        data = tensor._get_binary_data()  # the bytes the client will send, as it holds them
+        data = http_input_bytes(tensor)  # the bytes the client will send, as it holds them
         if data is not None:
             n += len(data)
     return n
@@ -42,7 +43,7 @@ def http_sent(inputs: Iterable) -> int:
 def grpc_sent(inputs: Iterable) -> int:
     n = 0
     for tensor in inputs:
-        data = tensor._get_content()
+        data = grpc_input_bytes(tensor)
         if data is not None:
             n += len(data)
     return n

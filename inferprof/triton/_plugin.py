@@ -17,7 +17,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from tritonclient._plugin import InferenceServerClientPlugin
+try:
+    from tritonclient.http import InferenceServerClientPlugin
+except ImportError:  # tritonclient[grpc] alone
+    from tritonclient.grpc import InferenceServerClientPlugin
 
 from inferprof.triton._call import OUTGOING, with_trace_context
 

@@ -14,9 +14,9 @@ import time
 import httpx
 import pytest
 
-from inferprof import _config
 from inferprof import semconv as sc
 from inferprof.gpu import GpuSample, write_samples
+from inferprof.instrumentation import config as instr_config
 from tests.collector.synth import TraceBuilder
 from tests.integration.test_collector_cli import _start, _stop
 
@@ -62,7 +62,7 @@ def test_replayed_gpu_samples_reach_the_collector_and_decide_the_verdict(tmp_pat
     _recording(recording)
     # the host.name the instrumented service puts on its spans (configure()'s rule); the
     # sidecar, started without --host-name on this machine, must use the same
-    host = _config._resource(None, None).attributes[sc.RESOURCE_HOST_NAME]
+    host = instr_config.resource(None, None).attributes[sc.RESOURCE_HOST_NAME]
     collector, urls = _start(["--grpc-port", "0", "--http-port", "0", "--api-port", "0",
                               "--settle-s", "0.1"])
     sidecar = None

@@ -13,9 +13,9 @@ import pynvml
 import pytest
 
 from inferprof import semconv as sc
-from inferprof.batching import device
 from inferprof.gpu import DisabledSampler, NvmlSource, SourceUnavailable, start_sampler
 from inferprof.gpu.nvml import GPM_MIN_INTERVAL_S
+from inferprof.instrumentation import device
 from tests.gpu import fake_pynvml
 from tests.gpu.fake_pynvml import FakeGpu
 

@@ -73,7 +73,7 @@ def test_every_gpu_is_read_with_the_contract_names_and_units():
 
 def test_the_uuid_is_what_the_cuda_stages_carry():
     torch = _cuda()
-    from inferprof.batching.device import gpu_uuid
+    from inferprof.instrumentation.device import gpu_uuid
 
     src = NvmlSource()
     src.open()
@@ -85,7 +85,7 @@ def test_the_uuid_is_what_the_cuda_stages_carry():
 
 def test_utilisation_and_memory_follow_real_work_on_the_gpu():
     torch = _cuda()
-    from inferprof.batching.device import gpu_uuid
+    from inferprof.instrumentation.device import gpu_uuid
 
     uuid = gpu_uuid(torch.cuda.current_device())
     src = NvmlSource(devices=[uuid])

@@ -22,7 +22,7 @@ def test_keyword_beats_env_beats_default(monkeypatch, cap):
     assert config.mode == "production"  # env
     assert config.sample_rate == 0.5  # keyword
     assert config.batch_encoding == "links"  # env
-    assert config.tail_quantile == _config._DEFAULT_TAIL_QUANTILE  # default
+    assert config.tail_quantile == _config.DEFAULT_TAIL_QUANTILE  # default
     assert config.owns_providers is False
     with pytest.raises(AttributeError):
         config.mode = "off"  # frozen
@@ -31,10 +31,10 @@ def test_keyword_beats_env_beats_default(monkeypatch, cap):
 @pytest.mark.parametrize(
     "env, value, field, default",
     [
-        ("INFERPROF_MODE", "fast", "mode", _config._DEFAULT_MODE),
-        ("INFERPROF_SAMPLE_RATE", "2", "sample_rate", _config._DEFAULT_SAMPLE_RATE),
-        ("INFERPROF_SAMPLE_RATE", "abc", "sample_rate", _config._DEFAULT_SAMPLE_RATE),
-        ("INFERPROF_BATCH_ENCODING", "both", "batch_encoding", _config._DEFAULT_BATCH_ENCODING),
+        ("INFERPROF_MODE", "fast", "mode", _config.DEFAULT_MODE),
+        ("INFERPROF_SAMPLE_RATE", "2", "sample_rate", _config.DEFAULT_SAMPLE_RATE),
+        ("INFERPROF_SAMPLE_RATE", "abc", "sample_rate", _config.DEFAULT_SAMPLE_RATE),
+        ("INFERPROF_BATCH_ENCODING", "both", "batch_encoding", _config.DEFAULT_BATCH_ENCODING),
         ("INFERPROF_RECORD_CONTENT", "maybe", "record_content", False),
         ("OTEL_EXPORTER_OTLP_PROTOCOL", "carrier-pigeon", "protocol", "grpc"),
     ],
@@ -159,7 +159,7 @@ def test_configure_exports_otlp_http_protobuf(monkeypatch):
         assert config.protocol == "http/protobuf"
         # inferprof's encoder feeds the SDK's HTTP client: kept traces become bytes when
         # the request ends, as on gRPC.
-        assert _config._runtime._encode
+        assert _config.configured_runtime()._encode
         with inferprof.request():
             with inferprof.stage("tokenize"):
                 pass
@@ -257,7 +257,7 @@ def test_otlp_http_rejections_are_counted_as_failed_exports(monkeypatch):
             with inferprof.request():
                 with inferprof.stage("tokenize"):
                     pass
-        _config._runtime.tracer_provider.force_flush()
+        _config.configured_runtime().tracer_provider.force_flush()
         snap = inferprof.instrumentation.stats()
         inferprof.shutdown()
     finally:

@@ -97,7 +97,7 @@ def test_dead_exporter_drops_and_counts_without_slowing_requests(monkeypatch, ca
         set_global=False,
         metric_readers=[reader],
     )
-    processor = _config._runtime.tracer_provider._active_span_processor._span_processors[0]
+    processor = _config.configured_runtime().owned_processor
 
     caplog.set_level(logging.WARNING)
     burst(500)  # warm up; the queue fills against the dead endpoint
@@ -109,7 +109,7 @@ def test_dead_exporter_drops_and_counts_without_slowing_requests(monkeypatch, ca
 
     growth = sum(stat.size_diff for stat in after.compare_to(before, "filename"))
     assert growth < 2_000_000  # 15000 spans would be far more if they were kept
-    assert len(processor._queue) <= 128
+    assert len(processor.queue) <= 128
     snap = inferprof.instrumentation.stats()
     assert snap.spans_emitted == 3500 * 5
     assert snap.spans_dropped_queue_full > 10000
@@ -139,7 +139,7 @@ def test_shutdown_against_a_dead_endpoint_keeps_to_its_timeout():
     inferprof.shutdown(timeout_millis=1000)
     took = time.perf_counter() - t0
     assert took < 4, took  # the bound plus slack for a loaded machine; 20 s unbounded
-    assert _config._runtime is None  # shut down all the same
+    assert _config.configured_runtime() is None  # shut down all the same
 
 
 def test_final_counts_stay_readable_after_shutdown(monkeypatch):

@@ -100,7 +100,7 @@ async def _traffic():
 
 async def test_direct_encoding_equals_the_sdk_encoding_of_the_same_spans():
     _configure(mode="full")
-    rt = _config._runtime
+    rt = _config.configured_runtime()
     queue = rt._deferred = _Queue()
     await _traffic()
     assert len(queue.items) >= 12
@@ -147,7 +147,7 @@ async def test_the_exported_trace_is_the_same_as_built_on_the_request_thread():
 
 def test_a_queued_trace_holds_no_exception_or_traceback():
     _configure(mode="full")
-    rt = _config._runtime
+    rt = _config.configured_runtime()
     queue = rt._deferred = _Queue()
     payload = bytearray(1 << 20)  # stands for a model input in the failing frame
 
@@ -209,7 +209,7 @@ class _Recorder(SpanExporter):
 
 def test_a_trace_that_cannot_be_built_is_counted_and_the_rest_goes_out():
     _configure(mode="full")
-    rt = _config._runtime
+    rt = _config.configured_runtime()
     queue = rt._deferred = _Queue()
     for _ in range(4):
         with inferprof.request(model="m"):
@@ -284,13 +284,14 @@ def test_a_bad_schedule_delay_in_the_env_is_logged_and_the_one_second_default_ke
         _configure(mode="full")
     assert "ignoring OTEL_BSP_SCHEDULE_DELAY='0'" in caplog.text
     assert "ignoring OTEL_BSP_* settings" not in caplog.text
-    assert _config._runtime.owned_processor._max == 4096  # the queue size was kept
+    processor = _config.configured_runtime().owned_processor
+    assert processor.max_queue_size == 4096  # the queue size was kept
     inferprof.shutdown()
 
 
 def test_what_the_application_does_after_the_request_ended_is_not_in_its_trace():
     _configure(mode="full")
-    rt = _config._runtime
+    rt = _config.configured_runtime()
     queue = rt._deferred = _Queue()
     with inferprof.request(model="m") as handle:
         with inferprof.stage("tokenize"):
@@ -316,7 +317,7 @@ def _sdk_shape(span) -> tuple:
 
 async def test_for_inferprofs_exporter_a_kept_trace_is_queued_as_bytes_holding_no_records():
     inferprof.configure(span_exporter=_Recorder(), set_global=False, metric_readers=[])
-    rt = _config._runtime
+    rt = _config.configured_runtime()
     assert rt._encode
     queue = rt._deferred = _Queue()
 
@@ -357,7 +358,7 @@ def test_encoded_entries_reach_the_exporter_whole_and_counted():
         with inferprof.request(model="m"):
             with inferprof.stage("tokenize"):
                 pass
-    _config._runtime.tracer_provider.force_flush()
+    _config.configured_runtime().tracer_provider.force_flush()
     snap = inferprof.instrumentation.stats()
     inferprof.shutdown()
     assert recorder.calls and all(type(c) is EncodedSpans for c in recorder.calls)
@@ -374,7 +375,7 @@ def test_encoded_entries_reach_the_exporter_whole_and_counted():
 
 def test_encoding_at_request_end_equals_encoding_on_the_export_thread():
     _configure(mode="full")
-    rt = _config._runtime
+    rt = _config.configured_runtime()
     queue = rt._deferred = _Queue()
     with inferprof.request(model="m", carrier={"traceparent": _PARENT, "tracestate": "v=1"}):
         with inferprof.stage("tokenize", chars=3):
@@ -386,7 +387,7 @@ def test_encoding_at_request_end_equals_encoding_on_the_export_thread():
 
 def test_an_encoded_trace_given_to_an_exporter_without_bytes_is_counted_not_sent():
     _configure(mode="full")
-    rt = _config._runtime
+    rt = _config.configured_runtime()
     queue = rt._deferred = _Queue()
     with inferprof.request(model="m"):
         pass
@@ -407,7 +408,7 @@ async def test_stages_encoded_from_their_records_equal_the_spec_path():
     import random
 
     inferprof.configure(span_exporter=_Recorder(), set_global=False, metric_readers=[])
-    rt = _config._runtime
+    rt = _config.configured_runtime()
     assert rt._encode
     queue = rt._deferred = _Queue()
     encode_from_records = rt._defer_encoded_request
@@ -475,7 +476,7 @@ async def test_a_closed_batch_encodes_its_stages_once_for_all_kept_members():
     member's copies differ only in their ids, and the spans parse to the batch's stages
     (nesting, the error, the batch's attributes) under each member's own request span."""
     inferprof.configure(span_exporter=_Recorder(), set_global=False, metric_readers=[])
-    rt = _config._runtime
+    rt = _config.configured_runtime()
     assert rt._encode
     queue = rt._deferred = _Queue()
     record = await _members_ending_after_their_batch(3)

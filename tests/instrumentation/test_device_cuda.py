@@ -1,11 +1,11 @@
 """Device stages on a REAL CUDA GPU through torch (no synthetic events).
 
 These tests need torch with a CUDA device, which CI machines do not have: there the module
-is skipped, and the same code path (``inferprof.batching.device``) is covered by the
+is skipped, and the same code path (``inferprof.instrumentation.device``) is covered by the
 synthetic-event tests in ``test_device.py``. They are run on a GPU machine when one is lent
 (see the note on issue 2 for what they measured there):
 
-    python3 -m pytest -q tests/batching/test_device_cuda.py
+    python3 -m pytest -q tests/instrumentation/test_device_cuda.py
 
 What they check is the point of device stages: a host timer around an asynchronous kernel
 launch measures the launch, not the work; a device stage's span must cover the GPU's time.
@@ -23,7 +23,7 @@ if not torch.cuda.is_available():
 
 import inferprof  # noqa: E402
 from inferprof import semconv  # noqa: E402
-from inferprof.batching.device import gpu_uuid  # noqa: E402
+from inferprof.instrumentation.device import gpu_uuid  # noqa: E402
 
 MS = 1_000_000
 N = 4096

@@ -12,7 +12,7 @@ import pytest
 
 import inferprof
 from inferprof import semconv
-from inferprof.batching.device import EventDevice, parse_cuda_device
+from inferprof.instrumentation.device import EventDevice, parse_cuda_device
 
 MS = 1_000_000
 
@@ -106,8 +106,8 @@ def test_cpu_device_uses_host_timers(cap):
 
 def test_cuda_without_torch_degrades_to_host_timers(cap, monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "torch", None)  # import torch -> ImportError
-    monkeypatch.setattr("inferprof.batching.device._warned_no_cuda", False)
-    monkeypatch.setattr("inferprof.batching.device._torch_devices", {})
+    monkeypatch.setattr("inferprof.instrumentation.device._warned_no_cuda", False)
+    monkeypatch.setattr("inferprof.instrumentation.device._torch_devices", {})
     with caplog.at_level(logging.WARNING):
         for _ in range(3):
             with inferprof.request():
@@ -168,8 +168,8 @@ class FakeTorch(types.ModuleType):
 def fake_torch(monkeypatch):
     torch = FakeTorch()
     monkeypatch.setitem(sys.modules, "torch", torch)
-    monkeypatch.setattr("inferprof.batching.device._torch_devices", {})
-    monkeypatch.setattr("inferprof.batching.device._gpu_uuids", {})
+    monkeypatch.setattr("inferprof.instrumentation.device._torch_devices", {})
+    monkeypatch.setattr("inferprof.instrumentation.device._gpu_uuids", {})
     return torch
 
 

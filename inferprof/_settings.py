@@ -1,0 +1,139 @@
+"""The settings toolkit: argument -> environment variable -> default.
+
+As in the OpenTelemetry SDK: a bad argument raises ``ValueError`` at the call site; a bad
+environment value is logged and replaced by the default (a typo in a deployment must not
+stop the service). The variables' names are constants in ``inferprof.environment_variables``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Callable
+from typing import Any
+
+_logger = logging.getLogger("inferprof.settings")
+
+TRUE = ("1", "true", "yes", "on")
+FALSE = ("0", "false", "no", "off", "")
+
+
+def env(name: str) -> str | None:
+    """The variable ``name``, stripped; None when unset or blank."""
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    value = value.strip()
+    return value or None
+
+
+def choice(arg: Any, name: str, allowed: tuple[str, ...], default: str, what: str) -> str:
+    """One of ``allowed``: ``arg``, else the variable ``name`` (case-insensitive), else
+    ``default``."""
+    if arg is not None:
+        if arg not in allowed:
+            raise ValueError(f"{what} must be one of {allowed}, got {arg!r}")
+        return str(arg)
+    raw = env(name)
+    if raw is None:
+        return default
+    if raw.lower() in allowed:
+        return raw.lower()
+    _logger.warning("ignoring %s=%r: expected one of %s; using %r", name, raw, allowed, default)
+    return default
+
+
+def number(arg: Any, name: str, default: float, what: str, ok: Callable[[float], bool],
+           expected: str) -> float:
+    """A number: ``arg`` (``ValueError`` unless ``ok``), else the variable ``name``
+    (ignored with a warning unless ``ok``), else ``default``."""
+    if arg is not None:
+        if isinstance(arg, bool) or not isinstance(arg, (int, float)) or not ok(float(arg)):
+            raise ValueError(f"{what} must be {expected}, got {arg!r}")
+        return float(arg)
+    raw = env(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+        if ok(value):
+            return value
+    except ValueError:
+        pass
+    _logger.warning("ignoring %s=%r: not %s; using %r", name, raw, expected, default)
+    return default
+
+
+def fraction(arg: Any, name: str, default: float, what: str, *, open_low: bool) -> float:
+    """A number in (0, 1] (``open_low``) or [0, 1]."""
+
+    def ok(v: float) -> bool:
+        return (0.0 < v if open_low else 0.0 <= v) and v <= 1.0
+
+    interval = "(0, 1]" if open_low else "[0, 1]"
+    return number(arg, name, default, what, ok, f"a number in {interval}")
+
+
+def rate(arg: Any, name: str, default: float, what: str) -> float:
+    """A non-negative finite number of requests per second (0: no limit)."""
+    return number(arg, name, default, what, lambda v: 0.0 <= v < math.inf,
+                  "a number >= 0 (requests per second; 0: no limit)")
+
+
+def positive_seconds(arg: Any, name: str, default: float, what: str) -> float:
+    """A positive finite number of seconds."""
+    return number(arg, name, default, what, lambda v: v > 0 and math.isfinite(v),
+                  "a positive number of seconds")
+
+
+def flag(arg: Any, name: str, default: bool) -> bool:
+    """A boolean: ``arg``, else the variable (1/0, true/false, yes/no, on/off)."""
+    if arg is not None:
+        if not isinstance(arg, bool):
+            raise ValueError(f"expected a bool, got {arg!r}")
+        return arg
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    if raw.strip().lower() in TRUE:
+        return True
+    if raw.strip().lower() in FALSE:
+        return False
+    _logger.warning("ignoring %s=%r: not a boolean; using %r", name, raw, default)
+    return default
+
+
+def positive_int(arg: Any, name: str, default: int, what: str) -> int:
+    """A positive int: ``arg``, else the variable ``name``, else ``default``."""
+    if arg is not None:
+        if isinstance(arg, bool) or not isinstance(arg, int) or arg <= 0:
+            raise ValueError(f"{what} must be a positive int, got {arg!r}")
+        return arg
+    raw = env(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+        if value > 0:
+            return value
+    except ValueError:
+        pass
+    _logger.warning("ignoring %s=%r: not a positive integer; using %r", name, raw, default)
+    return default
+
+
+def url(name: str) -> str | None:
+    """A URL-valued variable. One without a scheme is logged: OpenTelemetry's exporters
+    read these variables themselves as well, so it cannot be ignored, only named."""
+    value = env(name)
+    if value and "://" not in value:
+        _logger.warning("%s=%r is not a URL such as http://127.0.0.1:4318: exports to it "
+                        "will fail", name, value)
+    return value or None
+
+
+__all__ = [
+    "FALSE", "TRUE", "choice", "env", "flag", "fraction", "number", "positive_int",
+    "positive_seconds", "rate", "url",
+]

@@ -1,0 +1,72 @@
+"""The SDK's OTLP span exporters, sending bytes from inferprof's encoder (``otlp_encode``).
+
+Same wire messages, a fraction of the CPU per span: the SDK's exporters build one Python
+protobuf object per span, attribute and value (docs/overhead.md). What the exporters keep
+private (the gRPC translation hook, the HTTP client) is reached through
+``_otel_compat``; where it is missing the SDK's own export runs, slower, never wrong.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from inferprof.instrumentation import _otel_compat as compat
+from inferprof.instrumentation.accounting import EncodedSpans
+from inferprof.instrumentation.otlp_encode import encode_request
+
+_logger = logging.getLogger("inferprof.instrumentation.otlp_encode")
+
+
+def grpc_span_exporter(**kwargs: Any) -> Any:
+    """The SDK's OTLP/gRPC span exporter, encoding with :func:`encode_request`."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+    )
+
+    parse = ExportTraceServiceRequest.FromString
+
+    # The gRPC stub wants a message: parsing our bytes (C, upb) costs far less than the
+    # SDK's Python-side message building it replaces.
+    def translate(data: Sequence[Any]) -> Any:
+        if type(data) is EncodedSpans:
+            return parse(data.payload)
+        return parse(encode_request(data))
+
+    return compat.grpc_span_exporter_class(translate)(**kwargs)
+
+
+def http_span_exporter(**kwargs: Any) -> Any:
+    """The SDK's OTLP/HTTP (protobuf) span exporter, sending :func:`encode_request` bytes
+    through its client (its headers, compression, TLS, timeout and retries)."""
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.trace.export import SpanExportResult
+
+    class FastHTTPSpanExporter(OTLPSpanExporter):  # type: ignore[misc]
+        def __init__(self, **options: Any) -> None:
+            super().__init__(**options)
+            self._send = compat.http_sender(self)
+            #: the counting exporter may hand it EncodedSpans (bytes built from records)
+            self.accepts_encoded = self._send is not None
+
+        def export(self, spans: Any) -> Any:
+            if self._send is None:
+                return super().export(spans)
+            if compat.http_is_shut_down(self):
+                _logger.warning("inferprof's OTLP/HTTP exporter is shut down; spans dropped")
+                return SpanExportResult.FAILURE
+            payload = spans.payload if type(spans) is EncodedSpans else encode_request(spans)
+            limit = compat.http_max_request_size(self)
+            if 0 < limit < len(payload):
+                _logger.warning(
+                    "dropping %d spans: their OTLP request is %d bytes, over the exporter's "
+                    "max_request_size of %d", len(spans), len(payload), limit
+                )
+                return SpanExportResult.FAILURE
+            return SpanExportResult.SUCCESS if self._send(payload) else SpanExportResult.FAILURE
+
+    return FastHTTPSpanExporter(**kwargs)
+
+
+__all__ = ["grpc_span_exporter", "http_span_exporter"]
