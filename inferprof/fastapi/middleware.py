@@ -41,6 +41,7 @@ from inferprof import semconv
 from inferprof.fastapi._fastapi_compat import native_tracing
 from inferprof.instrumentation.active import active_runtime
 from inferprof.instrumentation.config import excluded_paths_setting, resolve
+from inferprof.instrumentation.generation import COMPACT_AT, generation_attributes, merge_pairs
 from inferprof.instrumentation.records import (
     SCOPE,
     UNTIMED,
@@ -51,7 +52,6 @@ from inferprof.instrumentation.records import (
     current_otel_context,
     detach_context,
 )
-from inferprof.instrumentation.generation import COMPACT_AT, generation_attributes, merge_pairs
 from inferprof.instrumentation.runtime import Runtime
 from inferprof.instrumentation.stage import begin_request, reset_scope, timed_share
 

@@ -38,8 +38,7 @@ from typing import Any
 from opentelemetry.trace import SpanKind
 
 from inferprof import semconv
-from inferprof._config import active_runtime
-from inferprof.instrumentation.accounting import DeferredTrace
+from inferprof.instrumentation.active import active_runtime
 from inferprof.instrumentation.generation import COMPACT_AT, DECODING, DONE, PREFILL, Generation
 from inferprof.instrumentation.records import (
     SCOPE,
@@ -48,7 +47,7 @@ from inferprof.instrumentation.records import (
     StageRecord,
     span_id_of,
 )
-from inferprof.instrumentation.runtime import _error_parts, new_span_id, new_trace_id
+from inferprof.instrumentation.spans import SpanSpec, error_parts, new_span_id, new_trace_id
 from inferprof.instrumentation.stage import begin_request, timed_share
 
 _logger = logging.getLogger(__name__)
@@ -290,37 +289,22 @@ class Step:
             attrs[semconv.ATTR_STAGES_DROPPED] = self.stages_dropped
         error = self.error
         if error is not None:
-            error = _error_parts(error, self.end)  # frozen now: no traceback kept queued
+            error = error_parts(error, self.end)  # frozen now: no traceback kept queued
         root = new_span_id()
-        specs = [(semconv.ENGINE_STEP_SPAN_NAME, root, None, _INTERNAL, self.start, self.end,
-                  attrs, error, ())]
+        specs = [SpanSpec(semconv.ENGINE_STEP_SPAN_NAME, root, None, _INTERNAL, self.start,
+                          self.end, attrs, error, ())]
         for st in self.stages:
             # the engine id marks them as step stages to the collector (contract §14)
             st_attrs = {semconv.ATTR_STAGE: st.name, semconv.ATTR_ENGINE_ID: self.engine_id}
             st_attrs.update(st.attrs)
             st_error = st.error
             if st_error is not None:
-                st_error = _error_parts(st_error, st.end or self.end)
+                st_error = error_parts(st_error, st.end or self.end)
             parent = st.parent
-            specs.append((semconv.span_name(st.name), span_id_of(st),
-                          span_id_of(parent) if parent is not None else root, _INTERNAL,
-                          st.start, st.end or self.end, st_attrs, st_error, ()))
-        emit_trace(rt, trace_id, specs)
-
-
-def emit_trace(rt: Any, trace_id: int, specs: list) -> None:
-    """Hand a trace of ``specs`` (``Runtime._spans``'s tuples) to ``rt``'s span sink, as
-    the runtime hands its batch traces."""
-    if rt._encode:
-        rt._defer_encoded(trace_id, specs, None)
-    elif rt._deferred is not None:
-        rt._defer(DeferredTrace(rt, _as_trace, (trace_id, specs, None), len(specs)))
-    else:
-        rt._emit_spans(rt._spans(trace_id, specs))
-
-
-def _as_trace(trace_id: int, specs: list, trace_state: Any) -> tuple:
-    return trace_id, specs, trace_state
+            specs.append(SpanSpec(semconv.span_name(st.name), span_id_of(st),
+                                  span_id_of(parent) if parent is not None else root, _INTERNAL,
+                                  st.start, st.end or self.end, st_attrs, st_error, ()))
+        rt.emit_trace(trace_id, specs)
 
 
 def _resolve_device(stages: list[StageRecord]) -> None:
@@ -361,4 +345,4 @@ class _NoopStep:
 
 _NOOP_STEP = _NoopStep()
 
-__all__ = ["Engine", "Step", "Generation", "emit_trace"]
+__all__ = ["Engine", "Generation", "Step"]

@@ -116,6 +116,10 @@ def _freeze_errors(rec: RequestRecord, batches: list) -> None:
         _freeze_stage_errors(stages, rec.end)
 
 
+def _as_trace(trace_id: int, specs: list[SpanSpec], trace_state: Any) -> tuple:
+    return trace_id, specs, trace_state
+
+
 class Runtime:
     """Configured state: providers, the span sink, the sampler and the counters."""
 
@@ -467,6 +471,20 @@ class Runtime:
                 st.start, st.end or end, batch_stage_attrs(batch, st), st.error, links,
             )))
         return batch.trace_id or new_trace_id(), specs, None
+
+    def emit_trace(self, trace_id: int, specs: list[SpanSpec]) -> None:
+        """Hand a trace of ``specs`` (errors frozen already) to the span sink, as the
+        runtime hands its batch traces: encoded now, deferred to the export thread, or
+        built into spans now. Never raises."""
+        try:
+            if self._encode:
+                self._defer_encoded(trace_id, specs, None)
+            elif self._deferred is not None:
+                self._defer(DeferredTrace(self, _as_trace, (trace_id, specs, None), len(specs)))
+            else:
+                self._emit_spans(self._spans(trace_id, specs))
+        except Exception:
+            _logger.exception("inferprof failed to emit the spans of a trace")
 
     # --- the sink ----------------------------------------------------------------------
     def _defer(self, item: DeferredTrace | EncodedTrace) -> None:
