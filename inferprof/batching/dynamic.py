@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from inferprof import semconv
+from inferprof.batching.forming import batch_ready
 from inferprof.batching.hooks import Batch, QueueHandle, _enqueue
 from inferprof.instrumentation.config import batch_encoding_setting
 
@@ -246,21 +247,7 @@ class DynamicBatcher:
         while True:
             await slots.acquire()
             try:
-                while not queue:
-                    wakeup.clear()
-                    await wakeup.wait()
-                # Triton's max_queue_delay semantics: measured from the oldest request's
-                # arrival, not from when the loop got to it (it may have waited for a slot).
-                deadline = queue[0].t + self.max_delay_s
-                while len(queue) < self.max_batch_size:
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        break
-                    wakeup.clear()
-                    try:
-                        await asyncio.wait_for(wakeup.wait(), remaining)
-                    except asyncio.TimeoutError:  # noqa: UP041 - not TimeoutError before 3.11
-                        break
+                await batch_ready(queue, wakeup, self.max_batch_size, self.max_delay_s)
                 entries = self._take()
             except BaseException:
                 slots.release()

@@ -6,7 +6,8 @@ But the baseline must batch *exactly* as ``inferprof.DynamicBatcher`` does: a
 different batch-forming rule gives different batch sizes, hence different padding and
 model work per request, and the benchmark would credit (or blame) telemetry for a
 batching difference. So this is ``DynamicBatcher``'s algorithm with the telemetry hooks
-taken out, step for step:
+taken out, step for step, forming its batches with the same function
+(``inferprof.batching.forming.batch_ready``, pure asyncio):
 
 - requests wait in a deque, each stamped with its arrival time; an ``asyncio.Event``
   wakes the batching task;
@@ -33,6 +34,8 @@ import concurrent.futures
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from inferprof.batching.forming import batch_ready
 
 
 class _Entry:
@@ -88,19 +91,7 @@ class PlainBatcher:
         while True:
             await slot.acquire()  # the previous batch's results have been handed back
             try:
-                while not queue:
-                    wakeup.clear()
-                    await wakeup.wait()
-                deadline = queue[0].t + self._max_delay
-                while len(queue) < self.max_batch_size:
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        break
-                    wakeup.clear()
-                    try:
-                        await asyncio.wait_for(wakeup.wait(), remaining)
-                    except asyncio.TimeoutError:  # noqa: UP041 - not TimeoutError before 3.11
-                        break
+                await batch_ready(queue, wakeup, self.max_batch_size, self._max_delay)
                 live: list[_Entry] = []
                 while queue and len(live) < self.max_batch_size:
                     entry = queue.popleft()
