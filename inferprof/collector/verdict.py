@@ -53,6 +53,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 
 from inferprof import semconv as sc
+from inferprof.collector import verdict_words as words
 
 MIN_TRACED_REQUESTS = 100
 FULL_CONFIDENCE_TAIL = 20
@@ -287,10 +288,62 @@ def decide(
     """The ``verdict`` section from stage shares of p95, the ``gpu`` section and the
     ``queue`` section (``queueing.behind_batches``; None: not known)."""
     if traced < MIN_TRACED_REQUESTS:
-        return _unknown(
-            f"not enough data: a verdict needs at least {MIN_TRACED_REQUESTS} traced "
-            f"requests in this breakdown, there are {traced}"
-        )
+        return _unknown(words.not_enough(MIN_TRACED_REQUESTS, traced))
+    groups, members = _group(shares)
+    if not groups:
+        return _unknown(words.NOTHING_TO_ATTRIBUTE)
+    # Largest share first; ties go to the cheaper explanation (the order of _GROUPS).
+    order = {name: i for i, (name, _, _) in enumerate(_GROUPS)}
+    ranked = sorted(groups.items(), key=lambda kv: (-kv[1], order.get(kv[0], len(order))))
+    top, top_share = ranked[0]
+    runner_up = ranked[1][1] if len(ranked) > 1 else 0.0
+    margin = (top_share - runner_up) / top_share if top_share > 0 else 0.0
+    confidence = min(1.0, tail_traced / FULL_CONFIDENCE_TAIL) * (0.5 + 0.5 * margin)
+    rest = words.next_groups(ranked[1:4])
+    if top == sc.STAGE_UNATTRIBUTED:
+        return _unknown(words.unattributed(top_share), *rest)
+    if top.startswith("other:"):
+        return _unknown(words.custom_stage(top_share, top[6:]), *rest)
+    parts = ", ".join(f"{s} {words.pct(v)}"
+                      for s, v in sorted(members[top], key=lambda kv: -kv[1]))
+    case = _Case(words.headline(top_share, _WORDS[top], parts), top_share, confidence, gpu,
+                 rest)
+    behind = queue.get("behind_batches") if queue else None
+    if top == sc.VERDICT_BATCHING and behind is not None and behind >= BEHIND_BATCHES:
+        assert queue is not None
+        return _behind_batches(case, groups, behind, queue["batch_coverage"])
+    util = gpu.get("utilization_during_compute")
+    if top == sc.VERDICT_BATCHING and behind is None and util and util["p50"] >= BUSY_UTILIZATION:
+        return _busy_gpu_queue(case)
+    if top != "compute":
+        return _named_group(case, top, behind)
+    return _compute_rules([case.headline], words.compute_holds(top_share), confidence, gpu,
+                          rest)
+
+
+class _Case:
+    """What every rule past the grouping reads: the headline, the top group's share, the
+    confidence so far, the ``gpu`` section and the runners-up."""
+
+    __slots__ = ("confidence", "gpu", "headline", "rest", "share")
+
+    def __init__(self, headline: str, share: float, confidence: float, gpu: Mapping,
+                 rest: list[str]) -> None:
+        self.headline = headline
+        self.share = share
+        self.confidence = confidence
+        self.gpu = gpu
+        self.rest = rest
+
+    def utilisation(self) -> str | None:
+        util = self.gpu.get("utilization_during_compute")
+        return words.utilisation(util, self.gpu.get("samples", 0)) if util else None
+
+
+def _group(shares: Mapping[str, float]) -> tuple[dict[str, float],
+                                                  dict[str, list[tuple[str, float]]]]:
+    """Stage shares summed per verdict group (``other:<stage>`` for a custom stage), and
+    each group's stages."""
     groups: dict[str, float] = defaultdict(float)
     members: dict[str, list[tuple[str, float]]] = defaultdict(list)
     for stage, share in shares.items():
@@ -300,109 +353,61 @@ def decide(
             group = _GROUP_OF.get(stage, "other:" + stage)
         groups[group] += share
         members[group].append((stage, share))
-    if not groups:
-        return _unknown("no request in this breakdown has any latency to attribute")
-    # Largest share first; ties go to the cheaper explanation (the order of _GROUPS).
-    order = {name: i for i, (name, _, _) in enumerate(_GROUPS)}
-    ranked = sorted(groups.items(), key=lambda kv: (-kv[1], order.get(kv[0], len(order))))
-    top, top_share = ranked[0]
-    runner_up = ranked[1][1] if len(ranked) > 1 else 0.0
-    margin = (top_share - runner_up) / top_share if top_share > 0 else 0.0
-    confidence = min(1.0, tail_traced / FULL_CONFIDENCE_TAIL) * (0.5 + 0.5 * margin)
-    parts = ", ".join(f"{s} {_pct(v)}" for s, v in sorted(members[top], key=lambda kv: -kv[1]))
-    ranked_words = "; ".join(
-        f"{g.removeprefix('other:')} {_pct(v)}" for g, v in ranked[1:4] if v > 0
-    )
-    rest = [f"next: {ranked_words}"] if ranked_words else []
+    return groups, members
 
-    if top == sc.STAGE_UNATTRIBUTED:
-        return _unknown(
-            f"{_pct(top_share)} of p95 latency is covered by no stage span; instrument the "
-            "missing stages (spans with inferprof.stage) to attribute it",
-            *rest,
-        )
-    if top.startswith("other:"):
-        return _unknown(
-            f"{_pct(top_share)} of p95 latency is in custom stage {top[6:]!r}, which the "
-            "verdict rules do not classify",
-            *rest,
-        )
-    headline = f"{_pct(top_share)} of p95 latency is spent in {_WORDS[top]} ({parts})"
-    util = gpu.get("utilization_during_compute")
-    util_words = (
-        f"GPU utilisation during compute: median {_pct(util['p50'])}, mean {_pct(util['mean'])} "
-        f"over {gpu.get('samples', 0)} samples"
-        if util
-        else None
+
+def _behind_batches(case: _Case, groups: Mapping[str, float], behind: float,
+                    coverage: float) -> dict:
+    """The queue waits for the batches ahead of it, not for the batcher: what makes those
+    batches slow is the bottleneck (transfers or compute, whichever is larger)."""
+    work = max(
+        (g for g in (sc.VERDICT_TRANSFER, "compute") if groups.get(g, 0.0) > 0),
+        key=lambda g: groups[g],
+        default=None,
     )
-    behind = queue.get("behind_batches") if queue else None
-    if top == sc.VERDICT_BATCHING and behind is not None and behind >= BEHIND_BATCHES:
-        # The queue waits for the batches ahead of it, not for the batcher: what makes
-        # those batches slow is the bottleneck (transfers or compute, whichever is larger).
-        work = max(
-            (g for g in (sc.VERDICT_TRANSFER, "compute") if groups.get(g, 0.0) > 0),
-            key=lambda g: groups[g],
-            default=None,
-        )
-        seen = queue["batch_coverage"]
-        estimated = (
-            f" (estimated: the traces show {_pct(seen)} of the batch work)" if seen < 1.0 else ""
-        )
-        waits = (
-            f"{_pct(behind)} of queue time passed while earlier batches were being "
-            f"processed{estimated}: requests wait for the model, not for the batcher"
-        )
-        if work == sc.VERDICT_TRANSFER:
-            evidence = [headline, waits, *rest]
-            if util_words:
-                evidence.append(util_words)
-            return _verdict(sc.VERDICT_TRANSFER, confidence, evidence)
-        if work is None:
-            # The tail holds no batch work of its own (requests that timed out or were
-            # cancelled in the queue): the batches they waited behind are mostly compute.
-            waits += "; the slowest requests left the queue before a batch took them"
-        lead = f"the queue ({_pct(top_share)} of p95) waits behind compute"
-        return _compute_rules([headline, waits], lead, confidence, gpu, rest)
-    if top == sc.VERDICT_BATCHING and behind is None and util and util["p50"] >= BUSY_UTILIZATION:
-        # Not known what the queue waits for (no batch work in the traces). §6's batching
-        # verdict is for a GPU mostly idle while requests wait; busy nearly all the time,
-        # the GPU is likely what they wait for: the compute rules say why.
-        gpu_factor = min(1.0, gpu.get("samples", 0) / FULL_CONFIDENCE_SAMPLES)
-        evidence = [
-            headline,
-            util_words,
-            (
-                f"the GPU is busy during compute (utilisation at or above "
-                f"{_pct(BUSY_UTILIZATION)}): requests queue for the GPU, not for the batcher"
-            ),
-        ]
-        return _gpu_limit(
-            evidence,
-            confidence * gpu_factor,
-            gpu.get("sm_active_during_compute"),
-            gpu.get("sm_occupancy_during_compute"),
-            rest,
-            tensor=gpu.get("tensor_active_during_compute"),
-        )
-    if top != "compute":
-        evidence = [headline, *rest]
-        if top == sc.VERDICT_NETWORK:
-            evidence.insert(1, (
-                "a remote service's time (a Triton call, say) counts as network here: its "
-                "own breakdown (service=<its service.name>) splits it, when its spans "
-                "reach this collector"
-            ))
-        if top == sc.VERDICT_BATCHING and behind is not None:
-            evidence.insert(1, (
-                f"{_pct(behind)} of queue time passed while earlier batches were being "
-                "processed: requests wait for the batcher (its delay, or a batch to fill), "
-                "not for the model"
-            ))
+    waits = words.waits_behind_batches(behind, coverage)
+    if work == sc.VERDICT_TRANSFER:
+        evidence = [case.headline, waits, *case.rest]
+        util_words = case.utilisation()
         if util_words:
             evidence.append(util_words)
-        return _verdict(top, confidence, evidence)
-    return _compute_rules([headline], f"compute holds {_pct(top_share)} of p95", confidence,
-                          gpu, rest)
+        return _verdict(sc.VERDICT_TRANSFER, case.confidence, evidence)
+    if work is None:
+        # The tail holds no batch work of its own (requests that timed out or were
+        # cancelled in the queue): the batches they waited behind are mostly compute.
+        waits += words.LEFT_BEFORE_A_BATCH
+    return _compute_rules([case.headline, waits], words.queue_behind_compute(case.share),
+                          case.confidence, case.gpu, case.rest)
+
+
+def _busy_gpu_queue(case: _Case) -> dict:
+    """Not known what the queue waits for (no batch work in the traces). §6's batching
+    verdict is for a GPU mostly idle while requests wait; busy nearly all the time, the
+    GPU is likely what they wait for: the compute rules say why."""
+    gpu = case.gpu
+    gpu_factor = min(1.0, gpu.get("samples", 0) / FULL_CONFIDENCE_SAMPLES)
+    evidence = [case.headline, case.utilisation() or "", words.gpu_busy(BUSY_UTILIZATION)]
+    return _gpu_limit(
+        evidence,
+        case.confidence * gpu_factor,
+        gpu.get("sm_active_during_compute"),
+        gpu.get("sm_occupancy_during_compute"),
+        case.rest,
+        tensor=gpu.get("tensor_active_during_compute"),
+    )
+
+
+def _named_group(case: _Case, top: str, behind: float | None) -> dict:
+    """A group other than compute names the verdict itself."""
+    evidence = [case.headline, *case.rest]
+    if top == sc.VERDICT_NETWORK:
+        evidence.insert(1, words.NETWORK_IS_REMOTE)
+    if top == sc.VERDICT_BATCHING and behind is not None:
+        evidence.insert(1, words.waits_for_batcher(behind))
+    util_words = case.utilisation()
+    if util_words:
+        evidence.append(util_words)
+    return _verdict(top, case.confidence, evidence)
 
 
 def _compute_rules(
@@ -415,65 +420,34 @@ def _compute_rules(
     sm = gpu.get("sm_active_during_compute")
     occ = gpu.get("sm_occupancy_during_compute")
     if not util:
-        received = gpu.get("samples_received", 0)
         if sm is not None and sm["p50"] >= LOW_UTILIZATION:
             # No utilisation samples (a DCGM profiling-only field set), but SMs this
             # active mean a busy GPU: utilisation is at least as high.
             gpu_factor = min(1.0, gpu.get("profiling_samples", 0) / FULL_CONFIDENCE_SAMPLES)
-            evidence = [
-                *evidence,
-                (
-                    f"no {sc.METRIC_GPU_UTILIZATION} samples joined, but SM activity during "
-                    f"compute (median {_pct(sm['p50'])}) means the GPU was busy"
-                ),
-            ]
-            return _gpu_limit(evidence, confidence * gpu_factor, sm, occ, rest, said_sm=True,
+            return _gpu_limit([*evidence, words.sm_means_busy(sm)], confidence * gpu_factor,
+                              sm, occ, rest, said_sm=True,
                               tensor=gpu.get("tensor_active_during_compute"))
-        if sm is not None or occ is not None:
-            figures = ", ".join(
-                f"{name} median {_pct(v['p50'])}"
-                for name, v in (("SM activity", sm), ("SM occupancy", occ))
-                if v is not None
-            )
-            why = (
-                f"{lead}; DCGM profiling samples joined its compute spans ({figures}) but "
-                f"no {sc.METRIC_GPU_UTILIZATION} samples did, and without them an idle GPU "
-                "(runtime) cannot be told apart from a busy, poorly used one (kernel): "
-                "export GPU utilisation too (DCGM_FI_DEV_GPU_UTIL, or NVML)"
-            )
-        elif not received:
-            why = (
-                f"{lead} but no GPU samples were received (run `inferprof gpu` beside a "
-                "GPU service; for a model on the CPU, compute itself is the bottleneck)"
-            )
-        elif not gpu.get("compute_spans_with_gpu_id", 1):
-            why = (
-                f"{lead} but its compute spans name no GPU (inferprof.gpu.id), so none of "
-                f"the {received} GPU samples received can be joined to them"
-            )
-        else:
-            why = (
-                f"{lead} but none of the {received} GPU samples received overlaps its "
-                "compute spans (they join on hw.id = inferprof.gpu.id: a GPU UUID, GPU-..., "
-                "joins whatever the host names; a short id only with equal host.name)"
-            )
-        return _unknown(why, *evidence, *rest)
+        return _unknown(_why_no_utilisation(lead, gpu, sm, occ), *evidence, *rest)
     gpu_factor = min(1.0, gpu.get("samples", 0) / FULL_CONFIDENCE_SAMPLES)
-    evidence = [
-        *evidence,
-        (
-            f"GPU utilisation during compute: median {_pct(util['p50'])}, mean "
-            f"{_pct(util['mean'])} over {gpu.get('samples', 0)} samples"
-        ),
-    ]
+    evidence = [*evidence, words.utilisation(util, gpu.get("samples", 0))]
     if util["p50"] < LOW_UTILIZATION:
-        evidence.append(
-            f"utilisation below {_pct(LOW_UTILIZATION)}: the GPU idles between kernel "
-            "launches (look at fusion, CUDA graphs, host synchronisation)"
-        )
+        evidence.append(words.idles_between_launches(LOW_UTILIZATION))
         return _verdict(sc.VERDICT_RUNTIME, confidence * gpu_factor, evidence + rest)
     return _gpu_limit(evidence, confidence * gpu_factor, sm, occ, rest,
                       tensor=gpu.get("tensor_active_during_compute"))
+
+
+def _why_no_utilisation(lead: str, gpu: Mapping, sm: Mapping | None,
+                        occ: Mapping | None) -> str:
+    """Why the compute rules cannot decide without utilisation samples."""
+    received = gpu.get("samples_received", 0)
+    if sm is not None or occ is not None:
+        return words.no_utilisation(lead, sm, occ)
+    if not received:
+        return words.no_samples(lead)
+    if not gpu.get("compute_spans_with_gpu_id", 1):
+        return words.no_gpu_id(lead, received)
+    return words.no_overlap(lead, received)
 
 
 def _gpu_limit(
@@ -490,45 +464,29 @@ def _gpu_limit(
     activity already; ``tensor``: tensor-pipe activity during compute, quoted where §6's
     occupancy rule says ``kernel`` for matrix units running near their peak."""
     if sm is None and occ is None:
-        evidence.append(
-            "no SM activity or occupancy figures (DCGM profiling) were received, so a "
-            "hardware limit cannot be told apart from inefficient kernels"
-        )
+        evidence.append(words.NO_PROFILING)
         return _verdict(sc.VERDICT_KERNEL, confidence * 0.7, evidence + rest)
     low = []
     if sm is not None:
         if not said_sm:
-            evidence.append(f"SM activity during compute: median {_pct(sm['p50'])}")
+            evidence.append(words.sm_activity(sm))
         if sm["p50"] < LOW_SM_ACTIVE:
             low.append("SM activity")
     if occ is not None:
-        evidence.append(f"SM occupancy during compute: median {_pct(occ['p50'])}")
+        evidence.append(words.sm_occupancy(occ))
         if occ["p50"] < LOW_SM_OCCUPANCY:
             low.append("occupancy")
     if low:
-        evidence.append(
-            f"the GPU is busy but with low {' and '.join(low)}: the kernels use it poorly"
-        )
+        evidence.append(words.used_poorly(low))
         if low == ["occupancy"] and tensor is not None and tensor["p50"] >= HIGH_TENSOR_ACTIVE:
             # Matrix-product kernels keep few warps per SM by design (docs/gpu.md): §6
             # says `kernel`, but the tensor cores are near their peak.
-            evidence.append(
-                f"but tensor activity during compute is high (median {_pct(tensor['p50'])}): "
-                "matrix-product kernels run with low occupancy by design, so this may be a "
-                "GPU near its peak rather than a poor kernel (docs/gpu.md)"
-            )
+            evidence.append(words.tensor_near_peak(tensor))
         return _verdict(sc.VERDICT_KERNEL, confidence, evidence + rest)
     if sm is None or occ is None:
-        missing = "SM activity" if sm is None else "SM occupancy"
-        evidence.append(
-            f"no {missing} figures (DCGM profiling) were received, so a hardware limit "
-            "cannot be told apart from inefficient kernels"
-        )
+        evidence.append(words.missing_profiling("SM activity" if sm is None else "SM occupancy"))
         return _verdict(sc.VERDICT_KERNEL, confidence * 0.7, evidence + rest)
-    evidence.append(
-        ("high SM activity and occupancy" if said_sm else
-         "high utilisation, SM activity and occupancy") + ": the GPU itself is the limit"
-    )
+    evidence.append(words.gpu_is_the_limit(said_sm))
     return _verdict(sc.VERDICT_HARDWARE, confidence, evidence + rest)
 
 
