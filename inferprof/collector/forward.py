@@ -159,7 +159,7 @@ class _FileSender:
             self._fh.flush()
 
     def send(self, signal: str, payload: bytes, timeout_s: float) -> None:
-        from inferprof.report.dump import pb_record
+        from inferprof.collector.otlp_json import pb_record
 
         kind = self._kinds.get(signal)
         if kind is not None:

@@ -58,6 +58,23 @@ _ID_FIELDS = {
 }
 
 
+def _pb_varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def pb_record(kind: bytes, payload: bytes) -> bytes:
+    """One record of the protobuf dump: ``kind`` (``PB_KIND_*``), a varint length, the bytes."""
+    return kind + _pb_varint(len(payload)) + payload
+
+
 def _hex_to_b64(value: Any, size: int, where: str) -> str:
     if not isinstance(value, str):
         raise ValueError(f"{where}: expected a hex string, got {type(value).__name__}")  # noqa: TRY004 - malformed input is a ValueError (module contract)
@@ -587,6 +604,7 @@ def to_json(request: OtlpRequest) -> dict:
 
 __all__ = [
     "PB_MAGIC",
+    "pb_record",
     "iter_otlp_file",
     "parse_json_line",
     "parse_metrics_request_json",

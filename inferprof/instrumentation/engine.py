@@ -310,7 +310,7 @@ class Step:
 def _resolve_device(stages: list[StageRecord]) -> None:
     """Device-timed stages (``stage(device="cuda")``) get their GPU times."""
     if any(st.device is not None for st in stages):
-        from inferprof.batching.device import resolve_stages
+        from inferprof.instrumentation.device import resolve_stages
 
         resolve_stages(stages)
 

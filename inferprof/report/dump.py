@@ -15,19 +15,13 @@ from collections.abc import Iterable
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from inferprof.collector.otlp_json import PB_KIND_METRICS, PB_KIND_TRACES, PB_MAGIC, to_json
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return bytes(out)
+from inferprof.collector.otlp_json import (
+    PB_KIND_METRICS,
+    PB_KIND_TRACES,
+    PB_MAGIC,
+    pb_record,
+    to_json,
+)
 
 
 def _kind(request) -> bytes:
@@ -38,11 +32,6 @@ def _kind(request) -> bytes:
     raise ValueError(
         f"expected ExportTraceServiceRequest or ExportMetricsServiceRequest, got {type(request).__name__}"
     )
-
-
-def pb_record(kind: bytes, payload: bytes) -> bytes:
-    """One record of the protobuf dump: ``kind`` (``PB_KIND_*``), a varint length, the bytes."""
-    return kind + _varint(len(payload)) + payload
 
 
 def write_pb(path: str | os.PathLike, requests: Iterable) -> int:
