@@ -97,7 +97,8 @@ def root_sampler(sampler: Any) -> Any:
 def static_decision(sampler: Any) -> sampling.Decision | None:
     """The decision of an ``ALWAYS_ON``/``ALWAYS_OFF``-like ``StaticSampler``, else None."""
     if isinstance(sampler, sampling.StaticSampler):
-        return sampler._decision  # type: ignore[no-any-return]
+        decision: sampling.Decision = sampler._decision
+        return decision
     return None
 
 

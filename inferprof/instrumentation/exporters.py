@@ -9,7 +9,6 @@ private (the gRPC translation hook, the HTTP client) is reached through
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from typing import Any
 
 from inferprof.instrumentation import _otel_compat as compat
@@ -29,7 +28,7 @@ def grpc_span_exporter(**kwargs: Any) -> Any:
 
     # The gRPC stub wants a message: parsing our bytes (C, upb) costs far less than the
     # SDK's Python-side message building it replaces.
-    def translate(data: Sequence[Any]) -> Any:
+    def translate(data: Any) -> Any:
         if type(data) is EncodedSpans:
             return parse(data.payload)
         return parse(encode_request(data))
@@ -43,7 +42,7 @@ def http_span_exporter(**kwargs: Any) -> Any:
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.trace.export import SpanExportResult
 
-    class FastHTTPSpanExporter(OTLPSpanExporter):  # type: ignore[misc]
+    class FastHTTPSpanExporter(OTLPSpanExporter):
         def __init__(self, **options: Any) -> None:
             super().__init__(**options)
             self._send = compat.http_sender(self)

@@ -58,7 +58,7 @@ def stage_spec(st: StageRecord, root: int, end: int) -> SpanSpec:
     """The span of a request's stage ``st``: a child of its enclosing stage, else of
     ``root`` (the request span); ``end``, the request's, if the stage is still open."""
     parent = st.parent
-    attrs = {_ATTR_STAGE: st.name}
+    attrs: dict[str, Any] = {_ATTR_STAGE: st.name}
     attrs.update(st.attrs)
     return new_spec(SpanSpec, (
         _span_name(st.name), span_id_of(st),
@@ -70,7 +70,7 @@ def stage_spec(st: StageRecord, root: int, end: int) -> SpanSpec:
 def batch_stage_attrs(batch: BatchRecord, st: StageRecord) -> dict[str, Any]:
     """The attributes of batch stage ``st``'s span: the stage name, the batch's attributes,
     its token counts on the stages they describe (contract §3), the stage's own."""
-    attrs = {_ATTR_STAGE: st.name}
+    attrs: dict[str, Any] = {_ATTR_STAGE: st.name}
     attrs.update(batch.attrs)
     if batch.stages_dropped:
         attrs[semconv.ATTR_STAGES_DROPPED] = batch.stages_dropped
