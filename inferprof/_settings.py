@@ -10,7 +10,8 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import fields
 from typing import Any
 
 _logger = logging.getLogger("inferprof.settings")
@@ -133,7 +134,59 @@ def url(name: str) -> str | None:
     return value or None
 
 
+def parse_flag(raw: str) -> bool:
+    """A boolean variable's value (1/0, true/false, yes/no, on/off); ``ValueError`` else."""
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"must be a boolean (1/0, true/false), got {raw!r}")
+
+
+#: A settings record's checks: field -> (value -> the error, or None when it is good).
+Checks = Mapping[str, Callable[[Any], "str | None"]]
+
+
+def check_fields(record: Any, checks: Checks) -> None:
+    """``ValueError`` naming the first field of the dataclass ``record`` its check refuses
+    (a bad argument raises)."""
+    for f in fields(record):
+        check = checks.get(f.name)
+        error = check(getattr(record, f.name)) if check is not None else None
+        if error:
+            raise ValueError(f"{f.name}: {error}")
+
+
+def from_environ(
+    table: Iterable[tuple[str, str, Callable[[str], Any]]],
+    checks: Checks,
+    environ: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """The fields a settings record takes from the environment: ``table`` rows of (field,
+    variable, parse). A value that does not parse or that its check refuses is logged and
+    left out, so the field's default stands (a bad environment value never stops a
+    service)."""
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for name, var, parse in table:
+        raw = env.get(var)
+        if raw is None or raw == "":
+            continue
+        try:
+            value = parse(raw)
+            check = checks.get(name)
+            error = check(value) if check is not None else None
+        except ValueError as exc:
+            error = str(exc)
+        if error:
+            _logger.warning("ignoring %s=%r (%s); using the default", var, raw, error)
+            continue
+        values[name] = value
+    return values
+
+
 __all__ = [
-    "FALSE", "TRUE", "choice", "env", "flag", "fraction", "number", "positive_int",
-    "positive_seconds", "rate", "url",
+    "FALSE", "TRUE", "Checks", "check_fields", "choice", "env", "flag", "fraction",
+    "from_environ", "number", "parse_flag", "positive_int", "positive_seconds", "rate", "url",
 ]

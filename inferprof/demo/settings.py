@@ -7,16 +7,12 @@ logged and replaced by the default, so a typo never stops a service from startin
 
 from __future__ import annotations
 
-import logging
-import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
-from inferprof import semconv
+from inferprof import _settings, semconv
 from inferprof.demo.model import DEFAULT_MODEL_SIZE, MODEL_SIZES
-
-_log = logging.getLogger(__name__)
 
 #: No telemetry at all (the baseline).
 INSTRUMENTATION_NONE = "none"
@@ -70,40 +66,14 @@ class DemoSettings:
     gc_threshold: int = _DEFAULT_GC_THRESHOLD
 
     def __post_init__(self) -> None:
-        for name, value in ((f.name, getattr(self, f.name)) for f in fields(self)):
-            error = _CHECKS.get(name, lambda v: None)(value)
-            if error:
-                raise ValueError(f"{name}: {error}")
+        _settings.check_fields(self, _CHECKS)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> DemoSettings:
         """Settings from ``INFERPROF_DEMO_*``; keyword arguments win over the environment."""
-        env = os.environ if environ is None else environ
-        values: dict[str, Any] = {}
-        for field_name, var, parse in _ENV:
-            raw = env.get(var)
-            if raw is None or raw == "":
-                continue
-            try:
-                value = parse(raw)
-                error = _CHECKS.get(field_name, lambda v: None)(value)
-            except ValueError as exc:
-                error = str(exc)
-            if error:
-                _log.warning("ignoring %s=%r (%s); using the default", var, raw, error)
-                continue
-            values[field_name] = value
+        values = _settings.from_environ(_ENV, _CHECKS, environ)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return replace(cls(), **values)
-
-
-def _flag(raw: str) -> bool:
-    value = raw.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"must be a boolean (1/0, true/false), got {raw!r}")
 
 
 def _one_of(choices: tuple[str, ...] | list[str]) -> Callable[[Any], str | None]:
@@ -146,7 +116,7 @@ _ENV: tuple[tuple[str, str, Callable[[str], Any]], ...] = (
     ("max_tokens", ENV_MAX_TOKENS, int),
     ("service_name", ENV_SERVICE_NAME, str.strip),
     ("endpoint", ENV_ENDPOINT, str.strip),
-    ("gc_freeze", ENV_GC_FREEZE, lambda raw: _flag(raw)),
+    ("gc_freeze", ENV_GC_FREEZE, _settings.parse_flag),
     ("gc_threshold", ENV_GC_THRESHOLD, int),
 )
 

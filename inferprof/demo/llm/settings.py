@@ -8,13 +8,11 @@ logged and replaced by the default.
 
 from __future__ import annotations
 
-import logging
-import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
-from inferprof import semconv
+from inferprof import _settings, semconv
 from inferprof.demo.llm.model import ModelConfig
 from inferprof.demo.settings import (
     ENV_ENDPOINT,
@@ -24,8 +22,6 @@ from inferprof.demo.settings import (
     INSTRUMENTATION_NONE,
 )
 from inferprof.demo.tokenizer import DEFAULT_VOCAB_SIZE
-
-_log = logging.getLogger(__name__)
 
 #: ``none`` runs no telemetry code; the inferprof modes configure inferprof.
 LLM_INSTRUMENTATIONS = (INSTRUMENTATION_NONE, *semconv.MODES)
@@ -69,10 +65,7 @@ class LLMSettings:
     gc_freeze: bool = True
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            error = _CHECKS.get(f.name, lambda v: None)(getattr(self, f.name))
-            if error:
-                raise ValueError(f"{f.name}: {error}")
+        _settings.check_fields(self, _CHECKS)
 
     def model_config(self) -> ModelConfig:
         d_model, n_layers, d_ff = LLM_MODEL_SIZES[self.model_size]
@@ -82,21 +75,7 @@ class LLMSettings:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None,
                  **overrides: Any) -> LLMSettings:
-        env = os.environ if environ is None else environ
-        values: dict[str, Any] = {}
-        for name, var, parse in _ENV:
-            raw = env.get(var)
-            if raw is None or raw == "":
-                continue
-            try:
-                value = parse(raw)
-                error = _CHECKS.get(name, lambda v: None)(value)
-            except ValueError as exc:
-                error = str(exc)
-            if error:
-                _log.warning("ignoring %s=%r (%s); using the default", var, raw, error)
-                continue
-            values[name] = value
+        values = _settings.from_environ(_ENV, _CHECKS, environ)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return replace(cls(), **values)
 
@@ -127,15 +106,6 @@ def _non_empty(v: Any) -> str | None:
     return None if isinstance(v, str) and v.strip() else f"must be a non-empty string, got {v!r}"
 
 
-def _flag(raw: str) -> bool:
-    value = raw.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"must be a boolean (1/0, true/false), got {raw!r}")
-
-
 _CHECKS: dict[str, Callable[[Any], str | None]] = {
     "instrumentation": _one_of(LLM_INSTRUMENTATIONS),
     "service_name": _non_empty,
@@ -158,7 +128,7 @@ _ENV: tuple[tuple[str, str, Callable[[str], Any]], ...] = (
     ("max_batched_tokens", ENV_MAX_BATCHED_TOKENS, int),
     ("max_running", ENV_MAX_RUNNING, int),
     ("max_in_flight", ENV_MAX_IN_FLIGHT, int),
-    ("gc_freeze", ENV_GC_FREEZE, _flag),
+    ("gc_freeze", ENV_GC_FREEZE, _settings.parse_flag),
 )
 
 __all__ = [
