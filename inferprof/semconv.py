@@ -231,6 +231,9 @@ DROP_INCOMPLETE_TRACE: Final = "incomplete_trace"
 #: a stage span lying wholly outside its request's time (clock skew between processes, a
 #: stage recorded after the request ended): the stage is absent from that request (§6)
 DROP_OUTSIDE_REQUEST: Final = "outside_request"
+#: links of a batch stage span beyond the collector's ``max_links_per_span``, counted once
+#: per link: the members they name lack that stage (the span itself is kept)
+DROP_TOO_MANY_LINKS: Final = "too_many_links"
 #: spans still held when the collector stopped and its flush ran out of time
 DROP_SHUTDOWN: Final = "shutdown"
 #: Service label of the series that (service, model) pairs beyond the cardinality cap fold into.

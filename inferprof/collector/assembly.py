@@ -307,6 +307,7 @@ class Assembler:
         settle_s: float,
         trace_timeout_s: float,
         max_spans_per_trace: int,
+        max_links_per_span: int = 1024,
         clock: Callable[[], float],
         triton_spans: bool = True,
         steps: Any = None,
@@ -318,6 +319,8 @@ class Assembler:
         self.triton_spans = triton_spans
         self.trace_timeout_s = trace_timeout_s
         self.max_spans_per_trace = max_spans_per_trace
+        #: Links read per linked batch span; the rest are dropped (``too_many_links``).
+        self.max_links_per_span = max_links_per_span
         self.clock = clock
         self.traces: dict[bytes, _Trace] = {}
         # Trace ids by the time their trace becomes due (settles) and by creation time.
@@ -367,6 +370,10 @@ class Assembler:
         string_keys = _STRING_KEYS
         int_keys = _INT_KEYS
         max_spans = self.max_spans_per_trace
+        max_links = self.max_links_per_span
+        # A linked batch span is pending once per member it links (one index entry
+        # each): beyond the one span ``accepted`` counts.
+        link_pending = 0
         link_refs = self.link_refs
         due = now + self.settle_s
         attr_stage = sc.ATTR_STAGE
@@ -519,14 +526,24 @@ class Assembler:
                                 )
                                 continue
                             record = (sidx, start, end, resource, extra, ident)
+                            n_links = len(span_links)
+                            if n_links > max_links:
+                                self._drop(sc.DROP_TOO_MANY_LINKS, n_links - max_links)
+                                if len(errors) < _MAX_ERRORS:
+                                    errors.append(
+                                        f"span {sid.hex()}: {n_links} links, only the first "
+                                        f"{max_links} read (max_links_per_span)"
+                                    )
+                                span_links = span_links[:max_links]
                             # One member request linked twice (a sender linking once per
                             # item) is still one member: its stage counts once.
                             targets = (
                                 dict.fromkeys((ln.trace_id, ln.span_id) for ln in span_links)
-                                if len(span_links) > 1
+                                if n_links > 1
                                 else ((span_links[0].trace_id, span_links[0].span_id),)
                             )
                             link_refs[ident] = len(targets)
+                            link_pending += len(targets) - 1
                             for lk in targets:
                                 lst = links.get(lk)
                                 if lst is None:
@@ -610,7 +627,7 @@ class Assembler:
         self._due.add(due, made_due)
         self.received += accepted + rejected
         self.accepted += accepted
-        self.pending += accepted - unpending
+        self.pending += accepted - unpending + link_pending
         return accepted, rejected, errors
 
     # --- finalisation ------------------------------------------------------------------
@@ -674,8 +691,6 @@ class Assembler:
                 if late:
                     self.link_late.discard(lk)
                 if records:
-                    # A linked span is pending once however many members it has; count
-                    # it when its last reference goes.
                     self._release_linked(records)
                     late = late or lk[0] in recent_done
                     reason = sc.DROP_LATE if late else sc.DROP_ORPHAN_STAGE
@@ -734,13 +749,14 @@ class Assembler:
         self.backlog = False
 
     def _release_linked(self, records: list[tuple]) -> None:
+        """Each record is one member's use of a linked span: pending once each."""
         refs = self.link_refs
+        self.pending -= len(records)
         for rec in records:
             ident = rec[5]
             left = refs.get(ident, 1) - 1
             if left <= 0:
                 refs.pop(ident, None)
-                self.pending -= 1
             else:
                 refs[ident] = left
 

@@ -123,6 +123,10 @@ gpu_hour_price_option = click.option(
     "--max-stages", type=int, help="Most distinct stage names tracked (the contract's included)."
 )
 @click.option("--max-spans-per-trace", type=int, help="Spans kept per trace.")
+@click.option(
+    "--max-links-per-span", type=int,
+    help="Links read per batch stage span (one per member request); the rest are dropped.",
+)
 @click.option("--max-pending-spans", type=int, help="Spans held unfolded before answering 429.")
 @click.option(
     "--max-gpu-samples", type=int, help="GPU samples retained before answering 429."

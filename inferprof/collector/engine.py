@@ -201,6 +201,7 @@ class Engine:
         max_series: int = 1000,
         max_stages: int = DEFAULT_MAX_STAGES,
         max_spans_per_trace: int = 10_000,
+        max_links_per_span: int = 1024,
         max_pending_spans: int = 1_000_000,
         max_gpu_samples: int = 1_000_000,
         max_gpus_per_host: int = 64,
@@ -225,6 +226,7 @@ class Engine:
         for name, value in (
             ("max_series", max_series),
             ("max_spans_per_trace", max_spans_per_trace),
+            ("max_links_per_span", max_links_per_span),
             ("max_pending_spans", max_pending_spans),
             ("max_gpu_samples", max_gpu_samples),
             ("max_gpus_per_host", max_gpus_per_host),
@@ -272,6 +274,7 @@ class Engine:
             settle_s=self.settle_s,
             trace_timeout_s=self.trace_timeout_s,
             max_spans_per_trace=max_spans_per_trace,
+            max_links_per_span=max_links_per_span,
             clock=clock,
             triton_spans=triton_spans,
             steps=self._gen.steps,

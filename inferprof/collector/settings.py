@@ -54,6 +54,8 @@ _DEFAULT_RELATIVE_ACCURACY = 0.005
 _DEFAULT_MAX_SERIES = 1000
 _DEFAULT_MAX_STAGES = DEFAULT_MAX_STAGES
 _DEFAULT_MAX_SPANS_PER_TRACE = 10_000
+#: Links read per batch stage span (batch encoding links): one per member request.
+_DEFAULT_MAX_LINKS_PER_SPAN = 1024
 _DEFAULT_MAX_PENDING_SPANS = 1_000_000
 #: GPU samples (contract section 4 data points) retained, all GPUs together.
 _DEFAULT_MAX_GPU_SAMPLES = 1_000_000
@@ -98,6 +100,7 @@ ENV_RELATIVE_ACCURACY = "INFERPROF_COLLECTOR_RELATIVE_ACCURACY"
 ENV_MAX_SERIES = "INFERPROF_COLLECTOR_MAX_SERIES"
 ENV_MAX_STAGES = "INFERPROF_COLLECTOR_MAX_STAGES"
 ENV_MAX_SPANS_PER_TRACE = "INFERPROF_COLLECTOR_MAX_SPANS_PER_TRACE"
+ENV_MAX_LINKS_PER_SPAN = "INFERPROF_COLLECTOR_MAX_LINKS_PER_SPAN"
 ENV_MAX_PENDING_SPANS = "INFERPROF_COLLECTOR_MAX_PENDING_SPANS"
 ENV_MAX_GPU_SAMPLES = "INFERPROF_COLLECTOR_MAX_GPU_SAMPLES"
 ENV_MAX_GPUS_PER_HOST = "INFERPROF_COLLECTOR_MAX_GPUS_PER_HOST"
@@ -192,6 +195,7 @@ _ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
     "max_series": (ENV_MAX_SERIES, _parse_int),
     "max_stages": (ENV_MAX_STAGES, _parse_int),
     "max_spans_per_trace": (ENV_MAX_SPANS_PER_TRACE, _parse_int),
+    "max_links_per_span": (ENV_MAX_LINKS_PER_SPAN, _parse_int),
     "max_pending_spans": (ENV_MAX_PENDING_SPANS, _parse_int),
     "max_gpu_samples": (ENV_MAX_GPU_SAMPLES, _parse_int),
     "max_gpus_per_host": (ENV_MAX_GPUS_PER_HOST, _parse_int),
@@ -241,6 +245,7 @@ class CollectorSettings:
     max_series: int = _DEFAULT_MAX_SERIES
     max_stages: int = _DEFAULT_MAX_STAGES
     max_spans_per_trace: int = _DEFAULT_MAX_SPANS_PER_TRACE
+    max_links_per_span: int = _DEFAULT_MAX_LINKS_PER_SPAN
     max_pending_spans: int = _DEFAULT_MAX_PENDING_SPANS
     max_gpu_samples: int = _DEFAULT_MAX_GPU_SAMPLES
     max_gpus_per_host: int = _DEFAULT_MAX_GPUS_PER_HOST
@@ -311,6 +316,7 @@ class CollectorSettings:
             "max_series": self.max_series,
             "max_stages": self.max_stages,
             "max_spans_per_trace": self.max_spans_per_trace,
+            "max_links_per_span": self.max_links_per_span,
             "max_pending_spans": self.max_pending_spans,
             "max_gpu_samples": self.max_gpu_samples,
             "max_gpus_per_host": self.max_gpus_per_host,
@@ -465,6 +471,7 @@ _POSITIVE_INTS = (
     "max_series",
     "max_stages",
     "max_spans_per_trace",
+    "max_links_per_span",
     "max_pending_spans",
     "max_gpu_samples",
     "max_gpus_per_host",

@@ -53,7 +53,7 @@ def test_expiry_cost_per_entry_stays_flat_from_10k_to_1m_retained():
     chunk = 10_000
     small = _SteadyLinks(10_000, chunk)
     large = _SteadyLinks(1_000_000, chunk)
-    assert large.engine.pending_spans() == 1_000_000 // LINKS_PER_SPAN
+    assert large.engine.pending_spans() == 1_000_000  # a linked span: once per link
     per_entry: dict[str, list[float]] = {"small": [], "large": []}
     for _ in range(20):
         per_entry["small"].append(small.step() / chunk)
@@ -72,7 +72,7 @@ def test_one_ingest_works_off_a_bounded_share_of_an_expiry_backlog():
         engine.ingest_traces(bulk_export(20, links_per_span=LINKS_PER_SPAN))
     # and 100,000 stage spans of traces whose request span never comes
     engine.ingest_traces(bulk_export(100_000))
-    held = 200 + 100_000
+    held = 200 * LINKS_PER_SPAN + 100_000
     assert engine.pending_spans() == held
     clock.tick(TIMEOUT_S + 1)
     b = TraceBuilder()
@@ -97,7 +97,7 @@ def test_flush_with_a_deadline_drops_and_counts_what_it_could_not_fold():
     engine.ingest_traces(b.export())
     engine.ingest_traces(bulk_export(5, links_per_span=LINKS_PER_SPAN))
     held = engine.pending_spans()
-    assert held == 90_005
+    assert held == 90_000 + 5 * LINKS_PER_SPAN
     engine.flush(timeout_s=0.0)  # one share, then the deadline has passed
     stats = engine.stats
     assert stats.pending_spans == 0 and stats.pending_traces == 0
