@@ -72,7 +72,13 @@ TRANSFER_STAGES: Final = frozenset({STAGE_H2D, STAGE_D2H})
 NETWORK_STAGES: Final = frozenset({STAGE_NETWORK})
 COMPUTE_STAGES: Final = frozenset({STAGE_COMPUTE, STAGE_PREFILL, STAGE_DECODE})
 
-STAGE_NAME_PATTERN: Final = re.compile(r"^[a-z0-9_]+$")
+#: Longest string, in UTF-8 bytes, the collector keeps as a service or model name (cut,
+#: with a marker, past it) or as a GPU's host name, id or metric name (rejected past it):
+#: one long name must not make every scrape long (contract §9).
+MAX_LABEL_BYTES: Final = 256
+#: Longest stage name: a stage name is repeated on every series' stage rows of /metrics.
+MAX_STAGE_NAME_LENGTH: Final = 64
+STAGE_NAME_PATTERN: Final = re.compile(r"^[a-z0-9_]{1,64}$")
 SPAN_NAME_PREFIX: Final = "inferprof."
 
 
@@ -85,8 +91,9 @@ def validate_stage(stage: str) -> str:
     """Return ``stage`` if it is a valid stage value, else raise ``ValueError``."""
     if not isinstance(stage, str) or not STAGE_NAME_PATTERN.match(stage):
         raise ValueError(
-            f"invalid inferprof stage name {stage!r}: stage names are lower-case "
-            "letters, digits and underscores ([a-z0-9_]+)"
+            f"invalid inferprof stage name {str(stage)[:100]!r}: stage names are lower-case "
+            f"letters, digits and underscores, at most {MAX_STAGE_NAME_LENGTH} of them "
+            "([a-z0-9_]+)"
         )
     if stage == STAGE_UNATTRIBUTED:
         raise ValueError(f"{STAGE_UNATTRIBUTED!r} is reserved for the collector's pseudo-stage")
@@ -179,6 +186,10 @@ PROM_TRACES_INCOMPLETE: Final = "inferprof_traces_incomplete_total"
 PROM_SERIES_OVERFLOW: Final = "inferprof_series_overflow_total"
 PROM_SERIES_RECLAIMED: Final = "inferprof_series_reclaimed_total"
 PROM_GPU_SAMPLES_RECEIVED: Final = "inferprof_gpu_samples_received_total"
+PROM_GPU_SAMPLES_DROPPED: Final = "inferprof_gpu_samples_dropped_total"
+PROM_GPU_SAMPLES: Final = "inferprof_gpu_samples"
+PROM_LABELS_TRUNCATED: Final = "inferprof_labels_truncated_total"
+PROM_LABEL_LABEL: Final = "label"
 PROM_TRITON_REQUESTS_PARTIAL: Final = "inferprof_triton_requests_partial_total"
 PROM_LABEL_SERVICE: Final = "service"
 PROM_LABEL_MODEL: Final = "model"

@@ -71,13 +71,9 @@ from inferprof.collector.sketch import (
     reduce_codes,
     split_groups,
 )
-from inferprof.collector.verdict import (
-    GpuSamples,
-    decide,
-    gpu_evidence,
-    is_gpu_metric,
-    normalize_gpu_id,
-)
+from inferprof.collector.gpu_samples import DROP_INVALID, GpuSamples
+from inferprof.collector.labels import bounded, utf8_bytes
+from inferprof.collector.verdict import decide, gpu_evidence, is_gpu_metric, normalize_gpu_id
 
 #: Upper bounds (seconds) of the Prometheus histogram buckets: 0.5 ms .. 60 s, the
 #: range of serving latencies from a single small-model stage to a long generation.
@@ -107,6 +103,10 @@ _Q_LOCAL = KEY_BITS + STAGE_BITS
 #: Stage index 0 is end-to-end latency in the quantile store, 1 is ``unattributed``.
 _E2E = 0
 _UNATTRIBUTED = 1
+#: UTF-8 bytes of (service, model) names per series, on average over ``max_series``: the
+#: names of all series together are bounded by ``max_series`` times this, a new pair past
+#: it going to the overflow series as one past ``max_series`` does.
+SERIES_NAME_BYTES = 64
 #: Compute windows kept per (slice, series) for the GPU join.
 _MAX_COMPUTE_WINDOWS = 5_000
 #: Per (slice, series): a uniform sample of _MAX_QUEUE_ROWS queue spans (48 KB) and the
@@ -171,6 +171,21 @@ class Overloaded(Exception):
         self.pending = pending
         self.incoming = incoming
         self.limit = limit
+
+
+class GpuSamplesFull(Overloaded):
+    """Raised by ``ingest_metrics`` when keeping the export's GPU samples would exceed
+    ``max_gpu_samples``; nothing of it was kept (HTTP 429 / gRPC RESOURCE_EXHAUSTED)."""
+
+    def __init__(self, retained: int, incoming: int, cap: int) -> None:
+        Exception.__init__(
+            self,
+            f"collector overloaded: {retained} GPU samples retained + {incoming} incoming "
+            f"exceeds max_gpu_samples={cap}",
+        )
+        self.pending = retained
+        self.incoming = incoming
+        self.limit = cap
 
 
 def _positive(name: str, value: float) -> float:
@@ -290,13 +305,22 @@ class Engine:
         self._series_errors: list[float] = []
         #: collector-clock time each series was last folded into (reclaiming idle ones)
         self._series_last: list[float] = []
+        #: UTF-8 bytes of the series' names together, bounded so that /metrics, which
+        #: repeats them on every row of their series, is bounded in bytes as in series
+        self._series_bytes = 0
+        self._max_series_bytes = max_series * SERIES_NAME_BYTES
+        #: "service" / "model" -> requests whose name was cut (labels.bounded)
+        self._truncated = {"service": 0, "model": 0}
         #: no series becomes reclaimable before this time (a scan that found none)
         self._reclaim_after = -math.inf
         self._reclaimed = 0
         self._slices: dict[int, TimeSlice] = {}
         self._hist: dict[tuple[int, int], np.ndarray] = {}
         self._hist_sum: dict[tuple[int, int], float] = {}
-        self._gpu = GpuSamples()
+        self._gpu = GpuSamples(
+            max_samples=max_gpu_samples, max_gpus_per_host=max_gpus_per_host,
+            max_hosts=max_gpu_hosts,
+        )
         #: the slowest traced requests per (slice, series), for the breakdown's examples
         self._examples = ExampleStore()
         #: per histogram bucket, a request's trace id (OpenMetrics exemplars)
@@ -314,6 +338,7 @@ class Engine:
         self._finalised = 0
         self._overflow = 0
         self._next_advance = 0.0
+        self._next_gpu_prune = -math.inf
 
     # --- ingest --------------------------------------------------------------------
     def ingest_traces(self, request: Any, peer: str | None = None) -> IngestResult:
@@ -347,54 +372,73 @@ class Engine:
     def ingest_metrics(self, request: Any) -> IngestResult:
         """Keep the GPU samples (contract §4) of an OTLP metrics export.
 
-        Other metrics are ignored (neither accepted nor rejected); GPU data points with a
-        non-finite value or without ``hw.id`` are rejected. ``accepted_spans`` /
-        ``rejected_spans`` count data points here.
+        The engines' KV-cache gauge (contract §14) goes to the generation store. Other
+        metrics are ignored (neither accepted nor rejected); GPU data points with a
+        non-finite value or without ``hw.id``, with a timestamp outside the retention or
+        too far ahead, or past the caps on hosts, GPUs and their metrics are rejected and
+        counted (``gpu_samples.py``). ``accepted_spans`` / ``rejected_spans`` count data
+        points here. Raises :class:`GpuSamplesFull`, keeping nothing, when the samples
+        would pass ``max_gpu_samples``.
         """
-        accepted = ignored = rejected = 0
+        gpu_metrics = []
+        kv_cache = []
+        incoming = 0
+        for rm in request.resource_metrics:
+            host = ""
+            for kv in rm.resource.attributes:
+                if kv.key == sc.RESOURCE_HOST_NAME:
+                    host = kv.value.string_value
+            for sm in rm.scope_metrics:
+                for metric in sm.metrics:
+                    if metric.name == sc.METRIC_ENGINE_KV_CACHE_USAGE:
+                        kv_cache.append((rm.resource, metric))
+                        continue
+                    kind = metric.WhichOneof("data")
+                    if kind not in ("gauge", "sum") or not is_gpu_metric(metric.name):
+                        continue
+                    points = getattr(metric, kind).data_points
+                    gpu_metrics.append((host, metric.name, points))
+                    incoming += len(points)
+        accepted = rejected = 0
         errors: list[str] = []
         with self._lock:
-            for rm in request.resource_metrics:
-                host = ""
-                for kv in rm.resource.attributes:
-                    if kv.key == sc.RESOURCE_HOST_NAME:
-                        host = kv.value.string_value
-                for sm in rm.scope_metrics:
-                    for metric in sm.metrics:
-                        if metric.name == sc.METRIC_ENGINE_KV_CACHE_USAGE:
-                            ok, bad = self._gen.ingest_kv(rm.resource, metric, self.clock())
-                            accepted += ok
-                            rejected += bad
-                            continue
-                        if not is_gpu_metric(metric.name):
-                            ignored += 1
-                            continue
-                        kind = metric.WhichOneof("data")
-                        if kind not in ("gauge", "sum"):
-                            ignored += 1
-                            continue
-                        for dp in getattr(metric, kind).data_points:
-                            hw_id = gpu_model = ""
-                            for kv in dp.attributes:
-                                if kv.key == sc.ATTR_HW_ID:
-                                    hw_id = kv.value.string_value
-                                elif kv.key == sc.ATTR_HW_MODEL:
-                                    gpu_model = kv.value.string_value
-                            v = (
-                                dp.as_double
-                                if dp.WhichOneof("value") == "as_double"
-                                else float(dp.as_int)
-                            )
-                            if not math.isfinite(v) or not hw_id:
-                                rejected += 1
-                                if len(errors) < 5:
-                                    why = "non-finite value" if hw_id else f"no {sc.ATTR_HW_ID}"
-                                    errors.append(f"{metric.name} data point: {why}")
-                                continue
-                            self._gpu.add(host, hw_id, metric.name, dp.time_unix_nano * 1e-9, v)
-                            if gpu_model:
+            samples = self._gpu
+            now = self.clock()
+            finite = math.isfinite(self.retention_s)
+            if not samples.has_room(incoming):
+                if finite:  # what is past the retention makes room first
+                    samples.prune(now - self.retention_s)
+                if not samples.has_room(incoming):
+                    raise GpuSamplesFull(samples.total, incoming, samples.max_samples)
+            for resource, metric in kv_cache:
+                ok, bad = self._gen.ingest_kv(resource, metric, now)
+                accepted += ok
+                rejected += bad
+            oldest = now - self.retention_s if finite else -math.inf
+            for host, name, points in gpu_metrics:
+                for dp in points:
+                    hw_id = gpu_model = ""
+                    for kv in dp.attributes:
+                        if kv.key == sc.ATTR_HW_ID:
+                            hw_id = kv.value.string_value
+                        elif kv.key == sc.ATTR_HW_MODEL:
+                            gpu_model = kv.value.string_value
+                    v = dp.as_double if dp.WhichOneof("value") == "as_double" else float(dp.as_int)
+                    if not math.isfinite(v) or not hw_id:
+                        samples.reject(DROP_INVALID)
+                        why = "non-finite value" if hw_id else f"no {sc.ATTR_HW_ID}"
+                    else:
+                        why = samples.add(host, hw_id, name, dp.time_unix_nano * 1e-9, v,
+                                          now, oldest)
+                        if why is None:
+                            # a name past the bound could name no price: not kept
+                            if gpu_model and bounded(gpu_model) is gpu_model:
                                 self._cost.model_of(host, normalize_gpu_id(hw_id), gpu_model)
                             accepted += 1
+                            continue
+                    rejected += 1
+                    if len(errors) < 5:
+                        errors.append(f"{name[:100]} data point: {why}")
         return IngestResult(accepted, rejected, tuple(errors))
 
     # --- finalisation ----------------------------------------------------------------
@@ -441,33 +485,47 @@ class Engine:
                 del self._slices[idx]
             self._examples.prune(oldest)
             self._cost.prune(oldest)
-            self._gpu.prune(now - self.retention_s)
+            if now >= self._next_gpu_prune:  # a scan of every series: once a second
+                self._next_gpu_prune = now + 1.0
+                self._gpu.prune(now - self.retention_s)
             self._gen.prune(oldest, now)
 
     def _series_id(self, service: str, model: str, now: float) -> int:
-        key = (service, model)
+        """The series of a (service, model) pair not found as it came: new, one whose
+        names are too long (cut: ``labels.py``), or past a cap (the overflow series)."""
+        cut_service, cut_model = bounded(service), bounded(model)
+        if cut_service is not service:
+            self._truncated["service"] += 1
+        if cut_model is not model:
+            self._truncated["model"] += 1
+        key = (cut_service, cut_model)
         sid = self._series.get(key)
         if sid is None:
-            if len(self._series) >= self.max_series:
-                sid = self._reclaim(now)
+            size = utf8_bytes(cut_service) + utf8_bytes(cut_model)
+            if (len(self._series) >= self.max_series
+                    or self._series_bytes + size > self._max_series_bytes):
+                sid = self._reclaim(now, size)
                 if sid is not None:
                     self._series[key] = sid
                     self._series_keys[sid] = key
                     self._series_last[sid] = now
+                    self._series_bytes += size
                     return sid
                 key = (sc.OVERFLOW_SERIES, "")
                 sid = self._series.get(key)
                 if sid is not None:
                     return sid
+                size = utf8_bytes(sc.OVERFLOW_SERIES)
             sid = len(self._series_keys)
             self._series[key] = sid
             self._series_keys.append(key)
             self._series_requests.append(0.0)
             self._series_errors.append(0.0)
             self._series_last.append(now)
+            self._series_bytes += size
         return sid
 
-    def _reclaim(self, now: float) -> int | None:
+    def _reclaim(self, now: float, size: int = 0) -> int | None:
         """Free the slot of the series idle longest, if it has been idle long enough that
         no retained slice holds any of it (folded more than ``retention_s + slice_s``
         ago); None when no series has. Its cumulative histograms leave ``/metrics`` with
@@ -487,7 +545,11 @@ class Engine:
             # Nothing reclaimable before the idlest series is: no scan until then.
             self._reclaim_after = (last[sid] + horizon) if sid is not None else math.inf
             return None
-        del self._series[self._series_keys[sid]]  # the caller puts the new pair in its slot
+        old = self._series_keys[sid]
+        if self._series_bytes - sum(map(utf8_bytes, old)) + size > self._max_series_bytes:
+            return None  # the new pair's names would not fit in the idlest one's room
+        self._series_bytes -= sum(map(utf8_bytes, old))
+        del self._series[old]  # the caller puts the new pair in its slot
         self._series_requests[sid] = 0.0
         self._series_errors[sid] = 0.0
         for hk in [hk for hk in self._hist if hk[0] == sid]:
@@ -880,7 +942,9 @@ class Engine:
                 series=len(self._series),
                 series_reclaimed=self._reclaimed,
                 gpu_samples_received=self._gpu.received,
-                gpu_samples_dropped=self._gpu.dropped,
+                gpu_samples_dropped=dict(self._gpu.dropped),
+                gpu_samples=self._gpu.total,
+                labels_truncated=dict(self._truncated),
                 pending_spans=asm.pending,
                 pending_traces=len(asm.traces),
             )
@@ -1126,4 +1190,6 @@ class Engine:
         return doc
 
 
-__all__ = ["HISTOGRAM_BOUNDS", "Engine", "EngineStats", "IngestResult", "Overloaded"]
+__all__ = [
+    "HISTOGRAM_BOUNDS", "Engine", "EngineStats", "GpuSamplesFull", "IngestResult", "Overloaded",
+]

@@ -39,7 +39,10 @@ engine's current state. Families:
   ``inferprof_gpu_power_watts_during_compute{service,model}`` (the mean) — the breakdown's
   padding and GPU figures over the window, absent where it has none;
 * ``inferprof_spans_received_total``, ``inferprof_spans_dropped_total{reason}``,
-  ``inferprof_traces_incomplete_total``.
+  ``inferprof_traces_incomplete_total``;
+* ``inferprof_gpu_samples_dropped_total{reason}``, ``inferprof_gpu_samples`` (retained
+  now) and ``inferprof_labels_truncated_total{label}`` (service and model names cut to
+  ``semconv.MAX_LABEL_BYTES``).
 
 At most ``max_series`` (service, model) pairs are rendered per scrape (the engine's own
 cap folds the rest into ``service="__overflow__"`` already).
@@ -354,6 +357,32 @@ class EngineCollector:
         yield dropped
         for name, help_text, field in _ENGINE_COUNTERS:
             yield core.CounterMetricFamily(name, help_text, value=getattr(stats, field))
+        yield from _bounds_families(core, stats)
+
+def _bounds_families(core, stats) -> Iterator:
+    """What the engine's caps on GPU samples and names kept out."""
+    gpu_dropped = core.CounterMetricFamily(
+        sc.PROM_GPU_SAMPLES_DROPPED,
+        "GPU samples not kept (rejected, or the oldest of a full series), by reason.",
+        labels=[sc.PROM_LABEL_REASON],
+    )
+    for reason, n in sorted(stats.gpu_samples_dropped.items()):
+        gpu_dropped.add_metric([reason], n)
+    yield gpu_dropped
+    yield core.GaugeMetricFamily(
+        sc.PROM_GPU_SAMPLES,
+        "GPU samples retained now (compare with --max-gpu-samples).",
+        value=stats.gpu_samples,
+    )
+    truncated = core.CounterMetricFamily(
+        sc.PROM_LABELS_TRUNCATED,
+        f"Requests whose service or model name was cut to {sc.MAX_LABEL_BYTES} bytes.",
+        labels=[sc.PROM_LABEL_LABEL],
+    )
+    for label, n in sorted(stats.labels_truncated.items()):
+        truncated.add_metric([label], n)
+    yield truncated
+
 
 def _add_resources(families: dict, service: str, model: str, doc: dict) -> None:
     cost = doc.get("cost")

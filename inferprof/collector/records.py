@@ -47,7 +47,12 @@ class EngineStats:
     #: (service, model) slots freed for a new pair at the cap (idle longer than retention).
     series_reclaimed: int = 0
     gpu_samples_received: int = 0
-    gpu_samples_dropped: int = 0
+    #: reason (``gpu_samples.DROP_*``) -> GPU samples rejected or dropped for it
+    gpu_samples_dropped: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    #: GPU samples retained now
+    gpu_samples: int = 0
+    #: "service" / "model" -> requests whose name was cut to semconv.MAX_LABEL_BYTES
+    labels_truncated: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     pending_spans: int = 0
     pending_traces: int = 0
 

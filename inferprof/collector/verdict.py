@@ -28,8 +28,8 @@ stands for a busy GPU (lower cannot tell ``runtime`` from ``kernel``: ``unknown`
   times 0.7 when ``kernel`` is said for want of occupancy figures.
 ``unknown`` has confidence 0.
 
-GPU samples (contract §4) are kept per GPU (``hw.id``) and metric with their timestamps.
-A utilisation sample taken at ``t`` describes the sampling period before it, so it is
+GPU samples (contract §4) are kept per GPU (``hw.id``) and metric with their timestamps
+(``gpu_samples.GpuSamples``). A utilisation sample taken at ``t`` describes the sampling period before it, so it is
 joined to a compute span ``[s, e]`` when ``s < t < e + period`` (``period`` = the median
 gap between that GPU's samples): compute spans are often shorter than the sampling
 period and a strict "inside" rule would match nothing. Each joined sample weighs by that period
@@ -48,7 +48,8 @@ from __future__ import annotations
 import functools
 import re
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -70,8 +71,6 @@ LOW_SM_OCCUPANCY = 0.25
 #: Tensor-pipe activity at which a low-occupancy `kernel` verdict says the matrix units
 #: are busy (cuBLAS at peak on an H100 read 92%).
 HIGH_TENSOR_ACTIVE = 0.5
-#: GPU samples kept per (GPU, metric) at most; the oldest go first.
-MAX_SAMPLES_PER_SERIES = 200_000
 
 GPU_METRICS = frozenset(
     {
@@ -130,113 +129,6 @@ def is_gpu_metric(name: str) -> bool:
     return name in GPU_METRICS or name.startswith(sc.METRIC_DCGM_PREFIX)
 
 
-class GpuSamples:
-    """GPU samples by (host, hw.id, metric); not thread-safe (the engine locks).
-
-    Samples are appended as they arrive; readers use a sorted numpy copy per series that
-    is rebuilt only when the series changed since the last read, so a Prometheus scrape
-    reading hundreds of breakdowns converts each series once, not once per breakdown.
-    """
-
-    def __init__(self) -> None:
-        self._data: dict[tuple[str, str, str], tuple[list[float], list[float]]] = {}
-        self._version: dict[tuple[str, str, str], int] = defaultdict(int)
-        self._sorted: dict[tuple[str, str, str], tuple[int, np.ndarray, np.ndarray, float]] = {}
-        self.received = 0
-        self.dropped = 0
-
-    def add(self, host: str, hw_id: str, metric: str, t: float, value: float) -> None:
-        key = (host, normalize_gpu_id(hw_id), metric)
-        series = self._data.get(key)
-        if series is None:
-            series = self._data[key] = ([], [])
-        if len(series[0]) >= MAX_SAMPLES_PER_SERIES:
-            del series[0][: MAX_SAMPLES_PER_SERIES // 10]
-            del series[1][: MAX_SAMPLES_PER_SERIES // 10]
-            self.dropped += MAX_SAMPLES_PER_SERIES // 10
-        series[0].append(t)
-        series[1].append(value)
-        self._version[key] += 1
-        self.received += 1
-
-    def prune(self, oldest: float) -> None:
-        for key, (ts, vs) in list(self._data.items()):
-            if ts and min(ts[0], ts[-1]) < oldest:
-                keep = [i for i, t in enumerate(ts) if t >= oldest]
-                self._version[key] += 1
-                if not keep:
-                    del self._data[key]
-                    self._sorted.pop(key, None)
-                    del self._version[key]
-                    continue
-                self._data[key] = ([ts[i] for i in keep], [vs[i] for i in keep])
-
-    def _arrays(self, key: tuple[str, str, str]) -> tuple[np.ndarray, np.ndarray, float]:
-        """Times (sorted), values and median sampling period of one series."""
-        version = self._version[key]
-        cached = self._sorted.get(key)
-        if cached is None or cached[0] != version:
-            ts, vs = self._data[key]
-            t = np.asarray(ts)
-            v = np.asarray(vs)
-            order = np.argsort(t, kind="stable")
-            t, v = t[order], v[order]
-            period = float(np.median(np.diff(t))) if t.size > 1 else 0.0
-            cached = self._sorted[key] = (version, t, v, period)
-        return cached[1], cached[2], cached[3]
-
-    def count(self, since: float | None = None) -> int:
-        if since is None:
-            return sum(len(ts) for ts, _ in self._data.values())
-        total = 0
-        for key in self._data:
-            t = self._arrays(key)[0]
-            total += t.size - int(np.searchsorted(t, since, side="left"))
-        return total
-
-    def during(
-        self, metric: str, intervals: Iterable[tuple[str, str, float, float]]
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Values of ``metric`` joined to compute ``intervals`` (host, gpu, start, end),
-        and each value's weight: the sampling period of its series, the GPU time one
-        sample stands for. A GPU sampled every 100 ms beside one sampled every 10 ms then
-        weighs by its compute time, not by how often its sampler reads it. A series of
-        one sample has no period: it gets the median period of the others (1 s if none).
-        """
-        by_gpu: dict[tuple[str, str], list[tuple[float, float]]] = defaultdict(list)
-        for host, gpu, s, e in intervals:
-            by_gpu[(host, gpu)].append((s, e))
-        values: list[np.ndarray] = []
-        periods: list[float] = []
-        for (host, gpu), spans in by_gpu.items():
-            any_host = is_device_uuid(gpu)
-            for key in self._data:
-                shost, sgpu, smetric = key
-                if smetric != metric or sgpu != gpu:
-                    continue
-                if host and shost and host != shost and not any_host:
-                    continue
-                t, v, period = self._arrays(key)
-                iv = np.asarray(spans)
-                lo = np.searchsorted(t, iv[:, 0], side="right")
-                # max(): an empty interval must not cancel another one's count.
-                hi = np.maximum(np.searchsorted(t, iv[:, 1] + period, side="left"), lo)
-                diff = np.zeros(t.size + 1, dtype=np.int64)
-                np.add.at(diff, lo, 1)
-                np.add.at(diff, hi, -1)
-                mask = np.cumsum(diff[:-1]) > 0
-                values.append(v[mask])
-                periods.append(period)
-        if not values:
-            return np.empty(0), np.empty(0)
-        known = [p for p in periods if p > 0]
-        fallback = float(np.median(known)) if known else 1.0
-        weights = [
-            np.full(vals.size, p if p > 0 else fallback) for vals, p in zip(values, periods)
-        ]
-        return np.concatenate(values), np.concatenate(weights)
-
-
 def _pct(x: float) -> str:
     return f"{100 * x:.0f}%"
 
@@ -253,9 +145,9 @@ def _summary(values: np.ndarray, weights: np.ndarray) -> dict | None:
 
 
 def gpu_evidence(
-    samples: GpuSamples, intervals: list[tuple[str, str, float, float]], since: float | None
+    samples: Any, intervals: list[tuple[str, str, float, float]], since: float | None
 ) -> dict:
-    """The breakdown's ``gpu`` section."""
+    """The breakdown's ``gpu`` section from ``samples`` (a ``gpu_samples.GpuSamples``)."""
     util, util_w = samples.during(sc.METRIC_GPU_UTILIZATION, intervals)
     section: dict = {
         "utilization_during_compute": _summary(util, util_w),

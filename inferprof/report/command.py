@@ -20,6 +20,9 @@ from inferprof.collector.command import gpu_hour_price_option
 #: pending-span cap forces an early flush (see ``_feed``).
 _OFFLINE_SETTLE_S = 3600.0
 _OFFLINE_MAX_PENDING = 5_000_000
+#: A report reads a whole recording: its GPU samples are bounded by the files, not by
+#: the collector's default cap.
+_OFFLINE_MAX_GPU_SAMPLES = 1_000_000_000
 
 
 def _feed(engine, files, progress: bool) -> int:
@@ -85,6 +88,7 @@ def build_documents(
         trace_timeout_s=_OFFLINE_SETTLE_S,
         retention_s=math.inf,
         max_pending_spans=_OFFLINE_MAX_PENDING,
+        max_gpu_samples=_OFFLINE_MAX_GPU_SAMPLES,
         # No /metrics to keep small: every stage name the columns allow.
         max_stages=MAX_MAX_STAGES,
         gpu_hour_prices=gpu_hour_prices or (),
