@@ -30,6 +30,7 @@ from collections import OrderedDict
 from typing import Any
 
 from inferprof import semconv as sc
+from inferprof.collector.labels import bounded
 
 #: Share of the cap kept for starved senders (under half their share) while one is about.
 DEFAULT_RESERVE_FRACTION = 0.25
@@ -50,6 +51,8 @@ def sender_of(request: Any, peer: str | None) -> tuple[str, ...]:
                 instance = kv.value.string_value
             elif k == sc.RESOURCE_HOST_NAME:
                 host = kv.value.string_value
+        # The table keeps up to MAX_SENDERS of these: names are cut as series names are.
+        name, instance, host = bounded(name), bounded(instance), bounded(host)
         # No instance named (an exporter that sets neither): its client tells replicas apart.
         this = (name, instance or host) if instance or host else (name, "", peer or "")
         if key is None:

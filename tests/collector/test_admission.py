@@ -10,6 +10,7 @@ import pytest
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 
+from inferprof import semconv as sc
 from inferprof.collector.admission import FairShare, sender_of
 from inferprof.collector.engine import Engine, Overloaded
 from inferprof.collector.grpc_server import _peer_host
@@ -226,3 +227,12 @@ def test_the_sender_table_forgets_quiet_senders_and_stays_bounded():
     assert share.senders(100.0) == 0  # nobody tried for active_s
     share.admitted(("svc", "pod-0"), 1, 100.0)
     assert share.senders(100.0) == 1
+
+
+def test_the_senders_table_keeps_long_names_cut():
+    # Up to MAX_SENDERS senders are remembered: their names are bounded as series names are.
+    long = with_instance(encode_spans(make_requests(1, service="s" * 100_000)), "i" * 100_000)
+    name, instance = sender_of(long, "10.0.0.7")
+    assert len(name.encode()) <= sc.MAX_LABEL_BYTES and len(instance.encode()) <= sc.MAX_LABEL_BYTES
+    other = with_instance(encode_spans(make_requests(1, service="s" * 100_000)), "i" * 99_999)
+    assert sender_of(other, "10.0.0.7") != (name, instance)  # still told apart
