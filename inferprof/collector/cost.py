@@ -96,15 +96,17 @@ class CostStore:
     def add(
         self, index: int, series: np.ndarray, weight: np.ndarray, device: np.ndarray,
         columns: np.ndarray, keep: np.ndarray,
-    ) -> None:
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """Fold one batch of finalised requests' work spans: ``device`` rows (request,
         stage number, seconds, share), ``columns`` each row's stage column, ``keep`` the
-        rows whose column is tracked."""
+        rows whose column is tracked. Returns each request's GPU-seconds per stage as
+        (request, stage column, seconds) arrays (None: none)."""
         if not keep.any():
-            return
+            return None
         rows = device[keep, 0].astype(np.int64)
         cols = columns[keep]
-        value = weight[rows] * device[keep, 2] * device[keep, 3]
+        own = device[keep, 2] * device[keep, 3]
+        value = weight[rows] * own
         sid = series[rows]
         code = (sid << 20) | cols
         uniq, inv = np.unique(code, return_inverse=True)
@@ -113,6 +115,9 @@ class CostStore:
         for c, v in zip(uniq.tolist(), sums.tolist()):
             stages = per_series.setdefault(c >> 20, defaultdict(float))
             stages[c & ((1 << 20) - 1)] += v
+        per_request, inv = np.unique((rows << 20) | cols, return_inverse=True)
+        seconds = np.bincount(inv, weights=own, minlength=per_request.size)
+        return per_request >> 20, per_request & ((1 << 20) - 1), seconds
 
     def prune(self, oldest: int) -> None:
         for idx in [i for i in self._slices if i < oldest]:

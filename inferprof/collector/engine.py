@@ -770,12 +770,13 @@ class Engine:
         self._finalised += n
 
         stage = self._stage_columns(np.frombuffer(fin.span_key, np.int64) & _LOW32)
+        gpu_seconds = None
         if fin.device:
             device = np.frombuffer(fin.device, np.float64).reshape(-1, 4)
             cols = self._stage_columns(device[:, 1].astype(np.int64))
-            self._cost.add(index, np.asarray(series, np.int64),
-                           np.frombuffer(fin.weight, np.float64), device, cols,
-                           cols < _NO_COLUMN)
+            gpu_seconds = self._cost.add(index, np.asarray(series, np.int64),
+                                         np.frombuffer(fin.weight, np.float64), device, cols,
+                                         cols < _NO_COLUMN)
         queue_col = self._stage_index.get(sc.STAGE_QUEUE)
         is_queue = stage == queue_col if queue_col is not None else None
         if fin.work or (is_queue is not None and is_queue.any()):
@@ -800,7 +801,8 @@ class Engine:
         pt = np.concatenate([unattributed, pair_time])
         pe = np.concatenate([unattributed, pair_excl])
         mapping = self.mapping
-        self._examples.add(index, req_series, fin.trace_id, req_e2e, pr, ps, pt, pe)
+        self._examples.add(index, req_series, fin.trace_id, req_e2e, pr, ps, pt, pe,
+                           gpu_seconds)
 
         # Quantile sketches: end-to-end (stage 0) and per stage.
         q_series = np.concatenate([req_series, req_series[pr]])

@@ -6,8 +6,9 @@ so a user can open its trace. Per (time slice, series) the engine keeps
 * the ``top`` slowest requests end to end, and
 * per stage (``unattributed`` included), the request that spent the longest in it,
 
-each with its trace id, end-to-end seconds and its exclusive time per stage (the
-partition of §6: it sums to the end-to-end time). Memory is bounded: at most
+each with its trace id, end-to-end seconds, its exclusive time per stage (the
+partition of §6: it sums to the end-to-end time) and its GPU-seconds per device stage
+(``cost.py``: its share of its batches' device time). Memory is bounded: at most
 ``top`` + (distinct stage names) entries per slice and series, each a few hundred bytes,
 whatever the request rate. A window's examples are the slowest over its slices.
 
@@ -34,10 +35,12 @@ TRACE_ID_PLACEHOLDER = "{trace_id}"
 #: ``Example.slowest`` of the end-to-end examples (a stage name for the others).
 SLOWEST_LATENCY = "latency"
 
-# An example: (seconds it was slowest by, end-to-end seconds, trace id, split), where
-# split is a tuple of (stage column, exclusive seconds). Tuples: they are compared and
-# sorted by their first fields, and a slice holds few of them.
-_Example = tuple[float, float, bytes, tuple[tuple[int, float], ...]]
+# An example: (seconds it was slowest by, end-to-end seconds, trace id, split, GPU
+# split), where split is a tuple of (stage column, exclusive seconds) and GPU split one
+# of (stage column, GPU-seconds). Tuples: a slice holds few of them.
+_Example = tuple[
+    float, float, bytes, tuple[tuple[int, float], ...], tuple[tuple[int, float], ...]
+]
 
 
 def check_template(template: str | None) -> str | None:
@@ -95,13 +98,15 @@ class ExampleStore:
         pair_stage: np.ndarray,
         pair_time: np.ndarray,
         pair_excl: np.ndarray,
+        gpu_seconds: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
     ) -> None:
         """Offer the requests of one fold to slice ``index``.
 
         Per request ``i``: ``series[i]``, ``trace_ids[i]``, ``e2e[i]``; per (request,
-        stage) pair: request index, stage column, stage time and exclusive time. Only
-        the few candidates numpy picks (the ``top`` slowest per series, the slowest per
-        (series, stage)) reach Python.
+        stage) pair: request index, stage column, stage time and exclusive time;
+        ``gpu_seconds``: (request, stage column, GPU-seconds) arrays. Only the few
+        candidates numpy picks (the ``top`` slowest per series, the slowest per (series,
+        stage)) reach Python.
         """
         n = e2e.size
         if not n or len(trace_ids) < n:
@@ -135,13 +140,20 @@ class ExampleStore:
             pair_req[mask].tolist(), pair_stage[mask].tolist(), pair_excl[mask].tolist()
         ):
             split[r].append((st, ex))
+        gpu: dict[int, list[tuple[int, float]]] = {r: [] for r in rows}
+        if gpu_seconds is not None:
+            g_req, g_col, g_sec = gpu_seconds
+            mask = np.isin(g_req, np.fromiter(rows, np.int64, len(rows)))
+            for r, st, sec in zip(g_req[mask].tolist(), g_col[mask].tolist(),
+                                  g_sec[mask].tolist()):
+                gpu[r].append((st, sec))
         top = self.top
         e2e_l = e2e.tolist()
         for r in top_rows.tolist():
             kept = kept_slice.get(int(series[r]))
             if kept is None:
                 kept = kept_slice[int(series[r])] = _Kept()
-            ex: _Example = (e2e_l[r], e2e_l[r], trace_ids[r], tuple(split[r]))
+            ex: _Example = (e2e_l[r], e2e_l[r], trace_ids[r], tuple(split[r]), tuple(gpu[r]))
             if len(kept.slowest) < top or _rank(ex) < _rank(kept.slowest[-1]):
                 kept.slowest.append(ex)
                 kept.slowest.sort(key=_rank)
@@ -153,7 +165,7 @@ class ExampleStore:
             kept = kept_slice.get(int(series[r]))
             if kept is None:
                 kept = kept_slice[int(series[r])] = _Kept()
-            ex = (seconds, e2e_l[r], trace_ids[r], tuple(split[r]))
+            ex = (seconds, e2e_l[r], trace_ids[r], tuple(split[r]), tuple(gpu[r]))
             old = kept.stages.get(stage)
             if old is None or _rank(ex) < _rank(old):
                 kept.stages[stage] = ex
@@ -204,15 +216,19 @@ def _rank(ex: _Example) -> tuple[float, bytes]:
 
 
 def _entry(ex: _Example, slowest: str, names: Sequence[str], order: Any) -> dict:
-    seconds, e2e, trace_id, split = ex
+    seconds, e2e, trace_id, split, gpu = ex
     stages = sorted(((names[c], t) for c, t in split), key=lambda item: order(item[0]))
-    return {
+    entry = {
         "trace_id": trace_id.hex(),
         "slowest": slowest,
         "seconds": seconds,
         "latency": e2e,
         "stages": dict(stages),
     }
+    if gpu:
+        entry["gpu_seconds"] = dict(
+            sorted(((names[c], t) for c, t in gpu), key=lambda item: order(item[0])))
+    return entry
 
 
 __all__ = [

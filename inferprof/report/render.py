@@ -121,9 +121,12 @@ def _example_lines(doc: dict) -> list[str]:
     lines = ["slowest traces (ms; end-to-end, then per stage):"]
     for ex in examples:
         where = ex.get("url") or f"trace {ex['trace_id']}"
+        gpu = ex.get("gpu_seconds")
+        gpu_part = (
+            "; GPU " + ", ".join(f"{k} {_ms(v)}" for k, v in gpu.items()) if gpu else "")
         lines.append(
             f"  {ex['slowest']:<16}{_ms(ex['seconds']):>8}  {where}  "
-            f"(end-to-end {_ms(ex['latency'])}: {_split(ex)})"
+            f"(end-to-end {_ms(ex['latency'])}: {_split(ex)}{gpu_part})"
         )
     return lines
 

@@ -216,3 +216,22 @@ def test_report_shows_the_cost(tmp_path):
     assert compute["cost_per_request"] == pytest.approx(truth[("a", "compute")] / 4 / 1000)
     table = format_table(doc)
     assert "cost per request: GPU" in table and "per GPU-hour" in table and " J " in table
+
+
+def test_each_example_carries_its_own_share_of_its_batches():
+    export, *_ = _workload()
+    engine = Engine(settle_s=0, clock=FakeClock(), retention_s=math.inf)
+    engine.ingest_traces(export)
+    engine.flush()
+    examples = {}
+    for model in ("a", "b"):
+        for ex in engine.breakdown("svc", model, None)["examples"]:
+            examples[ex["trace_id"]] = ex.get("gpu_seconds")
+    # batch A's members: by tokens (10, 30, 60 of 100) of 0.2 s; h2d evenly (3)
+    by_share = sorted(
+        (g for g in examples.values() if g and "h2d" in g), key=lambda g: g["compute"])
+    assert [g["compute"] for g in by_share] == pytest.approx([0.02, 0.06, 0.12])
+    assert all(g["h2d"] == pytest.approx(0.02 / 3) for g in by_share)
+    # batch B's: evenly (2) of 0.1 s; C: all of its 0.05 s
+    others = sorted(g["compute"] for g in examples.values() if g and "h2d" not in g)
+    assert others == pytest.approx([0.05, 0.05, 0.05])
