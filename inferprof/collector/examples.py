@@ -122,8 +122,8 @@ class ExampleStore:
         order = np.lexsort((lo, hi, -e2e, series))
         s_sorted = series[order]
         starts = np.flatnonzero(np.r_[True, s_sorted[1:] != s_sorted[:-1]])
-        rank = np.arange(n) - np.repeat(starts, np.diff(np.r_[starts, n]))
-        top_rows = order[rank < self.top]
+        position = np.arange(n) - np.repeat(starts, np.diff(np.r_[starts, n]))
+        top_rows = order[position < self.top]
         # The slowest request of each (series, stage).
         stage_rows = np.empty(0, np.int64)
         if pair_req.size:

@@ -90,3 +90,25 @@ def test_a_newer_fold_replaces_a_buckets_exemplar_and_the_text_format_has_none()
     registry.register(EngineCollector(engine))
     assert "trace_id" not in generate_latest(registry).decode()
     assert old.trace_id.hex() not in openmetrics(registry).decode()
+
+
+def test_metrics_endpoint_serves_exemplars_to_an_openmetrics_scraper():
+    import httpx
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    from tests.collector.test_server_fixtures import breakdown, make_requests, running_app
+
+    spans = make_requests(20)
+    traces = {format(s.context.trace_id, "032x") for s in spans}
+    with running_app() as app:
+        OTLPSpanExporter(endpoint=f"{app.otlp_http_endpoint}/v1/traces").export(spans)
+        breakdown(app)
+        om = httpx.get(f"{app.api_url}/metrics",
+                       headers={"Accept": "application/openmetrics-text; version=1.0.0"})
+        text = httpx.get(f"{app.api_url}/metrics")
+    assert om.headers["content-type"].startswith("application/openmetrics-text")
+    named = {line.split('trace_id="')[1][:32] for line in om.text.splitlines()
+             if line.startswith(sc.PROM_STAGE_DURATION) and "# {trace_id=" in line}
+    assert named and named <= traces
+    assert text.headers["content-type"].startswith("text/plain")
+    assert "trace_id" not in text.text

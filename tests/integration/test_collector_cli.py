@@ -127,7 +127,7 @@ def test_collect_fails_clearly_when_a_port_is_taken(flag, listener):
     [
         (["--forward", "tempo:4317"], "forward"),
         # in (0, 1) but outside the sketch's range: once a traceback at start-up
-        (["--relative-accuracy", "0.1"], "relative_accuracy must be in [0.0015, 0.05]"),
+        (["--relative-accuracy", "0.1"], "--relative-accuracy must be in [0.0015, 0.05]"),
         (["--log-level", "bogus"], "Invalid value for '--log-level'"),
     ],
 )
