@@ -445,3 +445,32 @@ def test_the_encoding_reaches_an_otlp_receiver(otlp_sink):
     assert {attributes(s)[semconv.ATTR_ENGINE_ID] for s in steps} == {"e9"}
     (compute,) = [s for s in spans if s.name == "inferprof.compute"]
     assert compute.parent_span_id in {s.span_id for s in steps}
+
+
+def test_steps_and_requests_built_on_the_export_thread():
+    """configure()'s own batch processor with a plain SDK exporter: the traces are queued
+    as one entry each and built on its thread, a failed step's error frozen first."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    inferprof.configure(span_exporter=exporter, set_global=False, metric_readers=[])
+    engine = inferprof.Engine()
+    gen = engine.request(prompt_tokens=1)
+    with pytest.raises(RuntimeError):
+        with engine.step() as step:
+            step.prefill(gen, 1)
+            with inferprof.stage("compute"):
+                raise RuntimeError("device lost")
+    with engine.step() as step:
+        step.decode(gen, 2)
+    gen.finish()
+    inferprof.shutdown()
+    spans = exporter.get_finished_spans()
+    steps = sorted((s for s in spans if s.name == semconv.ENGINE_STEP_SPAN_NAME),
+                   key=lambda s: s.start_time)
+    assert [s.status.status_code for s in steps] == [StatusCode.ERROR, StatusCode.UNSET]
+    (compute,) = [s for s in spans if s.name == "inferprof.compute"]
+    assert compute.status.status_code is StatusCode.ERROR
+    assert compute.parent.span_id == steps[0].context.span_id
+    (request,) = [s for s in spans if s.name == semconv.REQUEST_SPAN_NAME]
+    assert list(request.attributes[semconv.ATTR_GEN_EMIT_TOKENS]) == [1, 2]
