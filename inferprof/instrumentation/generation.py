@@ -236,6 +236,8 @@ class Generation:
                 rec.runtime.finish_request(rec)
             except Exception:
                 _logger.exception("inferprof could not end a generating request")
+        if rec.finished:  # its spans are made (or discarded): no cycle left for the GC
+            rec.generation = None
 
     def complete(self, rec: Any) -> None:
         """The request is kept: its generation attributes (RequestRecord._complete)."""
@@ -325,6 +327,8 @@ def generation_attributes(
             attrs.update(
                 emission_attributes(rec.start, gen.emits, gen.emit_tokens, gen.merged)
             )
+    # read once: record -> handle -> record is a cycle the GC need not find
+    rec.generation = None
     return attrs
 
 

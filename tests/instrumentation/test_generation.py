@@ -273,6 +273,7 @@ def test_inside_a_request_the_generation_goes_into_that_request(caplog):
             second.finish()
     assert not second.timed
     assert "twice in one request" in caplog.text
+    assert req.generation is None  # no record <-> handle cycle left for the GC
     (request,) = cap.requests()
     assert request.context.span_id == req.span_id
     assert request.attributes[semconv.ATTR_MODEL_NAME] == "m"
