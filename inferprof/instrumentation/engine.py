@@ -136,6 +136,11 @@ class Engine:
     def step(self, *, kv_cache_usage: float | None = None) -> Step | _NoopStep:
         """One engine step: ``with engine.step() as step:``. ``kv_cache_usage``: KV-cache
         blocks in use over the total at the step's start (0..1), when the engine knows."""
+        if kv_cache_usage is not None and (
+            isinstance(kv_cache_usage, bool) or not isinstance(kv_cache_usage, (int, float))
+            or not 0.0 <= kv_cache_usage <= 1.0
+        ):
+            raise ValueError(f"kv_cache_usage must be a number in [0, 1], got {kv_cache_usage!r}")
         rt = active_runtime()
         if rt is None:
             return _NOOP_STEP
@@ -174,9 +179,6 @@ class Step:
         self._prefills: list[tuple[Generation, bool | None]] = []
         self._token: Any = None
         self.error: Any = None
-
-    def set_attribute(self, key: str, value: Any) -> None:
-        """``Stage.__enter__`` treats the step like a batch; nothing else is settable."""
 
     # --- members ----------------------------------------------------------------------
     def prefill(self, gen: Generation, tokens: int, *, final: bool | None = None,
@@ -325,9 +327,6 @@ class _NoopStep:
         pass
 
     def decode(self, gen: Generation, tokens: int = 1, *, emit: bool = True) -> None:
-        pass
-
-    def set_attribute(self, key: str, value: Any) -> None:
         pass
 
     def __enter__(self) -> _NoopStep:

@@ -380,6 +380,9 @@ def test_bad_arguments_raise():
         inferprof.Engine("")
     with pytest.raises(ValueError):
         inferprof.Engine().request(prompt_tokens=-1)
+    for usage in (1.5, -0.1, "0.5", True):
+        with pytest.raises(ValueError):
+            inferprof.Engine().step(kv_cache_usage=usage)
 
 
 def test_merging_keeps_the_first_time_the_span_and_the_tokens():
