@@ -344,6 +344,8 @@ PROM_GEN_AI_TTFT: Final = "gen_ai_server_time_to_first_token_seconds"
 PROM_GEN_AI_TPOT: Final = "gen_ai_server_time_per_output_token_seconds"
 PROM_GEN_AI_REQUEST_DURATION: Final = "gen_ai_server_request_duration_seconds"
 PROM_LABEL_CAUSE: Final = "cause"
+#: Engine step spans (§14) received, joined to requests or not.
+PROM_ENGINE_STEPS_RECEIVED: Final = "inferprof_engine_steps_received_total"
 
 #: Generation verdict classes (§7), besides §6's.
 VERDICT_KV_CACHE: Final = "kv_cache"

@@ -947,6 +947,8 @@ class Engine:
                 gpu_samples_dropped=dict(self._gpu.dropped),
                 gpu_samples=self._gpu.total,
                 labels_truncated=dict(self._truncated),
+                engine_steps_received=self._gen.steps.steps_received,
+                engine_steps_dropped=self._gen.steps.dropped,
                 pending_spans=asm.pending,
                 pending_traces=len(asm.traces),
             )

@@ -132,6 +132,14 @@ _ENGINE_COUNTERS = (
         "gpu_samples_received",
     ),
     (
+        sc.PROM_ENGINE_STEPS_RECEIVED,
+        (
+            "Engine step spans (contract section 14) received, joined to generating "
+            "requests or not."
+        ),
+        "engine_steps_received",
+    ),
+    (
         sc.PROM_TRITON_REQUESTS_PARTIAL,
         (
             "Triton requests counted with fewer than queue, h2d, compute and d2h derived "

@@ -53,6 +53,9 @@ class EngineStats:
     gpu_samples: int = 0
     #: "service" / "model" -> requests whose name was cut to semconv.MAX_LABEL_BYTES
     labels_truncated: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    #: engine step spans (contract §14) received, and those the step index had no room for
+    engine_steps_received: int = 0
+    engine_steps_dropped: int = 0
     pending_spans: int = 0
     pending_traces: int = 0
 

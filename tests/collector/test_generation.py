@@ -252,6 +252,7 @@ def test_step_spans_and_their_device_stages_are_never_pending():
     stats = engine.stats
     assert stats.traces_incomplete == 0 and not stats.spans_dropped
     assert stats.spans_accepted == 500 + 100
+    assert stats.engine_steps_received == 500 + 50 and stats.engine_steps_dropped == 0
 
 
 def test_step_index_is_bounded_and_expires():

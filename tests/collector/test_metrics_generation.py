@@ -57,6 +57,8 @@ def test_histograms_count_weighted_requests_and_gaps(scraped):
         pytest.approx(below))
     for name in (sc.PROM_TPOT, sc.PROM_GEN_AI_TPOT, sc.PROM_GEN_AI_REQUEST_DURATION):
         assert _value(fam, name, "_count", service="llm", model="m") > 0
+    steps = fam[sc.PROM_ENGINE_STEPS_RECEIVED.removesuffix("_total")]
+    assert [s.value for s in steps.samples if s.name.endswith("_total")] == [len(scen.steps)]
 
 
 def test_share_gauges_equal_the_breakdown_and_sum_to_one(scraped):
