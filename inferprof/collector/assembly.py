@@ -588,6 +588,7 @@ class Assembler:
                     if (
                         span.kind in candidate_kinds
                         or (extra is not None and extra.get(attr_request) is True)
+                        or (extra is not None and _gen.is_engine_request(extra))
                         or triton_request
                     ):
                         trace.candidates.append(sid)

@@ -59,6 +59,15 @@ _GENERATING_KEYS = frozenset(
         sc.ATTR_GEN_AI_USAGE_COMPLETION_TOKENS,
     }
 )
+_ENGINE_LATENCY_KEYS = frozenset(
+    {
+        sc.ATTR_GEN_AI_LATENCY_TIME_IN_QUEUE,
+        sc.ATTR_GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN,
+        sc.ATTR_GEN_AI_LATENCY_TIME_IN_MODEL_PREFILL,
+        sc.ATTR_GEN_AI_LATENCY_TIME_IN_MODEL_DECODE,
+        sc.ATTR_GEN_AI_LATENCY_E2E,
+    }
+)
 _STEP_MARKS = (sc.ATTR_STEP_DECODE_TOKENS, sc.ATTR_STEP_PREFILL_TOKENS, sc.ATTR_STEP_REQUESTS)
 _NS = 1e9
 #: One double-valued AnyValue inside an ArrayValue, serialized: field 1 (values), length
@@ -116,6 +125,12 @@ def marks_request(extra: dict | None) -> bool:
     if not extra:
         return False
     return not extra.keys() <= _MODEL_KEYS
+
+
+def is_engine_request(extra: dict) -> bool:
+    """An engine's own request span (vLLM, SGLang): it carries ``gen_ai.latency.*``
+    seconds. A request-span candidate whatever its kind (§14)."""
+    return not _ENGINE_LATENCY_KEYS.isdisjoint(extra)
 
 
 def is_generating(extra: dict) -> bool:

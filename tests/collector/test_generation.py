@@ -280,3 +280,30 @@ def test_step_index_is_bounded_and_expires():
 def test_array_attributes_read_exactly_whatever_their_wire_shape(values):
     got = array_value(gen_any_value(values))
     assert got is not None and list(got) == [float(v) for v in values]
+
+
+def test_sglang_shaped_request_span_of_any_kind_without_queue_latency():
+    """SGLang's request span: ttft, e2e, prefill (dispatch to first token), decode and
+    inference latencies, no queue time; an INTERNAL root span here."""
+    b = TraceBuilder("sglang")
+    rng = np.random.default_rng(16)
+    ttfts = rng.uniform(0.05, 0.5, 40)
+    for i, ttft in enumerate(ttfts):
+        start, e2e = i * 1.0, float(ttft) + 0.8
+        b.span("req", start, start + e2e, attrs={
+            sc.ATTR_GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN: float(ttft),
+            sc.ATTR_GEN_AI_LATENCY_E2E: e2e,
+            sc.ATTR_GEN_AI_LATENCY_TIME_IN_MODEL_PREFILL: float(ttft) - 0.01,
+            sc.ATTR_GEN_AI_LATENCY_TIME_IN_MODEL_DECODE: 0.8,
+            "gen_ai.latency.time_in_model_inference": e2e - 0.01,
+            sc.ATTR_GEN_AI_USAGE_COMPLETION_TOKENS: 41,
+        })
+    doc = _fold([b.export()]).breakdown("sglang")
+    counts = {s["stage"]: s["count"] for s in doc["stages"]}
+    assert counts == {sc.STAGE_PREFILL: 40, sc.STAGE_DECODE: 40, sc.STAGE_UNATTRIBUTED: 40}
+    gen = doc["generation"]
+    _close(gen["ttft"], quantiles(ttfts, None), "ttft")
+    _close(gen["tpot"], quantiles(np.full(40, 0.8 / 40), None), "tpot")
+    shares = {s["stage"]: s["share_of_p95"] for s in gen["ttft"]["stages"]}
+    tail = ttfts[ttfts >= quantiles(ttfts, None)["p95"]]
+    assert shares[sc.STAGE_PREFILL] == pytest.approx(((tail - 0.01).sum()) / tail.sum(), abs=POINT)
