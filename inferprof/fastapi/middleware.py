@@ -183,12 +183,15 @@ class _HttpRequest(RequestRecord):
         await self._send(message)
 
     def _chunk_sent(self) -> None:
-        """A chunk of generated content was handed to the server: one emission."""
+        """A chunk of generated content was handed to the server: one emission (none for a
+        chunk the app said carries no token)."""
+        tokens, self.next_tokens = self.next_tokens, 1
+        if not tokens:
+            return
         times = self.chunk_times
         if times is None:
             times = self.chunk_times = []
         times.append(_time_ns())
-        tokens, self.next_tokens = self.next_tokens, 1
         counts = self.chunk_tokens
         if counts is not None:
             counts.append(tokens)
@@ -355,8 +358,9 @@ def _sse_content(body: bytes) -> bool:
 
 def chunk_tokens(tokens: int) -> None:
     """The next body chunk of the current request's streamed response carries ``tokens``
-    output tokens (default: one per chunk). Call it before yielding the chunk; a no-op
-    outside a request the middleware times."""
+    output tokens (default: one per chunk); 0: it carries none and is no emission (an
+    OpenAI-style chat stream's first chunk, which names the role only). Call it before
+    yielding the chunk; a no-op outside a request the middleware times."""
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
         raise ValueError(f"tokens must be a non-negative int, got {tokens!r}")
     scope = SCOPE.get()

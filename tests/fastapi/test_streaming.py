@@ -87,6 +87,18 @@ def _app():
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
+    @app.get("/chat")
+    async def chat():
+        async def events():
+            inferprof.fastapi.chunk_tokens(0)  # the role: no generated content yet
+            yield 'data: {"delta": {"role": "assistant"}}\n\n'
+            for i in range(2):
+                await asyncio.sleep(GAP_S)
+                inferprof.fastapi.chunk_tokens(3)
+                yield f'data: {{"delta": {{"content": "{i}"}}}}\n\n'
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
     @app.get("/chunked")
     async def chunked():
         async def parts():
@@ -200,6 +212,22 @@ def test_sse_chunk_times_are_the_emissions_and_match_the_client(server):
     client_gaps = [(b[0] - a[0]) / 1e9 for a, b in zip(events, events[1:5])]
     assert gaps == pytest.approx(client_gaps, abs=0.015)
     assert request.end_time >= request.start_time + round(offsets[-1] * 1e9)
+
+
+def test_a_chunk_of_no_tokens_is_no_emission(server):
+    url, cap = server
+    with httpx.Client(base_url=url, timeout=10) as client:
+        sent = time.time_ns()
+        with client.stream("GET", "/chat") as response:
+            events = _read_events(response)
+    assert len(events) == 3
+    (request,) = _wait_requests(cap, 1)
+    attrs = request.attributes
+    offsets = attrs[semconv.ATTR_GEN_EMIT_OFFSETS_S]
+    assert len(offsets) == 2 and offsets[0] >= GAP_S * 0.9  # ttft: the first content
+    assert list(attrs[semconv.ATTR_GEN_EMIT_TOKENS]) == [3, 3]
+    assert attrs[semconv.ATTR_TOKENS_OUTPUT] == 6
+    assert (events[1][0] - sent) / 1e9 >= offsets[0]
 
 
 def test_chunked_responses_count_each_chunk(server):
