@@ -112,23 +112,42 @@ def _split(example: dict) -> str:
     return ", ".join(parts)
 
 
+#: The text table lists this many slowest requests end to end, and the slowest request of
+#: the stages holding the largest shares of p95 (at most this many, each 5% or more); the
+#: JSON and the HTML page list every example.
+_TEXT_SLOWEST = 3
+_TEXT_STAGES = 2
+_TEXT_MIN_SHARE = 0.05
+
+
 def _example_lines(doc: dict) -> list[str]:
-    """The slowest traced requests: what each was slowest in, its time there, where its
-    trace is (URL with --trace-url, else the trace id) and its split in ms."""
+    """The slowest traced requests, compactly: the slowest end to end with the stages that
+    took a tenth or more of their time, then the slowest request of the stages that hold
+    the tail; each with where its trace is (URL with --trace-url, else the trace id)."""
     examples = doc.get("examples") or []
     if not examples:
         return []
-    lines = ["slowest traces (ms; end-to-end, then per stage):"]
-    for ex in examples:
-        where = ex.get("url") or f"trace {ex['trace_id']}"
+    lines = ["slowest traces (ms):"]
+    for ex in [e for e in examples if e["slowest"] == "latency"][:_TEXT_SLOWEST]:
+        big = [f"{name} {_ms(t)}" for name, t in ex["stages"].items()
+               if t >= 0.1 * ex["latency"]]
         gpu = ex.get("gpu_seconds")
-        gpu_part = (
-            "; GPU " + ", ".join(f"{k} {_ms(v)}" for k, v in gpu.items()) if gpu else "")
-        lines.append(
-            f"  {ex['slowest']:<16}{_ms(ex['seconds']):>8}  {where}  "
-            f"(end-to-end {_ms(ex['latency'])}: {_split(ex)}{gpu_part})"
-        )
+        gpu_part = f"; GPU {_ms(sum(gpu.values()))}" if gpu else ""
+        lines.append(f"  {_ms(ex['latency']):>8} end-to-end  {_where(ex)}  "
+                     f"({', '.join(big)}{gpu_part})")
+    tail = sorted((st for st in doc.get("stages", ()) if st["share_of_p95"] >= _TEXT_MIN_SHARE),
+                  key=lambda st: -st["share_of_p95"])[:_TEXT_STAGES]
+    by_stage = {e["slowest"]: e for e in examples if e["slowest"] != "latency"}
+    for st in tail:
+        ex = by_stage.get(st["stage"])
+        if ex is not None:
+            lines.append(f"  {_ms(ex['seconds']):>8} in {ex['slowest']}  {_where(ex)}  "
+                         f"(end-to-end {_ms(ex['latency'])})")
     return lines
+
+
+def _where(example: dict) -> str:
+    return example.get("url") or f"trace {example['trace_id']}"
 
 
 def format_table(doc: dict) -> str:
