@@ -79,7 +79,7 @@ _SMALL_INT_RECORD = np.dtype([("head", "V3"), ("value", "u1")])
 _SMALL_INT_HEAD = np.frombuffer(bytes([0x0A, 0x02, 0x18]), "V3")[0]
 
 
-def array_value(v: Any) -> array | None:
+def array_value(v: Any) -> array[float] | None:
     """An OTLP array attribute of numbers as ``array('d')``; None for anything else.
 
     The first element's type is read for all (the producer sends one type per array):
@@ -112,7 +112,7 @@ def array_value(v: Any) -> array | None:
     return None
 
 
-def is_step_span(extra: dict, stage: Any, parent: bytes) -> bool:
+def is_step_span(extra: dict[str, Any], stage: Any, parent: bytes) -> bool:
     """An engine step span (a root span with step attributes), or a stage of one (a
     stage span with ``inferprof.engine.id`` and a parent: request stages never carry it)."""
     if stage is None:
@@ -120,30 +120,30 @@ def is_step_span(extra: dict, stage: Any, parent: bytes) -> bool:
     return bool(parent) and sc.ATTR_ENGINE_ID in extra
 
 
-def marks_request(extra: dict | None) -> bool:
+def marks_request(extra: dict[str, Any] | None) -> bool:
     """Whether a request span's attributes make it an inference request on their own."""
     if not extra:
         return False
     return not extra.keys() <= _MODEL_KEYS
 
 
-def is_engine_request(extra: dict) -> bool:
+def is_engine_request(extra: dict[str, Any]) -> bool:
     """An engine's own request span (vLLM, SGLang): it carries ``gen_ai.latency.*``
     seconds. A request-span candidate whatever its kind (§14)."""
     return not _ENGINE_LATENCY_KEYS.isdisjoint(extra)
 
 
-def is_generating(extra: dict) -> bool:
+def is_generating(extra: dict[str, Any]) -> bool:
     return not _GENERATING_KEYS.isdisjoint(extra)
 
 
-def model_of(extra: dict) -> Any:
+def model_of(extra: dict[str, Any]) -> Any:
     """The model an engine's request span names, when ``inferprof.model.name`` is absent."""
     model = extra.get(sc.ATTR_GEN_AI_RESPONSE_MODEL)
     return model if model is not None else extra.get(sc.ATTR_GEN_AI_REQUEST_MODEL)
 
 
-def seconds(extra: dict, key: str) -> float | None:
+def seconds(extra: dict[str, Any], key: str) -> float | None:
     """A non-negative finite number of seconds, or None."""
     v = extra.get(key)
     if isinstance(v, (float, int)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0:
@@ -151,7 +151,7 @@ def seconds(extra: dict, key: str) -> float | None:
     return None
 
 
-def count(extra: dict, key: str) -> int | None:
+def count(extra: dict[str, Any], key: str) -> int | None:
     v = extra.get(key)
     if type(v) is int and v >= 0:
         return v
@@ -160,7 +160,9 @@ def count(extra: dict, key: str) -> int | None:
     return None
 
 
-def derived_stages(start: int, end: int, extra: dict) -> list[tuple[str, int, int]] | None:
+def derived_stages(
+    start: int, end: int, extra: dict[str, Any]
+) -> list[tuple[str, int, int]] | None:
     """The ``queue``, ``prefill`` and ``decode`` of an engine's request span from its
     ``gen_ai.latency.*`` seconds (§14): anchored on the first token where the span gives
     the ttft, else one after the other from the span's start. None: no such attribute."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -46,9 +47,18 @@ from inferprof.collector.sketch import (
     split_groups,
 )
 
+#: (service, host, instance, engine id): one engine's timeline.
+EngineKey = tuple[str, ...]
+#: A span's wanted attributes, as trace assembly read them.
+Extra = dict[str, Any]
+#: (stage name, start ns, end ns) of a request's stage spans.
+Spans = list[tuple[str, int, int]]
+Arrays = tuple[np.ndarray, ...]
+
 _NS = 1e-9
 _LOW32 = (1 << 32) - 1
-#: Packed sketch codes: series << _SERIES_SHIFT | metric << _METRIC_SHIFT | column << KEY_BITS | key.
+#: Packed sketch codes:
+#: series << _SERIES_SHIFT | metric << _METRIC_SHIFT | column << KEY_BITS | key.
 _COL_BITS = 8
 _METRIC_SHIFT = KEY_BITS + _COL_BITS
 _SERIES_SHIFT = _METRIC_SHIFT + 4
@@ -107,13 +117,13 @@ class StepIndex:
         self.retention_s = retention_s
         self.max_engines = max_engines
         self.max_rows = max_rows
-        self.engines: dict[tuple, _Timeline] = {}
+        self.engines: dict[EngineKey, _Timeline] = {}
         # (time touched, engine) in time order: expiry pops from the left, O(1) amortised.
-        self._touched: deque[tuple[float, tuple]] = deque()
+        self._touched: deque[tuple[float, EngineKey]] = deque()
         self.steps_received = 0
         self.dropped = 0
 
-    def _timeline(self, key: tuple, now: float) -> _Timeline | None:
+    def _timeline(self, key: EngineKey, now: float) -> _Timeline | None:
         tl = self.engines.get(key)
         if tl is None:
             if self.max_engines is not None and len(self.engines) >= self.max_engines:
@@ -126,7 +136,9 @@ class StepIndex:
             self._touched.append((now, key))
         return tl
 
-    def add_step(self, resource: tuple, extra: dict, start: int, end: int, now: float) -> None:
+    def add_step(
+        self, resource: tuple[str, str, str], extra: Extra, start: int, end: int, now: float
+    ) -> None:
         """One engine step span (called by trace assembly)."""
         engine = extra.get(sc.ATTR_ENGINE_ID)
         key = (*resource, engine if isinstance(engine, str) else sc.DEFAULT_ENGINE_ID)
@@ -145,7 +157,7 @@ class StepIndex:
         if self.max_rows is not None and len(tl.pending) > self.max_rows:
             self._consolidate(tl, now)
 
-    def add_kv(self, key: tuple, t: float, value: float, now: float) -> bool:
+    def add_kv(self, key: EngineKey, t: float, value: float, now: float) -> bool:
         """One ``inferprof.engine.kv_cache.usage`` reading; False if refused."""
         if not (math.isfinite(value) and 0 <= value <= 1):
             return False
@@ -202,7 +214,7 @@ class StepIndex:
                 kv = kv[-self.max_rows:]
             tl.kv = kv
 
-    def steps(self, key: tuple, now: float) -> tuple[np.ndarray, ...] | None:
+    def steps(self, key: EngineKey, now: float) -> Arrays | None:
         """(start ns, end ns, prefill tokens, decode tokens, running maximum of the ends)
         sorted by start; None when the engine has sent no step span."""
         tl = self.engines.get(key)
@@ -213,7 +225,7 @@ class StepIndex:
             return None
         return tl.rows
 
-    def kv_between(self, key: tuple, t0: float, t1: float, now: float) -> np.ndarray:
+    def kv_between(self, key: EngineKey, t0: float, t1: float, now: float) -> np.ndarray:
         """KV-cache readings of the engine in (t0, t1] (seconds)."""
         tl = self.engines.get(key)
         if tl is None:
@@ -226,11 +238,11 @@ class StepIndex:
         return tl.kv[lo:hi, 1]
 
 
-def _with_end_max(cols: tuple[np.ndarray, ...], arrival: np.ndarray) -> tuple:
+def _with_end_max(cols: Arrays, arrival: np.ndarray) -> tuple[Arrays, np.ndarray]:
     return (*cols, np.maximum.accumulate(cols[1]) if cols[1].size else cols[1]), arrival
 
 
-def _valid_offsets(extra: dict) -> tuple[np.ndarray | None, np.ndarray | None]:
+def _valid_offsets(extra: Extra) -> tuple[np.ndarray | None, np.ndarray | None]:
     raw = extra.get(sc.ATTR_GEN_EMIT_OFFSETS_S)
     if raw is None or not len(raw):
         return None, None
@@ -325,7 +337,7 @@ class _Entries:
         return reduce_codes(np.concatenate(codes), np.concatenate(weights))
 
 
-def _spans_by_request(fin: Any, stage_names: list[str]):
+def _spans_by_request(fin: Any, stage_names: list[str]) -> Callable[[int], Spans]:
     """row -> [(stage name, start ns, end ns)] of the stage spans of ``fin.gen``'s rows."""
     key = np.frombuffer(fin.span_key, np.int64)
     span_req = key >> 32
@@ -347,7 +359,9 @@ def _spans_by_request(fin: Any, stage_names: list[str]):
 class _Merged:
     """The sketch entries of a window, by (metric, column)."""
 
-    def __init__(self, groups: dict, mapping: KeyMapping) -> None:
+    def __init__(
+        self, groups: dict[int, tuple[np.ndarray, np.ndarray]], mapping: KeyMapping
+    ) -> None:
         self.groups = groups
         self.mapping = mapping
 
@@ -355,7 +369,7 @@ class _Merged:
         empty = (np.empty(0, np.int64), np.empty(0))
         return self.groups.get((metric << _COL_BITS) | col, empty)
 
-    def quantiles(self, metric: int) -> dict:
+    def quantiles(self, metric: int) -> dict[str, float | None]:
         k, w = self.group(metric, 0)
         p50, p95, p99 = quantiles_from_buckets(self.mapping, k, w, sc.QUANTILES)
         return {"p50": p50, "p95": p95, "p99": p99}
@@ -414,9 +428,9 @@ class GenerationFold:
         self._col: dict[str, int] = {sc.STAGE_UNATTRIBUTED: 0}
         self._col_names: list[str] = [sc.STAGE_UNATTRIBUTED]
         # (series, histogram) -> [bucket weights, weighted sum]
-        self._hist: dict[tuple[int, int], list] = {}
+        self._hist: dict[tuple[int, int], list[Any]] = {}
         # (series, engine) -> time (s) up to which its KV readings were counted
-        self._kv_mark: dict[tuple[int, tuple], float] = {}
+        self._kv_mark: dict[tuple[int, EngineKey], float] = {}
         self.requests_folded = 0
         self.tokens_folded = 0
 
@@ -439,7 +453,7 @@ class GenerationFold:
         spans_of = _spans_by_request(fin, stage_names)
         counts = self._counts.setdefault(slice_index, {})
         # (series, engine) -> [earliest start, latest end] (s) of its requests here
-        ran: dict[tuple[int, tuple], list[float]] = {}
+        ran: dict[tuple[int, EngineKey], list[float]] = {}
         for row, extra in fin.gen:
             sid = series[row]
             engine = extra.get(sc.ATTR_ENGINE_ID)
@@ -470,8 +484,8 @@ class GenerationFold:
         for sid, h, v, w in acc.histograms():
             self._histogram(sid, h, v, w)
 
-    def _fold_request(self, acc: _Entries, sid: int, ekey: tuple, w: float, start: int,
-                      end: int, extra: dict, spans: list, counts: np.ndarray,
+    def _fold_request(self, acc: _Entries, sid: int, ekey: EngineKey, w: float, start: int,
+                      end: int, extra: Extra, spans: Spans, counts: np.ndarray,
                       now: float) -> None:
         offsets, tokens = _valid_offsets(extra)
         ttft = float(offsets[0]) if offsets is not None else gs.seconds(
@@ -510,7 +524,7 @@ class GenerationFold:
             self._fold_gaps(acc, sid, ekey, w, start, end, offsets, tokens, evicted, now)
 
     def _fold_ttft(self, acc: _Entries, sid: int, w: float, start: int, ttft: float,
-                   spans: list) -> None:
+                   spans: Spans) -> None:
         acc.scalar(sid, Q_TTFT, 0, ttft, w)
         acc.scalar_hist(sid, H_TTFT, ttft, w)
         acc.scalar_hist(sid, H_GENAI_TTFT, ttft, w)
@@ -523,8 +537,9 @@ class GenerationFold:
         acc.scalar(sid, T_TTFT, 0, ttft, w * unatt)
         acc.scalar(sid, T_TTFT, _TOTAL, ttft, w * (first - start) * _NS)
 
-    def _fold_gaps(self, acc: _Entries, sid: int, ekey: tuple, w: float, start: int, end: int,
-                   offsets: np.ndarray, tokens: np.ndarray | None, preempted: list,
+    def _fold_gaps(self, acc: _Entries, sid: int, ekey: EngineKey, w: float, start: int,
+                   end: int, offsets: np.ndarray, tokens: np.ndarray | None,
+                   preempted: list[tuple[int, int]],
                    now: float) -> None:
         steps = self.steps.steps(ekey, now)
         steps_rel = None
@@ -616,7 +631,9 @@ class GenerationFold:
         """(series, histogram id, bucket weights (per bucket, +Inf last), weighted sum)."""
         return [(sid, h, acc[0].copy(), acc[1]) for (sid, h), acc in self._hist.items()]
 
-    def section(self, sids: list[int], slice_indices: list[int], base_verdict: dict) -> dict | None:
+    def section(
+        self, sids: list[int], slice_indices: list[int], base_verdict: dict[str, Any]
+    ) -> dict[str, Any] | None:
         """The breakdown's ``generation`` section over the given slices; None when they
         hold no generating request of these series."""
         requests = preempted = cancelled = 0.0

@@ -21,6 +21,7 @@ step at a time); where they do, a segment belongs to the step that started last.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -47,10 +48,10 @@ def gap_causes(
 
     ``offsets``: emit times (seconds from the request's start, non-decreasing);
     ``tokens``: tokens per chunk (None: 1 each); ``preempted``: (n, 2) intervals in the
-    same seconds (eviction and recomputation); ``steps``: (start, end, prefill tokens, decode tokens) of the engine's
-    steps near the request, sorted by start, in the same seconds (None: the engine has
-    no step spans). Returns per gap ``g/k``, ``k`` and a (gaps, 5) array of seconds per
-    cause (rows sum to ``g``).
+    same seconds (eviction and recomputation); ``steps``: (start, end, prefill tokens,
+    decode tokens) of the engine's steps near the request, sorted by start, in the same
+    seconds (None: the engine has no step spans). Returns per gap ``g/k``, ``k`` and a
+    (gaps, 5) array of seconds per cause (rows sum to ``g``).
     """
     a = offsets[:-1]
     b = offsets[1:]
@@ -122,7 +123,7 @@ def _pct(x: float) -> str:
     return f"{100 * x:.0f}%"
 
 
-def decide(gen: Mapping, base: Mapping) -> dict:
+def decide(gen: Mapping[str, Any], base: Mapping[str, Any]) -> dict[str, Any]:
     """The ``generation.verdict`` from the section's figures and §6's verdict ``base``."""
     requests = gen.get("requests") or 0
     if requests < MIN_REQUESTS:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import html
 import io
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from inferprof import semconv as sc
 from inferprof._optional import require
@@ -36,12 +37,12 @@ def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f}%"
 
 
-def _shares(items: Sequence[Mapping], key: str) -> str:
+def _shares(items: Sequence[Mapping[str, Any]], key: str) -> str:
     return ", ".join(f"{it[key]} {_pct(it['share_of_p95'])}" for it in items
                      if it["share_of_p95"] > 0) or "-"
 
 
-def format_generation(gen: Mapping) -> list[str]:
+def format_generation(gen: Mapping[str, Any]) -> list[str]:
     """Text lines of the generation section."""
     header = f"{'generation':<16}{'p50':>10}{'p95':>10}{'p99':>10}"
     lines = [f"generation: {gen['requests']} generating requests", header, "-" * len(header)]
@@ -69,14 +70,16 @@ def format_generation(gen: Mapping) -> list[str]:
     return lines
 
 
-def _svg(fig) -> str:
+def _svg(fig: Any) -> str:
     buf = io.StringIO()
     fig.savefig(buf, format="svg", bbox_inches="tight", metadata={"Date": None})
     text = buf.getvalue()
     return text[text.index("<svg"):]
 
 
-def _bar(items: Sequence[Mapping], key: str, color: Callable[[str], str], xlabel: str) -> str:
+def _bar(
+    items: Sequence[Mapping[str, Any]], key: str, color: Callable[[str], str], xlabel: str
+) -> str:
     require("matplotlib", "collector")
     from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
 
@@ -99,7 +102,7 @@ def _bar(items: Sequence[Mapping], key: str, color: Callable[[str], str], xlabel
     return _svg(fig)
 
 
-def generation_html(gen: Mapping, stage_color: Callable[[str], str]) -> str:
+def generation_html(gen: Mapping[str, Any], stage_color: Callable[[str], str]) -> str:
     """The HTML block: figures table, TTFT and ITL attribution charts, verdict."""
     e = html.escape
     rows = "".join(

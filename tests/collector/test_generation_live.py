@@ -29,5 +29,6 @@ def test_live_collector_serves_the_generation_section_and_series():
         assert gen["requests"] == 80 and gen["verdict"]["bottleneck"] == sc.VERDICT_SCHEDULING
         text = httpx.get(f"{app.api_url}/metrics").text
         assert f'{sc.PROM_TTFT}_count{{model="m",service="llm"}} 80.0' in text
-        assert f'{sc.PROM_ITL_SHARE_OF_P95}{{cause="prefill_interference",model="m",service="llm"}}' in text
+        labels = '{cause="prefill_interference",model="m",service="llm"}'
+        assert f"{sc.PROM_ITL_SHARE_OF_P95}{labels}" in text
         assert f"{sc.PROM_GEN_AI_REQUEST_DURATION}_bucket" in text
