@@ -101,3 +101,19 @@ def test_series_without_generating_requests_have_no_generation_series():
     registry.register(EngineCollector(engine))
     text = generate_latest(registry).decode()
     assert f"{sc.PROM_TTFT}_count" not in text and sc.PROM_ITL_SHARE_OF_P95 + "{" not in text
+
+
+def test_generation_series_stay_within_the_series_cap():
+    """Past --max-series the generating requests fold into the overflow series like the
+    rest; /metrics renders at most the cap and the overflow series."""
+    scen = simulate(np.random.default_rng(22), n_requests=30, n_steps=800)
+    exports = [*inferprof_exports(scen, service="a"), *inferprof_exports(scen, service="b"),
+               *inferprof_exports(scen, service="c")]
+    engine = _fold(exports, max_series=2)
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(engine, window_s=300, max_series=2))
+    fam = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
+    services = {s.labels["service"] for s in fam[sc.PROM_TTFT].samples}
+    assert services == {"a", "b", sc.OVERFLOW_SERIES}
+    overflow = engine.breakdown(sc.OVERFLOW_SERIES)["generation"]
+    assert overflow["requests"] == 30
