@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsServiceRequest,
 )
+from opentelemetry.proto.common.v1.common_pb2 import KeyValue
 
 from inferprof import semconv as sc
 from inferprof.collector.engine import Engine
@@ -307,3 +308,29 @@ def test_sglang_shaped_request_span_of_any_kind_without_queue_latency():
     shares = {s["stage"]: s["share_of_p95"] for s in gen["ttft"]["stages"]}
     tail = ttfts[ttfts >= quantiles(ttfts, None)["p95"]]
     assert shares[sc.STAGE_PREFILL] == pytest.approx(((tail - 0.01).sum()) / tail.sum(), abs=POINT)
+
+
+def test_malformed_generation_attributes_are_ignored_not_fatal():
+    b = TraceBuilder("llm")
+    bad = [
+        {sc.ATTR_GEN_EMIT_OFFSETS_S: "0.1,0.2"},                      # not an array
+        {sc.ATTR_GEN_EMIT_OFFSETS_S: [0.1, float("nan")]},            # not finite
+        {sc.ATTR_GEN_EMIT_OFFSETS_S: ["a", "b"]},                     # not numbers
+        {sc.ATTR_GEN_EMIT_OFFSETS_S: [0.3, 0.1, 0.2],                 # out of order
+         sc.ATTR_GEN_EMIT_TOKENS: [1, 2]},                            # wrong length
+        {sc.ATTR_TOKENS_OUTPUT: "many", sc.ATTR_GEN_PREEMPTIONS: -1},
+        {sc.ATTR_GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN: -5.0},
+    ]
+    for i, attrs in enumerate(bad):
+        req = b.span("POST /v1/completions", i, i + 0.5, kind=2, attrs={})
+        b.spans[-1].attributes.extend(
+            KeyValue(key=k, value=gen_any_value(v)) for k, v in attrs.items())
+        b.stage(req, "queue", i, i + 0.1)
+    engine = _fold([b.export()])
+    doc = engine.breakdown("llm")
+    assert doc["requests"] == len(bad)
+    gen = doc["generation"]
+    # only the out-of-order one has usable token times (made monotone): ttft 0.3
+    assert gen["ttft"]["p50"] == pytest.approx(0.3, rel=BOUND)
+    assert gen["preempted_requests"] == 0
+    assert not engine.stats.spans_dropped
