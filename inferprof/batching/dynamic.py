@@ -32,7 +32,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from inferprof import semconv
 from inferprof.batching.forming import batch_ready
@@ -129,12 +129,13 @@ class DynamicBatcher:
             type(fn).__call__
         )
         self._queue: collections.deque[_Entry] = collections.deque()
-        self._wakeup: asyncio.Event | None = None
+        # set by start(), before anything reads them
+        self._wakeup: asyncio.Event = None  # type: ignore[assignment]
         self._task: asyncio.Task | None = None
         self._executor: ThreadPoolExecutor | None = None
-        self._slots: asyncio.Semaphore | None = None
+        self._slots: asyncio.Semaphore = None  # type: ignore[assignment]
         self._inflight: set[asyncio.Task] = set()
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
         # Time every slot was running a batch, as a clock: _busy_at(t2) - _busy_at(t1) is
         # how long of [t1, t2] a request could not have had a slot. Touched on the loop only.
         self._running = 0
@@ -263,13 +264,14 @@ class DynamicBatcher:
                 self._busy_since = time.monotonic()
             # Not kept by this frame while it waits for the next batch: the entries hold
             # the batch's inputs and its requests' records.
-            entries = task = None
+            del entries, task
 
     def _take(self) -> list[_Entry]:
         """The next batch's entries, oldest first (in a frame of its own: no local of the
         waiting loop keeps an entry alive). Each recorded request's ``queue`` stage gets
         ``inferprof.queue.behind_batches_s``: how long of its wait every slot was busy."""
-        queue, entries = self._queue, []
+        queue = self._queue
+        entries: list[_Entry] = []
         busy = self._busy_at(time.monotonic())
         while queue and len(entries) < self.max_batch_size:
             entry = queue.popleft()
@@ -335,8 +337,8 @@ class DynamicBatcher:
                 collated = collated.batch
             record = b.record
             if record is not None and not record.tokens:
-                counts = [e.tokens for e in entries]
-                if counts and all(c is not None for c in counts):
+                counts = [e.tokens for e in entries if e.tokens is not None]
+                if counts and len(counts) == len(entries):
                     b.set_tokens(effective=sum(counts), padded=max(counts) * len(counts))
         return collated
 
@@ -346,7 +348,8 @@ class DynamicBatcher:
 
     async def _process_async(self, entries: list[_Entry]) -> list[Any]:
         with self._open_batch(entries) as b:
-            return _checked(await self.fn(self._assemble(b, entries)), len(entries))
+            pending = cast(Awaitable[Sequence[Any]], self.fn(self._assemble(b, entries)))
+            return _checked(await pending, len(entries))
 
 
 def _checked(results: Any, n: int) -> list[Any]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Literal
 
 from inferprof import semconv
 from inferprof.instrumentation.active import active_runtime
@@ -136,6 +136,7 @@ class _BoundStage(Stage):
     """A stage of a given batch, whatever the current context (``Batch.stage``)."""
 
     __slots__ = ("_owner", "_outer")
+    _outer: Any
 
     def __init__(self, owner: BatchRecord, name: str, device: Any, attrs: dict) -> None:
         super().__init__(name, device, attrs)
@@ -149,7 +150,7 @@ class _BoundStage(Stage):
         self._outer = SCOPE.set((self._owner, None))
         return super().__enter__()
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type, exc, tb) -> Literal[False]:
         try:
             return super().__exit__(exc_type, exc, tb)
         finally:
@@ -178,6 +179,7 @@ class Batch:
     __slots__ = (
         "handles", "max_size", "model", "encoding", "attrs", "record", "quiet", "_token", "_rt"
     )
+    _token: Any
 
     def __init__(
         self,
@@ -282,7 +284,7 @@ class Batch:
         model = self.model
         if model is None and members:
             model = members[0].model
-        attrs = {
+        attrs: dict[str, Any] = {
             semconv.ATTR_BATCH_SIZE: len(self.handles),
         }
         if self.max_size is not None:
@@ -298,7 +300,7 @@ class Batch:
             m.batches.append(record)
         return record, len(requests) - len(members)
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type, exc, tb) -> Literal[False]:
         record = self.record
         if record is None:
             return False
@@ -316,7 +318,7 @@ class Batch:
     async def __aenter__(self) -> Batch:
         return self.__enter__()
 
-    async def __aexit__(self, exc_type, exc, tb) -> bool:
+    async def __aexit__(self, exc_type, exc, tb) -> Literal[False]:
         return self.__exit__(exc_type, exc, tb)
 
 

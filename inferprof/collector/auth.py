@@ -61,7 +61,7 @@ class GrpcAuthInterceptor(grpc.ServerInterceptor):
             deny, request_deserializer=lambda b: b, response_serializer=lambda b: b
         )
 
-    def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
+    def intercept_service(self, continuation, handler_call_details):
         metadata: Iterable[tuple[str, Any]] = handler_call_details.invocation_metadata or ()
         value = next((v for k, v in metadata if k.lower() == AUTHORIZATION_HEADER), None)
         if token_matches(value, self._token):

@@ -25,7 +25,7 @@ DEFAULT_HOST = "127.0.0.1"
 def _server_class() -> Any:
     uvicorn = require("uvicorn", "demo")
 
-    class _AnnouncingServer(uvicorn.Server):  # type: ignore[misc, name-defined]
+    class _AnnouncingServer(uvicorn.Server):
         async def startup(self, sockets: Any = None) -> None:
             await super().startup(sockets=sockets)
             if self.started:

@@ -230,7 +230,10 @@ class NvmlSource:
             gpm = self._gpm.get(uuid)
             readers = _READERS
             if gpm is not None:
-                readers = (*_READERS, ("gpm", lambda _n, _h, g=gpm: g.read()))
+                def read_gpm(_n: Any, _h: Any, g: Any = gpm) -> Any:
+                    return g.read()
+
+                readers = (*_READERS, ("gpm", read_gpm))
             for reader_name, reader in readers:
                 if reader_name in off:
                     continue

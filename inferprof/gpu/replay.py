@@ -120,7 +120,7 @@ class ReplaySource:
         records = read_samples(self.path)  # ValueError: a bad file is a bad argument
         t0 = records[0][0]
         offsets = [round((t - t0) * 1e9) for t, *_ in records]
-        self._records = [(off, *rest) for off, (_, *rest) in zip(offsets, records)]
+        self._records = [(off, r[1], r[2], r[3]) for off, r in zip(offsets, records)]
         distinct = sorted(set(offsets))
         gaps = [b - a for a, b in itertools.pairwise(distinct)]
         gap = statistics.median(gaps) if gaps else 100_000_000

@@ -115,6 +115,7 @@ def resolve_source(
         raise ValueError(f"replay applies to the {sc.GPU_SOURCE_REPLAY!r} source only, "
                          f"not {name or source!r}")
     if name is None:
+        assert isinstance(source, Source)
         return source
     if name == sc.GPU_SOURCE_NVML:
         from inferprof.gpu.nvml import NvmlSource

@@ -232,16 +232,16 @@ class CountingSpanExporter(SpanExporter):
             return SpanExportResult.FAILURE
         return self._export_counted(EncodedSpans(payload, n))
 
-    def _export_counted(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+    def _export_counted(self, spans: Sequence[ReadableSpan] | EncodedSpans) -> SpanExportResult:
         try:
             return self._export(spans)
         except Exception:  # counted in _export; the rest of the entries still go out
             _logger.exception("inferprof's span exporter failed")
             return SpanExportResult.FAILURE
 
-    def _export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+    def _export(self, spans: Sequence[ReadableSpan] | EncodedSpans) -> SpanExportResult:
         try:
-            result = self._exporter.export(spans)
+            result = self._exporter.export(spans)  # type: ignore[arg-type]  # ours take both
         except Exception:
             with self._stats._lock:
                 self._stats.export_failed += len(spans)

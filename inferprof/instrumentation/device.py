@@ -103,9 +103,8 @@ def _torch_device(index: int) -> _TorchDevice | None:
     """The cached torch handles of CUDA device ``index`` (-1: the current device), or None
     when torch or CUDA is unavailable (warned once; host timers are used)."""
     global _warned_no_cuda
-    found = _torch_devices.get(index, False)  # -1 is only ever cached as None
-    if found is not False:
-        return found
+    if index in _torch_devices:  # -1 is only ever cached as None
+        return _torch_devices[index]
     try:
         import torch
     except ImportError:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Literal
 
 from opentelemetry.trace import SpanKind
 
@@ -229,7 +229,7 @@ class Step:
         self.start = _time_ns()
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type, exc, tb) -> Literal[False]:
         end = self.end = _time_ns()
         self.finished = True
         try:
@@ -250,7 +250,7 @@ class Step:
     async def __aenter__(self) -> Step:
         return self.__enter__()
 
-    async def __aexit__(self, exc_type, exc, tb) -> bool:
+    async def __aexit__(self, exc_type, exc, tb) -> Literal[False]:
         return self.__exit__(exc_type, exc, tb)
 
     def _members_done(self, end: int) -> None:
@@ -332,13 +332,13 @@ class _NoopStep:
     def __enter__(self) -> _NoopStep:
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type, exc, tb) -> Literal[False]:
         return False
 
     async def __aenter__(self) -> _NoopStep:
         return self
 
-    async def __aexit__(self, exc_type, exc, tb) -> bool:
+    async def __aexit__(self, exc_type, exc, tb) -> Literal[False]:
         return False
 
 

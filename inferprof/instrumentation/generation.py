@@ -147,9 +147,9 @@ class Generation:
         self._close(step_start)
         self.state = PREFILL
         self.prefilled = self.prefill_chunks = 0
-        self.stage = self._open(_PREFILL, step_start)
-        if recompute:
-            self.stage.attrs[semconv.ATTR_PREFILL_RECOMPUTE] = True
+        stage = self.stage = self._open(_PREFILL, step_start)
+        if recompute and stage is not None:  # None: the request ended or has too many stages
+            stage.attrs[semconv.ATTR_PREFILL_RECOMPUTE] = True
 
     def _prefill_done(self, step_end: int, emit: bool) -> None:
         """The step ending at ``step_end`` completed the prompt (and sampled a token)."""

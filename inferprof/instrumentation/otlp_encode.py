@@ -129,7 +129,7 @@ def _attributes(field: int, attributes: Mapping[str, Any] | None) -> bytes:
             if enc is not None:
                 parts.append(enc)
                 continue
-            ck = (field, key, vtype, value)
+            ck: tuple[int, str, type, Any] | None = (field, key, vtype, value)
         else:
             ck = (field, key, vtype, value) if not isinstance(value, (list, dict)) else None
         if ck is not None:
@@ -319,7 +319,7 @@ def _spec_span(tid: bytes, state: bytes, spec: SpanSpec) -> bytes:
     out = [b"\x0a\x10", tid, b"\x12\x08", span_id.to_bytes(8, "big"), state]
     flags = _FLAGS_LOCAL
     if parent is not None:
-        if type(parent) is int:
+        if isinstance(parent, int):
             out += (b"\x22\x08", parent.to_bytes(8, "big"))
         else:  # a SpanContext: the request's (possibly remote) parent
             out += (b"\x22\x08", parent.span_id.to_bytes(8, "big"))
@@ -451,8 +451,8 @@ def wrap_trace_spans(traces: Sequence[tuple[Any, bytes]]) -> bytes:
             group = groups[key] = (resource, scope, [])
         group[2].append(encoded)
     out = []
-    for resource, scope, encoded in groups.values():
-        scope_body = _scope_fields(scope) + b"".join(encoded) + _str(3, scope.schema_url)
+    for resource, scope, parts in groups.values():
+        scope_body = _scope_fields(scope) + b"".join(parts) + _str(3, scope.schema_url)
         out.append(_ld(1, _resource_fields(resource) + _ld(2, scope_body)
                        + _str(3, resource.schema_url)))
     return b"".join(out)

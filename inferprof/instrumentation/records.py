@@ -41,7 +41,9 @@ class StageRecord:
         self.start = start
         self.end: int | None = None
         self.attrs = attrs
-        self.error: BaseException | None = None
+        #: the exception (or message) it ended with; frozen to its span parts before a
+        #: trace is queued (``spans.error_parts``)
+        self.error: Any = None
         # Pending device timing (inferprof.instrumentation.device), resolved before emission.
         self.device: Any = None
 
@@ -51,7 +53,7 @@ class StageRecord:
 
 _id_lock = threading.Lock()
 #: ``RequestRecord.batches`` of a request never enqueued for a batch (no list allocated).
-NO_BATCHES: tuple = ()
+NO_BATCHES: Any = ()
 
 #: Joining a ``links``-encoded batch (``inferprof.batch()``) and leaving one's batches when
 #: a request ends (``Runtime._leave_batches``) are atomic against each other: a request that
@@ -125,12 +127,12 @@ class RequestRecord:
         self.span_id = span_id
         self.parent = parent
         self.start = start
-        self.end: int | None = None
+        self.end: int = 0  # set when the request ends, before the runtime reads it
         self.attrs = attrs
         self.stages: list[StageRecord] = []
         #: the batches it is a member of; NO_BATCHES (shared) until it is enqueued for one
-        self.batches: list[BatchRecord] | tuple = NO_BATCHES
-        self.error: BaseException | None = None
+        self.batches: list[BatchRecord] = NO_BATCHES
+        self.error: Any = None  # an exception, a message, or its span parts (frozen)
         #: head sampling decision (full mode: the OTel sampler's; production: the coin flip).
         self.head = head
         #: weight implied by the OTel sampler in full mode (1/ratio), else 1.
@@ -187,7 +189,7 @@ class RequestSpan(trace_api.NonRecordingSpan):
 
     def __init__(self, rec: RequestRecord) -> None:  # no super().__init__: the context is lazy
         self._rec = rec
-        self._context = None
+        self._context = None  # type: ignore[assignment]  # built on first use
 
     def get_span_context(self) -> trace_api.SpanContext:
         ctx = self._context

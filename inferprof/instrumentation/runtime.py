@@ -23,11 +23,11 @@ from collections.abc import Iterable
 from typing import Any
 
 from opentelemetry import trace as trace_api
-from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
 from opentelemetry.sdk.trace.sampling import Decision
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.trace import Link, SpanKind
+from opentelemetry.trace import Link, SpanKind, Status
 
 from inferprof import semconv
 from inferprof._version import __version__
@@ -166,8 +166,8 @@ class Runtime:
         self.owned_processor = owned_processor
         self._encode = deferred is not None and getattr(deferred, "accepts_encoded", False)
         self._resource = None
-        self._sampler = None
-        self.tracer = None
+        self._sampler: Any = None
+        self.tracer: Any = None
         if not self.enabled:
             return
         self.tracer = tracer_provider.get_tracer(semconv.INSTRUMENTATION_SCOPE, __version__)
@@ -423,7 +423,7 @@ class Runtime:
                 ready = batch.pending == 0
                 # members -> batch -> members is a cycle; once closed the batch needs only
                 # the pending count, so let the records be freed by refcounting alone.
-                batch.members = ()
+                batch.members = []
             if ready and batch.encoding == semconv.BATCH_ENCODING_LINKS:
                 self._emit_linked_batch(batch)
         except Exception:
@@ -570,7 +570,8 @@ class Runtime:
                     parent_ctx = parents[parent] = trace_api.SpanContext(
                         trace_id, parent, False, _SAMPLED, trace_state
                     )
-            status, events = UNSET, ()
+            status: Status = UNSET
+            events: tuple[Event, ...] = ()
             if error is not None:
                 status, events, extra = error_parts(error, end)
                 if extra:

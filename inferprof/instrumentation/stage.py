@@ -21,7 +21,7 @@ import random
 import time
 from collections.abc import Callable, Mapping
 from contextvars import Token
-from typing import Any
+from typing import Any, Literal
 
 from opentelemetry import context as context_api
 from opentelemetry import propagate
@@ -94,6 +94,10 @@ class Stage(StageRecord):
     """
 
     __slots__ = ("_where", "_rec", "_token", "_span", "_otel_token", "_timing")
+    _rec: StageRecord | None
+    _token: Any
+    _otel_token: Any
+    _timing: Any
 
     def __init__(self, name: str, device: Any, attrs: dict) -> None:
         self.name = name
@@ -153,7 +157,7 @@ class Stage(StageRecord):
         rec.start = _time_ns()
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type, exc, tb) -> Literal[False]:
         rec = self._rec
         if rec is not None:
             rec.end = _time_ns()
@@ -176,7 +180,7 @@ class Stage(StageRecord):
     async def __aenter__(self) -> Stage:
         return self.__enter__()
 
-    async def __aexit__(self, exc_type, exc, tb) -> bool:
+    async def __aexit__(self, exc_type, exc, tb) -> Literal[False]:
         return self.__exit__(exc_type, exc, tb)
 
     # --- decorator ---------------------------------------------------------------------
@@ -242,7 +246,8 @@ class Stage(StageRecord):
             self._timing.end()
         except Exception:
             _logger.exception("inferprof could not end device timing; using host time")
-            self._rec.device = None
+            if self._rec is not None:
+                self._rec.device = None
 
 
 def stage(name: str, *, device: Any = None, **attributes: Any) -> Stage:
@@ -285,13 +290,13 @@ class NoopStage:
     def __enter__(self) -> NoopStage:
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type, exc, tb) -> Literal[False]:
         return False
 
     async def __aenter__(self) -> NoopStage:
         return self
 
-    async def __aexit__(self, exc_type, exc, tb) -> bool:
+    async def __aexit__(self, exc_type, exc, tb) -> Literal[False]:
         return False
 
     def __call__(self, fn: Callable) -> Callable:
@@ -387,6 +392,8 @@ class RequestScope:
     """One use of ``inferprof.request()``; ``with`` yields the request handle (or None)."""
 
     __slots__ = ("name", "kind", "attrs", "carrier", "_rec", "_token", "_otel_token", "_rt")
+    _token: Any
+    _otel_token: Any
 
     def __init__(
         self, name: str, kind: SpanKind, attrs: dict, carrier: Mapping[str, str] | None
@@ -441,7 +448,7 @@ class RequestScope:
         self._token = SCOPE.set((rec, None))
         return rec
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type, exc, tb) -> Literal[False]:
         rec = self._rec
         if rec is None:
             if self._token is not None:  # a request not timed
@@ -466,7 +473,7 @@ class RequestScope:
     async def __aenter__(self) -> RequestRecord | None:
         return self.__enter__()
 
-    async def __aexit__(self, exc_type, exc, tb) -> bool:
+    async def __aexit__(self, exc_type, exc, tb) -> Literal[False]:
         return self.__exit__(exc_type, exc, tb)
 
     def __call__(self, fn: Callable) -> Callable:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from inferprof import semconv
 from inferprof.triton._call import NetworkCall, begin, with_trace_context
@@ -72,7 +72,7 @@ class TritonCall:
                 _logger.exception("inferprof could not add the trace context to the headers")
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type, exc, tb) -> Literal[False]:
         call = self._call
         if call is not None:
             call.end(exc)
@@ -81,7 +81,7 @@ class TritonCall:
     async def __aenter__(self) -> TritonCall:
         return self.__enter__()
 
-    async def __aexit__(self, exc_type, exc, tb) -> bool:
+    async def __aexit__(self, exc_type, exc, tb) -> Literal[False]:
         return self.__exit__(exc_type, exc, tb)
 
 
