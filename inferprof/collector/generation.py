@@ -15,7 +15,8 @@ section; the tail attributions read the buckets at and above the one holding p95
 
 Memory: per (slice, series) the sketches are sparse buckets (a few thousand at most);
 ``StepIndex`` keeps each engine's steps for ``retention_s`` of collector time after they
-arrive, at most ``max_rows`` per engine and ``max_engines`` engines online.
+arrive, online at most ``max_rows`` per engine, ``max_total_rows`` steps and KV readings in
+all, and ``max_engines`` engines; what it refuses is counted (``dropped``).
 """
 
 from __future__ import annotations
@@ -82,6 +83,10 @@ GENAI_DURATION_BOUNDS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5
 #: Online bounds of the step index.
 DEFAULT_MAX_ENGINES = 4096
 DEFAULT_MAX_STEP_ROWS = 200_000
+#: Steps and KV readings held in all (about 40 bytes each once consolidated).
+DEFAULT_MAX_TOTAL_ROWS = 1_000_000
+#: Rows appended to an engine as tuples before they are consolidated into its arrays.
+_PENDING_ROWS = 8192
 
 
 class _Timeline:
@@ -113,10 +118,14 @@ class StepIndex:
         *,
         max_engines: int | None = DEFAULT_MAX_ENGINES,
         max_rows: int | None = DEFAULT_MAX_STEP_ROWS,
+        max_total_rows: int | None = DEFAULT_MAX_TOTAL_ROWS,
     ) -> None:
         self.retention_s = retention_s
         self.max_engines = max_engines
         self.max_rows = max_rows
+        self.max_total_rows = max_total_rows
+        #: steps and KV readings held now, pending or consolidated, all engines
+        self.total = 0
         self.engines: dict[EngineKey, _Timeline] = {}
         # (time touched, engine) in time order: expiry pops from the left, O(1) amortised.
         self._touched: deque[tuple[float, EngineKey]] = deque()
@@ -144,27 +153,40 @@ class StepIndex:
         key = (*resource, engine if isinstance(engine, str) else sc.DEFAULT_ENGINE_ID)
         tl = self._timeline(key, now)
         self.steps_received += 1
-        if tl is None:
+        if tl is None or not self._room(tl, now):
             self.dropped += 1
             return
         p = gs.count(extra, sc.ATTR_STEP_PREFILL_TOKENS) or 0
         n = gs.count(extra, sc.ATTR_STEP_DECODE_TOKENS) or 0
         tl.pending.append((start, end, float(p), float(n), now))
+        self.total += 1
         kv = extra.get(sc.ATTR_STEP_KV_CACHE_USAGE)
         if isinstance(kv, (float, int)) and not isinstance(kv, bool) and math.isfinite(kv) \
                 and 0 <= kv <= 1:
             tl.kv_pending.append((start * _NS, float(kv), now))
-        if self.max_rows is not None and len(tl.pending) > self.max_rows:
+            self.total += 1
+        if len(tl.pending) > _PENDING_ROWS or len(tl.kv_pending) > _PENDING_ROWS:
             self._consolidate(tl, now)
+
+    def _room(self, tl: _Timeline, now: float) -> bool:
+        """Whether the global bound leaves room for a row (consolidating ``tl`` first, which
+        drops its expired rows, when it does not)."""
+        if self.max_total_rows is None or self.total < self.max_total_rows:
+            return True
+        self._consolidate(tl, now)
+        return self.total < self.max_total_rows
 
     def add_kv(self, key: EngineKey, t: float, value: float, now: float) -> bool:
         """One ``inferprof.engine.kv_cache.usage`` reading; False if refused."""
         if not (math.isfinite(value) and 0 <= value <= 1):
             return False
         tl = self._timeline(key, now)
-        if tl is None:
+        if tl is None or not self._room(tl, now):
             return False
         tl.kv_pending.append((t, float(value), now))
+        self.total += 1
+        if len(tl.kv_pending) > _PENDING_ROWS:
+            self._consolidate(tl, now)
         return True
 
     def prune(self, now: float) -> None:
@@ -177,9 +199,15 @@ class StepIndex:
             t, key = touched.popleft()
             tl = self.engines.get(key)
             if tl is not None and tl.touched == t:
+                self.total -= _held(tl)
                 del self.engines[key]
 
     def _consolidate(self, tl: _Timeline, now: float) -> None:
+        before = _held(tl)
+        self._merge(tl, now)
+        self.total += _held(tl) - before
+
+    def _merge(self, tl: _Timeline, now: float) -> None:
         horizon = now - self.retention_s if math.isfinite(self.retention_s) else -math.inf
         if tl.pending:
             new = tl.pending
@@ -236,6 +264,13 @@ class StepIndex:
         t = tl.kv[:, 0]
         lo, hi = np.searchsorted(t, t0, side="right"), np.searchsorted(t, t1, side="right")
         return tl.kv[lo:hi, 1]
+
+
+def _held(tl: _Timeline) -> int:
+    """Steps and KV readings ``tl`` holds, pending or consolidated."""
+    rows = tl.rows[0].size if tl.rows is not None else 0
+    kv = tl.kv.shape[0] if tl.kv is not None else 0
+    return len(tl.pending) + len(tl.kv_pending) + rows + kv
 
 
 def _with_end_max(cols: Arrays, arrival: np.ndarray) -> tuple[Arrays, np.ndarray]:
@@ -420,6 +455,7 @@ class GenerationFold:
             step_retention_s if online else math.inf,
             max_engines=DEFAULT_MAX_ENGINES if online else None,
             max_rows=DEFAULT_MAX_STEP_ROWS if online else None,
+            max_total_rows=DEFAULT_MAX_TOTAL_ROWS if online else None,
         )
         # slice index -> list of (codes, weights) chunks / series -> counters
         self._chunks: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}

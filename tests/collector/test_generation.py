@@ -272,6 +272,22 @@ def test_step_index_is_bounded_and_expires():
     assert math.isinf(StepIndex(math.inf).retention_s)
 
 
+def test_step_index_holds_at_most_its_total_and_counts_what_it_refuses():
+    index = StepIndex(10.0, max_engines=100, max_rows=1000, max_total_rows=250)
+    step = {sc.ATTR_STEP_DECODE_TOKENS: 1, sc.ATTR_STEP_KV_CACHE_USAGE: 0.5}
+    for e in range(5):
+        for i in range(100):
+            index.add_step(("s", "h", str(e)), step, i * 10, i * 10 + 5, 0.0)
+    assert index.total <= 250 and index.steps_received == 500
+    assert index.dropped == 500 - sum(
+        tl.rows[0].size if tl.rows is not None else len(tl.pending)
+        for tl in index.engines.values())
+    index.prune(11.0)  # everything expired: the room comes back
+    assert index.total == 0 and not index.engines
+    index.add_step(("s", "h", "x"), step, 0, 5, 12.0)
+    assert index.total == 2  # the step and its KV reading
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.one_of(
     st.lists(st.floats(allow_nan=False, allow_infinity=False, width=64), max_size=40),
