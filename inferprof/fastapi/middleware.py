@@ -160,19 +160,26 @@ class _HttpRequest(RequestRecord):
                 # The outer instrumentation (opentelemetry-instrumentation-asgi) ends its
                 # span when the last body chunk passes it: its attributes go on now.
                 self._enrich_live()
+            stream = self.stream
+            # When a chunk of a stream leaves: handed to the server, which writes it to the
+            # socket in this call (a time taken after the call may follow the client's read)
+            handed = (
+                _time_ns()
+                if stream and body and (
+                    _sse_content(body) if stream == _SSE
+                    # a body in one message is not a stream, whatever its headers
+                    else message.get("more_body", False) or self.chunk_times
+                )
+                else 0
+            )
             try:
                 await self._send(message)
             except OSError:  # ASGI 2.4 servers: the client went away mid-response
                 if not self.ser_end:
                     self.disconnected = True
                 raise
-            stream = self.stream
-            if stream and body and (
-                _sse_content(body) if stream == _SSE
-                # a body in one message is not a stream, whatever its headers
-                else message.get("more_body", False) or self.chunk_times
-            ):
-                self._chunk_sent()
+            if handed:  # (not for a chunk the server refused)
+                self._chunk_sent(handed)
             if not message.get("more_body", False) and not self.ser_end:
                 self.ser_end = _time_ns()  # also the request's end: the last byte handed over
             return
@@ -182,16 +189,16 @@ class _HttpRequest(RequestRecord):
             self.stream = _stream_kind(message.get("headers"))
         await self._send(message)
 
-    def _chunk_sent(self) -> None:
-        """A chunk of generated content was handed to the server: one emission (none for a
-        chunk the app said carries no token)."""
+    def _chunk_sent(self, when: int) -> None:
+        """A chunk of generated content was handed to the server at ``when``: one emission
+        (none for a chunk the app said carries no token)."""
         tokens, self.next_tokens = self.next_tokens, 1
         if not tokens:
             return
         times = self.chunk_times
         if times is None:
             times = self.chunk_times = []
-        times.append(_time_ns())
+        times.append(when)
         counts = self.chunk_tokens
         if counts is not None:
             counts.append(tokens)

@@ -24,11 +24,14 @@ pytestmark = pytest.mark.integration
 PROMPT = "The harbour was quiet at dawn, and the boats lay still."
 
 
-async def _stream(client, max_tokens):
-    """(arrival time of each data chunk, [DONE] seen)."""
+async def _stream(client, max_tokens, index):
+    """(arrival time of each data chunk, [DONE] seen, when the request was sent)."""
     times, done = [], False
     body = {"prompt": PROMPT, "max_tokens": max_tokens, "stream": True}
-    async with client.stream("POST", COMPLETIONS_PATH, json=body) as resp:
+    sent = time.time_ns()
+    # the request span continues this trace: the client's figures pair with its own span
+    headers = {"traceparent": f"00-{index + 1:032x}-{index + 1:016x}-01"}
+    async with client.stream("POST", COMPLETIONS_PATH, json=body, headers=headers) as resp:
         assert resp.status_code == 200
         async for line in resp.aiter_lines():
             if line == "data: [DONE]":
@@ -36,7 +39,7 @@ async def _stream(client, max_tokens):
             elif line.startswith("data: "):
                 json.loads(line[6:])
                 times.append(time.time_ns())
-    return times, done
+    return times, done, sent
 
 
 def test_the_demo_engine_records_stages_steps_and_token_times():
@@ -60,7 +63,7 @@ def test_the_demo_engine_records_stages_steps_and_token_times():
 
             async def load():
                 async with httpx.AsyncClient(base_url=url, timeout=60) as client:
-                    return await asyncio.gather(*(_stream(client, 60) for _ in range(8)))
+                    return await asyncio.gather(*(_stream(client, 60, i) for i in range(8)))
 
             results = asyncio.run(load())
         finally:
@@ -68,7 +71,7 @@ def test_the_demo_engine_records_stages_steps_and_token_times():
             thread.join(timeout=15)
             sock.close()
         spans = cap.spans()
-    assert all(done and len(times) == 60 for times, done in results)
+    assert all(done and len(times) == 60 for times, done, _ in results)
     requests = [s for s in spans if s.kind.name == "SERVER"]
     assert len(requests) == 8
     steps = [s for s in spans if s.name == semconv.ENGINE_STEP_SPAN_NAME]
@@ -103,3 +106,17 @@ def test_the_demo_engine_records_stages_steps_and_token_times():
         assert all(a.end_time <= b.start_time
                    for a, b in zip(engine_stages, engine_stages[1:]))
     assert preempted > 0
+    # The server's figures against what the client measured, on one clock (one process):
+    # each token left the service before the client read it, and the client read it within
+    # the loopback's and its own event loop's share (the client's ttft also holds the
+    # connection set-up before the request span starts, which is not the service's time).
+    spans = {r.context.trace_id: r for r in requests}
+    lags = []
+    for index, (times, _, sent) in enumerate(results):
+        request = spans[index + 1]
+        left = [request.start_time + round(x * 1e9)
+                for x in request.attributes[semconv.ATTR_GEN_EMIT_OFFSETS_S]]
+        assert request.start_time >= sent
+        assert all(server <= client for server, client in zip(left, times))
+        lags.append(max(client - server for server, client in zip(left, times)) / 1e9)
+    assert max(lags) < 0.5  # (client, server and engine threads share one GIL here)
