@@ -111,10 +111,10 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---:|---:|---:|---:|")
     for name, ts in times.items():
         med = statistics.median(ts)
-        ratio = statistics.median(t / b for t, b in zip(ts, base, strict=False))
+        ratio = statistics.median(t / b for t, b in zip(ts, base, strict=True))
         print(f"| {name} | {med:.3f} | {med / n_tokens * 1e6:.2f} | "
               f"{med / n_spans * 1e6:.2f} | {ratio:.2f} |")
-    extra = statistics.median(t - b for t, b in zip(times["generation"], base, strict=False))
+    extra = statistics.median(t - b for t, b in zip(times["generation"], base, strict=True))
     print(f"\ngeneration's extra CPU over the baseline: {extra / n_tokens * 1e6:.2f} µs per "
           "generated token")
 

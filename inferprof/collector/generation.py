@@ -218,7 +218,7 @@ class StepIndex:
             cols = [st, en, rest[:, 0], rest[:, 1], rest[:, 2]]
             if tl.rows is not None:
                 cols = [np.concatenate([a, b])
-                        for a, b in zip((*tl.rows[:4], tl.arrival), cols, strict=False)]
+                        for a, b in zip((*tl.rows[:4], tl.arrival), cols, strict=True)]
             order = np.argsort(cols[0], kind="stable")
             cols = [c[order] for c in cols]
             keep = cols[4] >= horizon

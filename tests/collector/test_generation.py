@@ -154,7 +154,7 @@ def test_kv_gauge_joined_by_time_when_steps_carry_no_reading():
         sc.RESOURCE_SERVICE_INSTANCE_ID: "i-1"}))
     metric = rm.scope_metrics.add().metrics.add()
     metric.name = sc.METRIC_ENGINE_KV_CACHE_USAGE
-    for ti, v in zip(t, values, strict=False):
+    for ti, v in zip(t, values, strict=True):
         dp = metric.gauge.data_points.add()
         dp.time_unix_nano = round(BASE_UNIX * 1e9) + round(ti * 1e9)
         dp.as_double = float(v)
