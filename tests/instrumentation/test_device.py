@@ -229,3 +229,27 @@ def test_torch_device_like_objects():
 
     assert parse_cuda_device(FakeTorchDevice("cuda", 3)) == 3
     assert parse_cuda_device(FakeTorchDevice("cpu", None)) is None
+
+
+def test_device_stages_of_an_engine_step_are_timed_by_their_events(cap):
+    """A step of the step API (``inferprof.Engine``) resolves its device stages' events
+    when it ends, as a batch does."""
+    stream = SyntheticStream()
+    dev = EventDevice(lambda: SyntheticEvent(stream), gpu_id="GPU-synthetic-0")
+    engine = inferprof.Engine("e")
+    gen = engine.request(prompt_tokens=4)
+    with engine.step() as step:
+        step.prefill(gen, 4)
+        with inferprof.stage("compute", device=dev):
+            stream.launch(20)  # returns at once, like a CUDA kernel launch
+        with inferprof.stage("d2h", device=dev):
+            stream.launch(2)
+            stream.synchronize()
+    gen.finish()
+    (compute,) = cap.stages("compute")
+    (d2h,) = cap.stages("d2h")
+    (step_span,) = cap.by_name(semconv.ENGINE_STEP_SPAN_NAME)
+    assert abs((compute.end_time - compute.start_time) - 20 * MS) < 2 * MS
+    assert compute.attributes[semconv.ATTR_GPU_ID] == "GPU-synthetic-0"
+    assert compute.attributes[semconv.ATTR_ENGINE_ID] == "e"
+    assert compute.parent.span_id == d2h.parent.span_id == step_span.context.span_id
