@@ -30,15 +30,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from collector_ingest import build  # noqa: E402
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (  # noqa: E402
+from collector_ingest import build
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
 )
 
-from inferprof.collector.cost import CostStore  # noqa: E402
-from inferprof.collector.engine import Engine  # noqa: E402
-from inferprof.collector.examples import ExampleStore  # noqa: E402
-from inferprof.collector.exemplars import ExemplarStore  # noqa: E402
+from inferprof.collector.cost import CostStore
+from inferprof.collector.engine import Engine
+from inferprof.collector.examples import ExampleStore
+from inferprof.collector.exemplars import ExemplarStore
 
 
 @contextlib.contextmanager
@@ -82,7 +82,8 @@ def main() -> None:
             with without_extras() if name == "without extras" else contextlib.nullcontext():
                 spans, dt = run(blobs)
             rates[name].append(spans / dt)
-    ratio = statistics.median(a / b for a, b in zip(rates["engine"], rates["without extras"]))
+    ratio = statistics.median(
+        a / b for a, b in zip(rates["engine"], rates["without extras"], strict=True))
     print(f"{args.rounds} interleaved rounds, one core, {spans:,} spans per round, "
           f"{args.series} series\n")
     print("| path | spans/s (median) | µs/span | vs without extras |")

@@ -230,6 +230,7 @@ class Finalised:
     __slots__ = (
         "batches",
         "compute",
+        "device",
         "end",
         "error",
         "gen",
@@ -240,7 +241,6 @@ class Finalised:
         "span_end",
         "span_key",
         "span_start",
-        "device",
         "start",
         "tokens",
         "trace_id",

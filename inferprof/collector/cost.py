@@ -112,7 +112,7 @@ class CostStore:
         uniq, inv = np.unique(code, return_inverse=True)
         sums = np.bincount(inv, weights=value, minlength=uniq.size)
         per_series = self._slices.setdefault(index, {})
-        for c, v in zip(uniq.tolist(), sums.tolist()):
+        for c, v in zip(uniq.tolist(), sums.tolist(), strict=True):
             stages = per_series.setdefault(c >> 20, defaultdict(float))
             stages[c & ((1 << 20) - 1)] += v
         per_request, inv = np.unique((rows << 20) | cols, return_inverse=True)

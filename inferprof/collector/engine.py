@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from inferprof import semconv as sc
+from inferprof.collector import cost as _cost
 from inferprof.collector.admission import DEFAULT_RESERVE_FRACTION, FairShare, sender_of
 from inferprof.collector.assembly import Assembler, Finalised
 from inferprof.collector.attribution import (
@@ -55,10 +56,11 @@ from inferprof.collector.attribution import (
     tail_codes,
     tail_shares,
 )
-from inferprof.collector import cost as _cost
 from inferprof.collector.examples import ExampleStore
 from inferprof.collector.exemplars import Exemplar, ExemplarStore
 from inferprof.collector.generation import GenerationFold
+from inferprof.collector.gpu_samples import DROP_INVALID, GpuSamples
+from inferprof.collector.labels import bounded, utf8_bytes
 from inferprof.collector.queueing import combine, partial, union
 from inferprof.collector.records import EngineStats, IngestResult
 from inferprof.collector.sketch import (
@@ -71,8 +73,6 @@ from inferprof.collector.sketch import (
     reduce_codes,
     split_groups,
 )
-from inferprof.collector.gpu_samples import DROP_INVALID, GpuSamples
-from inferprof.collector.labels import bounded, utf8_bytes
 from inferprof.collector.verdict import decide, gpu_evidence, is_gpu_metric, normalize_gpu_id
 
 #: Upper bounds (seconds) of the Prometheus histogram buckets: 0.5 ms .. 60 s, the

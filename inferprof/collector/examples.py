@@ -137,7 +137,8 @@ class ExampleStore:
         split: dict[int, list[tuple[int, float]]] = {r: [] for r in rows}
         mask = np.isin(pair_req, np.fromiter(rows, np.int64, len(rows)))
         for r, st, ex in zip(
-            pair_req[mask].tolist(), pair_stage[mask].tolist(), pair_excl[mask].tolist()
+            pair_req[mask].tolist(), pair_stage[mask].tolist(), pair_excl[mask].tolist(),
+            strict=True,
         ):
             split[r].append((st, ex))
         gpu: dict[int, list[tuple[int, float]]] = {r: [] for r in rows}
@@ -145,7 +146,7 @@ class ExampleStore:
             g_req, g_col, g_sec = gpu_seconds
             mask = np.isin(g_req, np.fromiter(rows, np.int64, len(rows)))
             for r, st, sec in zip(g_req[mask].tolist(), g_col[mask].tolist(),
-                                  g_sec[mask].tolist()):
+                                  g_sec[mask].tolist(), strict=True):
                 gpu[r].append((st, sec))
         top = self.top
         e2e_l = e2e.tolist()

@@ -60,7 +60,7 @@ class ExemplarStore:
         kept = self._kept
         for p, b, v, r in zip(
             pair[first].tolist(), bucket[first].tolist(), value[first].tolist(),
-            row[first].tolist(),
+            row[first].tolist(), strict=True,
         ):
             key = (p >> shift, p & mask)
             slots = kept.get(key)

@@ -234,13 +234,15 @@ class EngineCollector:
             cumulative = 0.0
             buckets: list[tuple] = []
             exemplars = self.engine.histogram_exemplars(service, model, stage)
-            for bound, c, ex in zip((*HISTOGRAM_BOUNDS, float("inf")), counts.tolist(), exemplars):
+            bounds = (*HISTOGRAM_BOUNDS, float("inf"))
+            for bound, c, ex in zip(bounds, counts.tolist(), exemplars, strict=True):
                 cumulative += c
                 le = "+Inf" if bound == float("inf") else _le(bound)
                 if ex is None:
                     buckets.append((le, cumulative))
                 else:  # on OpenMetrics scrapes only: the text format has no exemplars
-                    buckets.append((le, cumulative, exemplar_of({TRACE_ID_LABEL: ex[0]}, ex[1], ex[2])))
+                    exemplar = exemplar_of({TRACE_ID_LABEL: ex[0]}, ex[1], ex[2])
+                    buckets.append((le, cumulative, exemplar))
             if stage is None:
                 req_hist.add_metric([service, model], buckets, total)
             else:

@@ -25,6 +25,7 @@ this process (its container) is sampled unless ``devices`` narrows it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -185,10 +186,9 @@ class NvmlSource:
         self._gpus = [(handle, uuid) for _, handle, uuid in gpus]
         self._names = {}
         for handle, uuid in self._gpus:
-            try:  # the model name prices the GPU's time (collector cost); optional
+            # the model name prices the GPU's time (collector cost); optional
+            with contextlib.suppress(nvml.NVMLError):
                 self._names[uuid] = _text(nvml.nvmlDeviceGetName(handle))
-            except nvml.NVMLError:
-                pass
         self._unsupported = {uuid: set() for _, uuid in self._gpus}
         self._gpm = {}
         if self._use_gpm:

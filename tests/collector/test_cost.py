@@ -76,7 +76,7 @@ def _engine(prices=(), power=True, models=(None, None), one_model=False) -> Engi
     export, *_ = _workload(one_model=one_model)
     engine.ingest_traces(export)
     if power:
-        for gpu, model in zip(("GPU-0", "GPU-1"), models):
+        for gpu, model in zip(("GPU-0", "GPU-1"), models, strict=True):
             engine.ingest_metrics(gpu_metrics(POWER, metric=sc.METRIC_GPU_POWER_DRAW,
                                               hw_id=gpu, model=model))
     engine.flush()
@@ -133,7 +133,7 @@ def test_no_power_samples_no_energy_and_no_price_no_money():
 
 
 def test_money_prices_each_gpu_by_its_model_weighted_by_compute_time():
-    _, truth, requests, windows = _workload(one_model=True)
+    _, truth, requests, _ = _workload(one_model=True)
     engine = _engine(prices=parse_prices(["H100=4.0", "1.0"]), models=("H100", "L4"),
                      one_model=True)
     doc = engine.breakdown("svc", "a", None)
@@ -203,7 +203,7 @@ def test_gpu_hour_price_setting_flag_env_and_config(tmp_path):
 
 
 def test_report_shows_the_cost(tmp_path):
-    export, truth, requests, _ = _workload()
+    export, truth, *_ = _workload()
     dump = tmp_path / "d.pb"
     write_pb(dump, [export, gpu_metrics(POWER, metric=sc.METRIC_GPU_POWER_DRAW),
                     gpu_metrics(POWER, metric=sc.METRIC_GPU_POWER_DRAW, hw_id="GPU-1")])

@@ -52,7 +52,7 @@ def test_examples_name_the_slowest_requests_with_their_exact_split():
     slowest = [ex for ex in doc["examples"] if ex["slowest"] == "latency"]
     expected = sorted(truth, key=lambda t: -t[1])[:DEFAULT_TOP]
     assert [ex["trace_id"] for ex in slowest] == [t[0] for t in expected]
-    for ex, (_, e2e, split) in zip(slowest, expected):
+    for ex, (_, e2e, split) in zip(slowest, expected, strict=True):
         assert ex["latency"] == pytest.approx(e2e, abs=1e-9)
         assert ex["seconds"] == ex["latency"]
         assert ex["stages"].keys() == split.keys()
@@ -104,13 +104,14 @@ def test_examples_keep_bounded_memory_per_slice_and_series():
     kept = [k for per_slice in engine._examples._slices.values() for k in per_slice.values()]
     assert len(kept) == 1
     assert len(kept[0].slowest) == DEFAULT_TOP
-    assert set(kept[0].stages) == {engine._stage_index[s] for s in ("queue", "compute", "unattributed")}
+    stages = ("queue", "compute", "unattributed")
+    assert set(kept[0].stages) == {engine._stage_index[s] for s in stages}
 
 
 def test_examples_attribute_a_linked_batch_stage_to_its_member():
     b = TraceBuilder()
     members = [b.request(0.0, 0.1 + 0.1 * i) for i in range(3)]
-    for i, req in enumerate(members):
+    for req in members:
         b.stage(req, "queue", 0.0, 0.02)
     b.stage(None, "compute", 0.02, 0.09, links=members, batch_id="b1", batch_size=3)
     doc = _doc(b.export())
