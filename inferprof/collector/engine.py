@@ -322,7 +322,7 @@ class Engine:
             max_hosts=max_gpu_hosts,
         )
         #: the slowest traced requests per (slice, series), for the breakdown's examples
-        self._examples = ExampleStore()
+        self._examples = ExampleStore(collapse=not math.isfinite(self.retention_s))
         #: per histogram bucket, a request's trace id (OpenMetrics exemplars)
         self._exemplars = ExemplarStore(_NB)
         #: GPU-seconds per (slice, series, stage), GPU models, prices (cost.py)

@@ -10,7 +10,9 @@ each with its trace id, end-to-end seconds, its exclusive time per stage (the
 partition of §6: it sums to the end-to-end time) and its GPU-seconds per device stage
 (``cost.py``: its share of its batches' device time). Memory is bounded: at most
 ``top`` + (distinct stage names) entries per slice and series, each a few hundred bytes,
-whatever the request rate. A window's examples are the slowest over its slices.
+whatever the request rate. A window's examples are the slowest over its slices. With
+``collapse`` (the offline report, which keeps every slice), all slices share one set, so
+a long recording holds no more than a short one.
 
 Only traced requests can be examples (a sampled-out request has no trace to open), and
 an example is what was slowest among them: with a tail-biased sampler that is the real
@@ -82,10 +84,11 @@ class _Kept:
 class ExampleStore:
     """The examples of every retained slice; not thread-safe (the engine locks)."""
 
-    def __init__(self, top: int = DEFAULT_TOP) -> None:
+    def __init__(self, top: int = DEFAULT_TOP, *, collapse: bool = False) -> None:
         if not isinstance(top, int) or isinstance(top, bool) or top < 1:
             raise ValueError(f"top must be a positive integer, got {top!r}")
         self.top = top
+        self.collapse = collapse
         self._slices: dict[int, dict[int, _Kept]] = {}
 
     def add(
@@ -111,7 +114,7 @@ class ExampleStore:
         n = e2e.size
         if not n or len(trace_ids) < n:
             return
-        kept_slice = self._slices.setdefault(index, {})
+        kept_slice = self._slices.setdefault(0 if self.collapse else index, {})
         # Ties go to the smaller trace id, so that the examples do not depend on the
         # order requests arrived or were folded in.
         ids = np.frombuffer(b"".join(trace_ids[:n]), ">u8")
@@ -188,6 +191,8 @@ class ExampleStore:
         ``sids``: the ``top`` slowest end to end, then the slowest of each stage (in
         ``order``, a sort key of stage names). ``names``: stage column -> name."""
         sids = list(sids)
+        if self.collapse:
+            indices = [0] if any(True for _ in indices) else []
         slowest: list[_Example] = []
         per_stage: dict[int, _Example] = {}
         for idx in indices:

@@ -190,3 +190,21 @@ def test_collector_api_serves_examples(template):
             assert ex["url"] == f"http://localhost:16686/trace/{ex['trace_id']}"
         else:
             assert "url" not in ex
+
+
+def test_offline_examples_hold_one_set_however_long_the_recording():
+    clock = FakeClock()
+    engine = Engine(settle_s=0, clock=clock, retention_s=math.inf)
+    b = TraceBuilder()
+    truth = []
+    for i in range(100):  # one fold per 10 s slice
+        ref, e2e = b.sequential(i * 10.0, [("queue", 0.001 * (1 + (i * 37) % 100))])
+        truth.append((e2e, ref.trace_id.hex()))
+        engine.ingest_traces(b.export())
+        b.spans.clear()
+        engine.flush()
+        clock.tick(10)
+    assert len(engine._examples._slices) == 1
+    doc = engine.breakdown("svc", "m", None)
+    slowest = [ex["trace_id"] for ex in doc["examples"] if ex["slowest"] == "latency"]
+    assert slowest == [tid for _, tid in sorted(truth, reverse=True)[:DEFAULT_TOP]]
