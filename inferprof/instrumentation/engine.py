@@ -33,11 +33,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any, Literal
 
 from opentelemetry.trace import SpanKind
 
-from inferprof import semconv
+from inferprof import __version__, semconv
 from inferprof.instrumentation.active import active_runtime
 from inferprof.instrumentation.generation import COMPACT_AT, DECODING, DONE, PREFILL, Generation
 from inferprof.instrumentation.records import (
@@ -63,19 +64,28 @@ class Engine:
 
     ``engine_id`` (``inferprof.engine.id``) tells apart engines of one service instance;
     ``model``: ``inferprof.model.name`` of the requests this engine opens itself (those
-    that arrive outside any request, see :meth:`request`).
+    that arrive outside any request, see :meth:`request`); ``kv_cache_usage``: a
+    callable returning the KV cache's blocks in use over its total (0..1), read when
+    metrics are collected into the ``inferprof.engine.kv_cache.usage`` gauge (contract §14;
+    the step attribute ``Engine.step(kv_cache_usage=)`` is the cheaper alternative).
     """
 
-    __slots__ = ("engine_id", "model", "_warned_second")
+    __slots__ = ("engine_id", "model", "kv_cache_usage", "_warned_second", "_gauge_on")
 
-    def __init__(self, engine_id: str = semconv.DEFAULT_ENGINE_ID, *, model: str | None = None) -> None:
+    def __init__(self, engine_id: str = semconv.DEFAULT_ENGINE_ID, *, model: str | None = None,
+                 kv_cache_usage: Callable[[], float] | None = None) -> None:
         if not isinstance(engine_id, str) or not engine_id:
             raise ValueError(f"engine_id must be a non-empty string, got {engine_id!r}")
         if model is not None and not isinstance(model, str):
             raise ValueError(f"model must be a string, got {model!r}")
+        if kv_cache_usage is not None and not callable(kv_cache_usage):
+            raise ValueError(f"kv_cache_usage must be callable, got {kv_cache_usage!r}")
         self.engine_id = engine_id
         self.model = model
+        self.kv_cache_usage = kv_cache_usage
         self._warned_second = False
+        #: the meter provider the gauge is registered with (once per provider)
+        self._gauge_on: Any = None
 
     def request(self, *, prompt_tokens: int | None = None) -> Generation:
         """A request arrives for this engine: its handle. Its ``queue`` stage starts now.
@@ -144,6 +154,9 @@ class Engine:
         rt = active_runtime()
         if rt is None:
             return _NOOP_STEP
+        if self.kv_cache_usage is not None and self._gauge_on is not rt.meter_provider:
+            self._gauge_on = rt.meter_provider
+            register_kv_gauge(rt.meter_provider, self.engine_id, self.kv_cache_usage)
         return Step(rt, self.engine_id, kv_cache_usage)
 
 
@@ -307,6 +320,48 @@ class Step:
                                   span_id_of(parent) if parent is not None else root, _INTERNAL,
                                   st.start, st.end or self.end, st_attrs, st_error, ()))
         rt.emit_trace(trace_id, specs)
+
+
+#: Engines reporting KV-cache usage, per meter provider: one gauge each, one callback.
+_KV_READERS: dict[int, tuple[Any, list[tuple[str, Callable[[], float]]]]] = {}
+
+
+def register_kv_gauge(meter_provider: Any, engine_id: str, read: Callable[[], float]) -> None:
+    """Report ``read()`` as ``inferprof.engine.kv_cache.usage{inferprof.engine.id}`` on
+    ``meter_provider`` (its gauge made once per provider). Never raises."""
+    if meter_provider is None:
+        return
+    try:
+        entry = _KV_READERS.get(id(meter_provider))
+        if entry is not None and entry[0] is meter_provider:
+            entry[1].append((engine_id, read))
+            return
+        readers = [(engine_id, read)]
+        _KV_READERS[id(meter_provider)] = (meter_provider, readers)
+        meter = meter_provider.get_meter(semconv.INSTRUMENTATION_SCOPE, __version__)
+        meter.create_observable_gauge(
+            semconv.METRIC_ENGINE_KV_CACHE_USAGE,
+            callbacks=[lambda _options: _kv_observations(readers)],
+            unit="1",
+            description="KV-cache blocks in use over blocks in total, per engine",
+        )
+    except Exception:
+        _logger.exception("inferprof could not register the KV-cache gauge")
+
+
+def _kv_observations(readers: list[tuple[str, Callable[[], float]]]) -> list[Any]:
+    from opentelemetry.metrics import Observation
+
+    out = []
+    for engine_id, read in list(readers):
+        try:
+            value = float(read())
+        except Exception:  # the engine's callable failed: no reading, never an error
+            _logger.exception("inferprof: an engine's kv_cache_usage callable failed")
+            continue
+        if 0.0 <= value <= 1.0:
+            out.append(Observation(value, {semconv.ATTR_ENGINE_ID: engine_id}))
+    return out
 
 
 def _resolve_device(stages: list[StageRecord]) -> None:

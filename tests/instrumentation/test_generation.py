@@ -478,3 +478,37 @@ def test_steps_and_requests_built_on_the_export_thread():
     assert compute.parent.span_id == steps[0].context.span_id
     (request,) = [s for s in spans if s.name == semconv.REQUEST_SPAN_NAME]
     assert list(request.attributes[semconv.ATTR_GEN_EMIT_TOKENS]) == [1, 2]
+
+
+def _gauge_points(cap, name):
+    out = {}
+    data = cap.metric_reader.get_metrics_data()
+    for rm in data.resource_metrics:
+        for sm in rm.scope_metrics:
+            for metric in sm.metrics:
+                if metric.name == name:
+                    for point in metric.data.data_points:
+                        out[point.attributes[semconv.ATTR_ENGINE_ID]] = point.value
+    return out
+
+
+def test_the_kv_cache_gauge_reads_each_engine_at_collection(caplog):
+    usage = {"a": 0.25}
+
+    def broken():
+        raise RuntimeError("no allocator yet")
+
+    with captured() as cap:
+        a = inferprof.Engine("a", kv_cache_usage=lambda: usage["a"])
+        b = inferprof.Engine("b", kv_cache_usage=broken)
+        c = inferprof.Engine("c", kv_cache_usage=lambda: 7.0)  # out of range: no reading
+        for engine in (a, b, c, a):
+            with engine.step():
+                pass
+        with caplog.at_level(logging.ERROR, logger="inferprof"):
+            assert _gauge_points(cap, semconv.METRIC_ENGINE_KV_CACHE_USAGE) == {"a": 0.25}
+        usage["a"] = 0.9
+        assert _gauge_points(cap, semconv.METRIC_ENGINE_KV_CACHE_USAGE) == {"a": 0.9}
+    assert "kv_cache_usage callable failed" in caplog.text
+    with pytest.raises(ValueError):
+        inferprof.Engine("d", kv_cache_usage=0.5)
