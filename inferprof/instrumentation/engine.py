@@ -38,7 +38,8 @@ from typing import Any, Literal
 
 from opentelemetry.trace import SpanKind
 
-from inferprof import __version__, semconv
+from inferprof import semconv
+from inferprof._version import __version__
 from inferprof.instrumentation.active import active_runtime
 from inferprof.instrumentation.generation import COMPACT_AT, DECODING, DONE, PREFILL, Generation
 from inferprof.instrumentation.records import (
