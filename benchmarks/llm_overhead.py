@@ -14,14 +14,17 @@ receives, as a deployment's would); ``off`` configures inferprof with ``mode="of
 The KV cache defaults to 1024 blocks so the engine does not evict: evictions depend on
 timing and would add their own variance to the figures (``--kv-blocks 96`` runs the
 demo's default, eviction-bound set-up). Per configuration: output tokens per second and
-requests per second (client side), client TTFT p50/p99 and ITL p50/p99; ratios to
-``off`` are medians of per-round ratios. Targets (issue 22): throughput >= 0.97x,
+requests per second (client side), client TTFT p50/p99 and ITL p50/p99, and the service
+process's CPU time per output token (``/proc/<pid>/stat``, all threads: the model, the
+event loop, the exporter), which other load on the machine moves less than throughput;
+ratios to ``off`` are medians of per-round ratios. Targets (issue 22): throughput >= 0.97x,
 client p99 ITL <= 1.05x.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -38,6 +41,13 @@ CONFIGS = ("off", "production", "full")
 BASELINE = "off"
 
 
+def _cpu_s(pid: int) -> float:
+    """utime + stime of a process, all its threads (``/proc/<pid>/stat``)."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _measure(mode: str, endpoint: str, args: argparse.Namespace, seed: int) -> dict:
     settings = LLMSettings(instrumentation=mode, endpoint=endpoint, kv_blocks=args.kv_blocks,
                            model_size=args.model_size)
@@ -45,8 +55,12 @@ def _measure(mode: str, endpoint: str, args: argparse.Namespace, seed: int) -> d
         if args.warmup > 0:
             run_llm_loadgen(svc.url, duration_s=args.warmup, concurrency=args.concurrency,
                             seed=seed + 1000)
-        return run_llm_loadgen(svc.url, duration_s=args.duration,
-                               concurrency=args.concurrency, seed=seed)
+        cpu = _cpu_s(svc.pid)
+        summary = run_llm_loadgen(svc.url, duration_s=args.duration,
+                                  concurrency=args.concurrency, seed=seed)
+        cpu = _cpu_s(svc.pid) - cpu
+    summary["cpu_ms_per_token"] = 1e3 * cpu / max(summary["output_tokens"], 1)
+    return summary
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                 results[mode].append(summary)
                 print(f"round {r + 1}/{args.rounds} {mode:<10} "
                       f"{summary['tokens_per_s']:7.1f} tokens/s  "
+                      f"cpu {summary['cpu_ms_per_token']:.3f} ms/token  "
                       f"itl p99 {summary['itl_s']['p99'] * 1e3:7.1f} ms  "
                       f"errors {summary['errors']}", file=sys.stderr, flush=True)
     finally:
@@ -100,6 +115,9 @@ def _table(results: dict[str, list[dict]], configs: list[str], args: argparse.Na
     def itl99(s: dict) -> float:
         return s["itl_s"]["p99"]
 
+    def cpu(s: dict) -> float:
+        return s["cpu_ms_per_token"]
+
     lines = [
         (f"LLM demo, {args.rounds} rounds x {args.duration:g} s, closed loop of "
          f"{args.concurrency} streams, model {args.model_size}, KV cache {args.kv_blocks} "
@@ -107,8 +125,8 @@ def _table(results: dict[str, list[dict]], configs: list[str], args: argparse.Na
          "medians of per-round ratios"),
         "",
         ("| mode | tokens/s | x off | req/s | ttft p50 ms | ttft p99 ms | itl p50 ms "
-         "| itl p99 ms | itl p99 x off | errors |"),
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+         "| itl p99 ms | itl p99 x off | service CPU ms/token | x off | errors |"),
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for mode in configs:
         lines.append(
@@ -118,6 +136,7 @@ def _table(results: dict[str, list[dict]], configs: list[str], args: argparse.Na
             f"| {med(mode, lambda s: s['ttft_s']['p99']) * 1e3:.1f} "
             f"| {med(mode, lambda s: s['itl_s']['p50']) * 1e3:.2f} "
             f"| {med(mode, itl99) * 1e3:.2f} | {_ratio(results, mode, itl99):.3f} "
+            f"| {med(mode, cpu):.3f} | {_ratio(results, mode, cpu):.3f} "
             f"| {sum(s['errors'] for s in results[mode])} |")
     return "\n".join(lines)
 
