@@ -236,11 +236,13 @@ class GpuSamples:
         values: list[np.ndarray] = []
         periods: list[float] = []
         for (host, gpu), spans in by_gpu.items():
-            any_host = is_device_uuid(gpu)
-            for key in self._by_gpu.get((gpu, metric), ()):
-                shost = key[0]
-                if host and shost and host != shost and not any_host:
-                    continue
+            if host and not is_device_uuid(gpu):
+                # A short id joins on its host (or samples naming none): two lookups.
+                keys: Iterable[Key] = [
+                    k for k in ((host, gpu, metric), ("", gpu, metric)) if k in self._data]
+            else:  # a device UUID, or a span naming no host: that GPU on any host
+                keys = self._by_gpu.get((gpu, metric), ())
+            for key in keys:
                 t, v, period = self._arrays(key)
                 iv = np.asarray(spans)
                 lo = np.searchsorted(t, iv[:, 0], side="right")
