@@ -103,6 +103,11 @@ class CollectorApp:
             key = pathlib.Path(s.tls_key).read_bytes()  # type: ignore[arg-type]
 
         self._register_engine_collector()
+        if s.forward and s.forward_queue_bytes < s.max_body_bytes:
+            _log.warning(
+                "--forward-queue-bytes %d is below --max-body-bytes %d: an export larger "
+                "than the forwarding queue is never forwarded (dropped and counted)",
+                s.forward_queue_bytes, s.max_body_bytes)
         forwarders = []
         for url in s.forward:
             f = Forwarder(
