@@ -175,7 +175,7 @@ def section(
     power: tuple[np.ndarray, np.ndarray],
     price: float | None,
     order: Callable[[str], Any],
-) -> dict | None:
+) -> dict[str, Any] | None:
     """The breakdown's ``cost`` section: ``per_stage`` (stage -> weighted GPU-seconds),
     ``requests`` (weighted), ``power`` (samples joined to the compute windows and their
     weights), ``price`` per GPU-hour. None when the window holds no work span."""

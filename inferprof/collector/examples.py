@@ -63,7 +63,7 @@ def link(template: str, trace_id: str) -> str:
     return template.replace(TRACE_ID_PLACEHOLDER, trace_id)
 
 
-def with_links(doc: dict, template: str | None) -> dict:
+def with_links(doc: dict[str, Any], template: str | None) -> dict[str, Any]:
     """``doc`` (a breakdown document) with a ``url`` on each of its examples when
     ``template`` is set; the document itself is not modified."""
     if not template or not doc.get("examples"):
@@ -139,11 +139,11 @@ class ExampleStore:
         rows = set(top_rows.tolist()) | set(pair_req[stage_rows].tolist())
         split: dict[int, list[tuple[int, float]]] = {r: [] for r in rows}
         mask = np.isin(pair_req, np.fromiter(rows, np.int64, len(rows)))
-        for r, st, ex in zip(
+        for r, st, excl in zip(
             pair_req[mask].tolist(), pair_stage[mask].tolist(), pair_excl[mask].tolist(),
             strict=True,
         ):
-            split[r].append((st, ex))
+            split[r].append((st, excl))
         gpu: dict[int, list[tuple[int, float]]] = {r: [] for r in rows}
         if gpu_seconds is not None:
             g_req, g_col, g_sec = gpu_seconds
@@ -186,7 +186,7 @@ class ExampleStore:
 
     def document(
         self, indices: Iterable[int], sids: Iterable[int], names: Sequence[str], order: Any
-    ) -> list[dict]:
+    ) -> list[dict[str, Any]]:
         """The ``examples`` list of a breakdown over slices ``indices`` and series
         ``sids``: the ``top`` slowest end to end, then the slowest of each stage (in
         ``order``, a sort key of stage names). ``names``: stage column -> name."""
@@ -221,7 +221,9 @@ def _rank(ex: _Example) -> tuple[float, bytes]:
     return (-ex[0], ex[2])
 
 
-def _entry(ex: _Example, slowest: str, names: Sequence[str], order: Any) -> dict:
+def _entry(
+    ex: _Example, slowest: str, names: Sequence[str], order: Any
+) -> dict[str, Any]:
     seconds, e2e, trace_id, split, gpu = ex
     stages = sorted(((names[c], t) for c, t in split), key=lambda item: order(item[0]))
     entry = {
