@@ -21,7 +21,8 @@ def test_every_canonical_stage_and_attribute_appears_in_the_contract():
             assert value in text, (name, value)
 
 
-@pytest.mark.parametrize("bad", ["Tokenize", "to-ken", "", "a b", "unattributed", 3])
+@pytest.mark.parametrize(
+    "bad", ["Tokenize", "to-ken", "", "a b", "unattributed", 3, "x" * 65, "x" * 1_000_000])
 def test_invalid_stage_names_are_rejected_with_a_reason(bad):
     with pytest.raises(ValueError, match="stage"):
         semconv.validate_stage(bad)
@@ -29,4 +30,5 @@ def test_invalid_stage_names_are_rejected_with_a_reason(bad):
 
 def test_custom_stage_names_are_accepted():
     assert semconv.validate_stage("kv_cache_swap") == "kv_cache_swap"
+    assert semconv.validate_stage("x" * 64) == "x" * 64  # the longest a stage name may be
     assert semconv.span_name("queue") == "inferprof.queue"
