@@ -283,6 +283,8 @@ class Step:
             elif tokens:
                 gen._emit(end, tokens)
         for gen, emit in self._prefills:
+            if gen.state == DONE:  # cancelled while the step ran
+                continue
             gen.prefill_end = end
             if emit is not None:
                 gen._prefill_done(end, emit)

@@ -512,3 +512,23 @@ def test_the_kv_cache_gauge_reads_each_engine_at_collection(caplog):
     assert "kv_cache_usage callable failed" in caplog.text
     with pytest.raises(ValueError):
         inferprof.Engine("d", kv_cache_usage=0.5)
+
+
+def test_a_prefill_member_cancelled_while_its_step_runs_stays_cancelled():
+    # The client goes away (the event loop calls cancel()) while the engine thread runs the
+    # step completing the prompt: the step's end must not revive the request (no token
+    # after the cancel, no decode state), and the engine's later finish() must not clear
+    # the cancellation the request span reports.
+    with captured() as cap:
+        engine = inferprof.Engine()
+        with inferprof.request(model="m"):
+            gen = engine.request(prompt_tokens=3)
+            with engine.step() as step:
+                step.prefill(gen, 3)
+                gen.cancel()
+            gen.finish()
+    (request,) = cap.requests()
+    assert request.attributes[semconv.ATTR_CANCELLED] is True
+    assert request.attributes[semconv.ATTR_TOKENS_OUTPUT] == 0
+    assert semconv.ATTR_GEN_EMIT_OFFSETS_S not in request.attributes
+    assert sorted(_request_of(cap, request)) == ["prefill", "queue"]
