@@ -301,6 +301,7 @@ def generation_attributes(
     """
     gen = rec.generation
     attrs: dict[str, Any] = {}
+    start = _span_start(rec)
     if gen is not None:
         st = gen.stage
         if st is not None and st.end is None and gen.state == DECODING and gen.last_step_end:
@@ -316,7 +317,7 @@ def generation_attributes(
             attrs[semconv.ATTR_CANCELLED] = True
     if transport is not None and transport[0]:
         times, tokens, merged = transport
-        attrs.update(emission_attributes(rec.start, times, tokens, merged))
+        attrs.update(emission_attributes(start, times, tokens, merged))
         if gen is not None and gen.output:
             attrs[semconv.ATTR_TOKENS_OUTPUT] = gen.output
         else:
@@ -325,11 +326,22 @@ def generation_attributes(
         attrs[semconv.ATTR_TOKENS_OUTPUT] = gen.output
         if gen.emits:
             attrs.update(
-                emission_attributes(rec.start, gen.emits, gen.emit_tokens, gen.merged)
+                emission_attributes(start, gen.emits, gen.emit_tokens, gen.merged)
             )
     # read once: record -> handle -> record is a cycle the GC need not find
     rec.generation = None
     return attrs
+
+
+def _span_start(rec: Any) -> int:
+    """When the request span started (ns): the offsets count from it (§14). Another
+    instrumentation's span that inferprof enriches opened before the record did."""
+    live = rec.live_span
+    if live is not None:
+        t = getattr(live, "start_time", None)
+        if isinstance(t, int) and t > 0:
+            return t
+    return int(rec.start)
 
 
 __all__ = ["Generation", "generation_attributes", "emission_attributes", "merge_pairs"]

@@ -635,3 +635,28 @@ async def test_failed_requests_reach_the_collector_as_errors(cap):
     doc = engine.breakdown(cap.requests()[0].resource.attributes["service.name"], "llm")
     # the 503s and the 500 failed; every request is in the figures
     assert doc["requests"] == 9 and doc["errors"] == 3
+
+
+async def test_stream_offsets_under_another_instrumentations_span_count_from_its_start(cap):
+    # emit_offsets_s are seconds since the start of the request span (§14); when that span
+    # is another instrumentation's, opened before this middleware ran, the offsets count
+    # from its start, not from the middleware's.
+    app = make_app()
+    tracer = cap.provider.get_tracer("outer")
+
+    async def outer(scope, receive, send):
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+        with tracer.start_as_current_span("GET /stream", kind=SpanKind.SERVER):
+            await asyncio.sleep(0.1)  # other middleware before inferprof's
+            await app(scope, receive, send)
+
+    transport = httpx.ASGITransport(app=outer)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+        await c.get("/stream")
+    (server,) = [s for s in cap.spans() if s.kind is SpanKind.SERVER]
+    offsets = server.attributes[semconv.ATTR_GEN_EMIT_OFFSETS_S]
+    assert len(offsets) == 4
+    assert offsets[0] >= 0.1 + 0.02
+    assert server.start_time + round(offsets[-1] * 1e9) <= server.end_time
