@@ -166,7 +166,7 @@ class Step:
 
     ``prefill()``/``decode()`` add a member; ``inferprof.stage()`` blocks inside the
     ``with`` become the step's stages. Exceptions are recorded on the step span and
-    re-raised unchanged.
+    re-raised unchanged; the members of a step that raised emit no token.
     """
 
     __slots__ = (
@@ -254,7 +254,8 @@ class Step:
         if exc is not None:
             self.error = exc
         try:
-            self._members_done(end)
+            if exc is None:  # a failed step produced no token
+                self._members_done(end)
             if self.timed or not self.rt.production:
                 self._emit()
         except Exception:

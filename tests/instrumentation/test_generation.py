@@ -532,3 +532,27 @@ def test_a_prefill_member_cancelled_while_its_step_runs_stays_cancelled():
     assert request.attributes[semconv.ATTR_TOKENS_OUTPUT] == 0
     assert semconv.ATTR_GEN_EMIT_OFFSETS_S not in request.attributes
     assert sorted(_request_of(cap, request)) == ["prefill", "queue"]
+
+
+def test_a_failed_step_emits_no_tokens_for_its_members():
+    # A step whose model pass raised produced nothing: its decode member gets no token at
+    # its end and its prefill member does not complete its prompt.
+    with captured() as cap:
+        engine = inferprof.Engine()
+        a = engine.request(prompt_tokens=1)
+        b = engine.request(prompt_tokens=4)
+        with engine.step() as step:
+            step.prefill(a, 1)
+        with pytest.raises(RuntimeError, match="oom"):
+            with engine.step() as step:
+                step.decode(a)
+                step.prefill(b, 4)
+                raise RuntimeError("oom")
+        a.finish()
+        b.finish()
+    requests = {r.attributes[semconv.ATTR_TOKENS_PROMPT]: r for r in cap.requests()}
+    assert requests[1].attributes[semconv.ATTR_TOKENS_OUTPUT] == 1  # the prefill's only
+    assert len(requests[1].attributes[semconv.ATTR_GEN_EMIT_OFFSETS_S]) == 1
+    assert "decode" not in _request_of(cap, requests[1])
+    assert requests[4].attributes[semconv.ATTR_TOKENS_OUTPUT] == 0
+    assert semconv.ATTR_GEN_EMIT_OFFSETS_S not in requests[4].attributes
