@@ -350,3 +350,27 @@ def test_malformed_generation_attributes_are_ignored_not_fatal():
     assert gen["ttft"]["p50"] == pytest.approx(0.3, rel=BOUND)
     assert gen["preempted_requests"] == 0
     assert not engine.stats.spans_dropped
+
+
+def test_engine_latencies_too_large_to_place_are_ignored_not_fatal():
+    # Finite seconds whose nanoseconds overflow (1e300 s) cannot place a stage: the
+    # request and its neighbours still fold, no exception reaches the collector.
+    b = TraceBuilder("vllm")
+    huge = [
+        {sc.ATTR_GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN: 1e300,
+         sc.ATTR_GEN_AI_LATENCY_TIME_IN_QUEUE: 0.1},
+        {sc.ATTR_GEN_AI_LATENCY_TIME_IN_QUEUE: 1e300,
+         sc.ATTR_GEN_AI_LATENCY_TIME_IN_MODEL_PREFILL: 1e300,
+         sc.ATTR_GEN_AI_LATENCY_TIME_IN_MODEL_DECODE: 1e300},
+        {sc.ATTR_GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN: 0.2,
+         sc.ATTR_GEN_AI_LATENCY_TIME_IN_QUEUE: 0.1,
+         sc.ATTR_GEN_AI_LATENCY_TIME_IN_MODEL_PREFILL: 0.05},
+    ]
+    for i, attrs in enumerate(huge):
+        b.span(sc.GEN_AI_REQUEST_SPAN_NAME, i, i + 0.5, kind=2, attrs={})
+        b.spans[-1].attributes.extend(
+            KeyValue(key=k, value=gen_any_value(v)) for k, v in attrs.items())
+    engine = _fold([b.export()])
+    doc = engine.breakdown("vllm")
+    assert doc["requests"] == len(huge)
+    assert doc["generation"]["requests"] == 2  # the two with a time to first token
