@@ -72,7 +72,7 @@ _STEP_MARKS = (sc.ATTR_STEP_DECODE_TOKENS, sc.ATTR_STEP_PREFILL_TOKENS, sc.ATTR_
 _NS = 1e9
 #: Longest duration read off an engine's span (s): its nanoseconds added to a span's start
 #: stay within int64 (about 146 years); a larger value is malformed, not a latency.
-_MAX_SECONDS = 2.0**62 / _NS
+MAX_SECONDS = 2.0**62 / _NS
 #: One double-valued AnyValue inside an ArrayValue, serialized: field 1 (values), length
 #: 9, field 4 (double_value, fixed64), the little-endian double.
 _DOUBLE_RECORD = np.dtype([("head", "V3"), ("value", "<f8")])
@@ -147,10 +147,10 @@ def model_of(extra: dict[str, Any]) -> Any:
 
 
 def seconds(extra: dict[str, Any], key: str) -> float | None:
-    """A non-negative finite number of seconds (at most ``_MAX_SECONDS``), or None."""
+    """A non-negative finite number of seconds (at most ``MAX_SECONDS``), or None."""
     v = extra.get(key)
     if isinstance(v, (float, int)) and not isinstance(v, bool) and math.isfinite(v) \
-            and 0 <= v <= _MAX_SECONDS:
+            and 0 <= v <= MAX_SECONDS:
         return float(v)
     return None
 

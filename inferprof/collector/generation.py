@@ -282,7 +282,7 @@ def _valid_offsets(extra: Extra) -> tuple[np.ndarray | None, np.ndarray | None]:
     if raw is None or not len(raw):
         return None, None
     offsets = np.frombuffer(raw, np.float64) if not isinstance(raw, np.ndarray) else raw
-    if not np.isfinite(offsets).all():
+    if not np.isfinite(offsets).all() or (offsets > gs.MAX_SECONDS).any():
         return None, None
     # A producer's clock cannot run backwards within one request: keep it monotone.
     offsets = np.maximum.accumulate(np.maximum(offsets, 0.0))

@@ -374,3 +374,19 @@ def test_engine_latencies_too_large_to_place_are_ignored_not_fatal():
     doc = engine.breakdown("vllm")
     assert doc["requests"] == len(huge)
     assert doc["generation"]["requests"] == 2  # the two with a time to first token
+
+
+def test_emission_offsets_too_large_to_place_are_ignored_not_fatal():
+    # A request span of no duration gives no end to clamp a ttft of 1e300 s to: its
+    # offsets are malformed, not read; the other requests fold.
+    b = TraceBuilder("llm")
+    for i, offsets in enumerate(([1e300, 2e300], [0.1, 0.2])):
+        end = i if i == 0 else i + 0.5
+        req = b.span("POST /v1/completions", i, end, kind=2, attrs={})
+        b.spans[-1].attributes.extend([
+            KeyValue(key=sc.ATTR_GEN_EMIT_OFFSETS_S, value=gen_any_value(offsets))])
+        b.stage(req, "queue", i, i)
+    engine = _fold([b.export()])
+    doc = engine.breakdown("llm")
+    assert doc["requests"] == 2
+    assert doc["generation"]["ttft"]["p50"] == pytest.approx(0.1, rel=BOUND)
