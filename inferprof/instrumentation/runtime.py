@@ -295,6 +295,7 @@ class Runtime:
                 )
                 if weight is None:  # production mode's usual case: a fast request, not kept
                     self.stats.discarded += 1
+                    rec.generation = None  # (record <-> engine handle: no cycle for the GC)
                     if rec.batches is not NO_BATCHES:  # it was enqueued for a batch
                         self._leave_batches(rec)
                     return
@@ -349,6 +350,7 @@ class Runtime:
                 self._emit_spans(self._spans(*self._request_trace(rec, weight, batches)))
         else:
             self.stats.discarded += 1
+            rec.generation = None
         if rec.batches is not NO_BATCHES:  # it was enqueued for a batch
             self._leave_batches(rec)
 

@@ -556,3 +556,21 @@ def test_a_failed_step_emits_no_tokens_for_its_members():
     assert "decode" not in _request_of(cap, requests[1])
     assert requests[4].attributes[semconv.ATTR_TOKENS_OUTPUT] == 0
     assert semconv.ATTR_GEN_EMIT_OFFSETS_S not in requests[4].attributes
+
+
+def test_a_request_production_mode_does_not_keep_lets_go_of_its_handle():
+    # record -> handle -> record is a cycle only the GC would find; a kept request breaks
+    # it when its attributes are made, one production mode discards when it ends.
+    with captured(mode="production") as cap:
+        engine = inferprof.Engine()
+        records = []
+        for _ in range(2000):
+            with inferprof.request(model="m") as req:
+                gen = engine.request(prompt_tokens=1)
+                with engine.step() as step:
+                    step.prefill(gen, 1)
+                gen.finish()
+            records.append(req)
+        timed = [r for r in records if hasattr(r, "generation")]
+        assert len(timed) > len(cap.requests())  # some timed requests were not kept
+        assert [r for r in timed if r.generation is not None] == []
