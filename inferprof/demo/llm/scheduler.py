@@ -84,8 +84,8 @@ class Scheduler:
             count = min(req.known - req.computed, budget)
             if not self._reserve(req, count):
                 # Free blocks by evicting the newest running requests, this one included
-                # if it is the newest.
-                while not self._reserve(req, count) and req in self.running:
+                # if it is the newest (then it reserves nothing: it waits with no block).
+                while req in self.running and not self._reserve(req, count):
                     self._evict(self.running[-1])
                     evicted = True
                 if req not in self.running:

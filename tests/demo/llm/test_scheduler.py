@@ -184,3 +184,24 @@ def test_the_engine_thread_serves_and_stops():
     finally:
         engine.stop()
     assert sum(len(d.tokens) for d in got) == 5 and got[-1].finish_reason == FINISH_LENGTH
+
+
+def test_a_request_that_evicts_itself_holds_no_block_while_it_waits():
+    # The newest running request cannot get its next block: it is the one evicted, and
+    # it must not take a block again for the step it left (a waiting request holds none).
+    from inferprof.demo.llm.request import GenRequest
+
+    sched = Scheduler(num_blocks=5, block_size=1, watermark=0.0)
+    older, newest = GenRequest([1, 2, 3], 2), GenRequest([4], 2)
+    sched.add(older)
+    sched.add(newest)
+    for _ in range(2):
+        items = sched.schedule()
+        sched.advance(items, {it.request.id: 7 for it in items if it.samples})
+        _check_blocks(sched)
+    assert newest.preemptions == 1 and newest in sched.waiting
+    while not sched.idle:  # and both still finish
+        items = sched.schedule()
+        sched.advance(items, {it.request.id: 7 for it in items if it.samples})
+        _check_blocks(sched)
+    assert older.status == newest.status == FINISHED and sched.allocator.used == 0
