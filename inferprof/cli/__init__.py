@@ -80,10 +80,12 @@ def as_flags(message: str, names) -> str:
 
 
 def _plain(value: str) -> str:
+    # 0.0 -> 0 and 2.50 -> 2.5, but 123456789 stays whole (":g" would give 1.23457e+08).
     try:
-        return f"{float(value):g}"
+        number = float(value)
     except ValueError:
         return value
+    return str(int(number)) if number.is_integer() else repr(number)
 
 
 # subcommand -> "module:attribute" of its click command.
