@@ -10,6 +10,9 @@ batch it ran. Each member request is charged a share of its duration
 * the whole duration for a span with neither (a request's own work, or Triton's derived
   stages, which carry no batch size).
 
+A generating request whose engine sends step spans is charged its tokens' share of each
+step within its own ``prefill``/``decode`` spans instead (``GenerationFold.device_shares``).
+
 A request's GPU-seconds in a stage are the sum over its spans of that stage; a window's
 figure per request is the mean over its requests, each weighted by its sampling weight.
 

@@ -773,6 +773,9 @@ class Engine:
         gpu_seconds = None
         if fin.device:
             device = np.frombuffer(fin.device, np.float64).reshape(-1, 4)
+            if fin.gen:  # a generating request's share of its engine's steps
+                device = device.copy()
+                self._gen.device_shares(fin, self._asm.stage_names, device, now)
             cols = self._stage_columns(device[:, 1].astype(np.int64))
             gpu_seconds = self._cost.add(index, np.asarray(series, np.int64),
                                          np.frombuffer(fin.weight, np.float64), device, cols,

@@ -520,6 +520,65 @@ class GenerationFold:
         for sid, h, v, w in acc.histograms():
             self._histogram(sid, h, v, w)
 
+    def device_shares(self, fin: Any, stage_names: list[str], device: np.ndarray,
+                      now: float) -> None:
+        """Rescale, in place, the shares of ``device`` rows (request, stage number,
+        seconds, share: ``Finalised.device``) that are a generating request's own
+        ``prefill``/``decode`` spans, when its engine sent step spans (§14). Such a span
+        is wall time over many steps, each shared with the other requests it batched:
+        charged whole, every request of the batch would be charged the whole step. The
+        request is charged instead, per step within its span, the step's duration times
+        its tokens over the step's tokens (prefill + decode): one token per decode step;
+        in prefill, its ``inferprof.tokens.prompt`` spread over the steps' tokens (all the
+        steps' prefill tokens when it names none). Steps are the step spans' times (host
+        scheduling included)."""
+        if not fin.gen or not device.size:
+            return
+        prefill = {i for i, name in enumerate(stage_names) if name == sc.STAGE_PREFILL}
+        decode = {i for i, name in enumerate(stage_names) if name == sc.STAGE_DECODE}
+        if not prefill and not decode:
+            return
+        spans_of = _spans_by_request(fin, stage_names)
+        stage = device[:, 1].astype(np.int64)
+        # the device rows of each request: a request's rows found by two binary searches
+        by_row = np.argsort(device[:, 0], kind="stable")
+        rows = device[by_row, 0].astype(np.int64)
+        for row, extra in fin.gen:
+            engine = extra.get(sc.ATTR_ENGINE_ID)
+            if not isinstance(engine, str):
+                continue  # an engine's own request span (vLLM, SGLang): no step spans
+            steps = self.steps.steps((fin.service[row], *fin.instance[row], engine), now)
+            if steps is None:
+                continue
+            st, en, p, n, _ = steps
+            mid = (st + en) // 2
+            dur = (en - st) * _NS
+            tokens = p + n
+            for name, numbers in ((sc.STAGE_PREFILL, prefill), (sc.STAGE_DECODE, decode)):
+                own = by_row[int(np.searchsorted(rows, row, side="left")):
+                             int(np.searchsorted(rows, row, side="right"))]
+                mine = own[np.isin(stage[own], list(numbers))]
+                if not mine.size:
+                    continue
+                gpu_s = 0.0
+                for span_name, s, e in spans_of(row):
+                    if span_name != name:
+                        continue
+                    inside = slice(int(np.searchsorted(mid, s, side="left")),
+                                   int(np.searchsorted(mid, e, side="right")))
+                    d, t = dur[inside], tokens[inside]
+                    if not d.size or not (t > 0).any():
+                        continue
+                    d, t, pre = d[t > 0], t[t > 0], p[inside][t > 0]
+                    if name == sc.STAGE_DECODE:
+                        gpu_s += float(np.sum(d / t))
+                    elif fin.tokens[row] > 0 and t.sum() > 0:
+                        gpu_s += min(1.0, fin.tokens[row] / float(t.sum())) * float(d.sum())
+                    else:
+                        gpu_s += float(np.sum(d * pre / t))
+                seconds = float(device[mine, 2].sum())
+                device[mine, 3] = gpu_s / seconds if seconds > 0 else 0.0
+
     def _fold_request(self, acc: _Entries, sid: int, ekey: EngineKey, w: float, start: int,
                       end: int, extra: Extra, spans: Spans, counts: np.ndarray,
                       now: float) -> None:
