@@ -53,7 +53,7 @@ class Generation:
     __slots__ = (
         "engine_id", "rec", "own", "state", "stage", "prompt_tokens", "output", "emits",
         "emit_tokens", "merged", "preemptions", "prefilled", "prefill_chunks", "prefill_end",
-        "last_step_end", "run_start", "cancelled",
+        "last_step_end", "run_start", "run_output", "cancelled",
     )
 
     def __init__(self, engine_id: str, rec: Any, own: bool, prompt_tokens: int | None,
@@ -83,6 +83,8 @@ class Generation:
         #: start of a decode run whose stage opens with its first decode step (a run of
         #: one token, the prefill's, has no decode stage); 0: none pending
         self.run_start = 0
+        #: output tokens emitted when the current prefill run began
+        self.run_output = 0
         self.cancelled = False
         #: the open stage (its record, in the request's stages), or None
         self.stage: StageRecord | None = None
@@ -147,6 +149,7 @@ class Generation:
         self._close(step_start)
         self.state = PREFILL
         self.prefilled = self.prefill_chunks = 0
+        self.run_output = self.output
         stage = self.stage = self._open(_PREFILL, step_start)
         if recompute and stage is not None:  # None: the request ended or has too many stages
             stage.attrs[semconv.ATTR_PREFILL_RECOMPUTE] = True
@@ -167,11 +170,12 @@ class Generation:
 
     def _resume_decode(self, step_start: int) -> None:
         """A decode member that was not decoding: its prefill ended without the engine
-        saying so (close it at its last step and count that step's token), or it resumes
-        after an eviction without recomputing (swapped back in)."""
+        saying so (close it at its last step and count that step's token, unless the
+        engine emitted it itself meanwhile), or it resumes after an eviction without
+        recomputing (swapped back in)."""
         if self.state == PREFILL:
             end = self.prefill_end or step_start
-            self._prefill_done(end, True)
+            self._prefill_done(end, self.output == self.run_output)
             return
         self._close(step_start)
         self.state = DECODING

@@ -574,3 +574,23 @@ def test_a_request_production_mode_does_not_keep_lets_go_of_its_handle():
         timed = [r for r in records if hasattr(r, "generation")]
         assert len(timed) > len(cap.requests())  # some timed requests were not kept
         assert [r for r in timed if r.generation is not None] == []
+
+
+def test_a_first_token_the_engine_emitted_itself_counts_once_when_the_prompt_length_is_unknown():
+    # prefill(emit=False) and no prompt_tokens: the prefill's end is learnt at the first
+    # decode; the first token was handed out by gen.emit() meanwhile, and counts once.
+    with captured() as cap:
+        engine = inferprof.Engine()
+        gen = engine.request()
+        with engine.step() as step:
+            step.prefill(gen, 4, emit=False)
+        gen.emit()  # the first token, handed out by the engine itself
+        with engine.step() as step:
+            step.decode(gen)
+        gen.finish()
+    (request,) = cap.requests()
+    assert request.attributes[semconv.ATTR_TOKENS_OUTPUT] == 2
+    offsets = request.attributes[semconv.ATTR_GEN_EMIT_OFFSETS_S]
+    assert len(offsets) == 2 and list(offsets) == sorted(offsets)
+    (prefill,) = _request_of(cap, request)["prefill"]
+    assert prefill.end_time == _steps(cap)[0].end_time
