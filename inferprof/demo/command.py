@@ -19,6 +19,8 @@ case: requests waiting behind the model.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sys
 import time
 from typing import Any
@@ -306,20 +308,32 @@ def render(result: dict[str, Any]) -> str:
             lines.append("the collector received no complete request traces")
         return "\n".join(lines)
     lines.append(_format_table(doc))
-    lines += ["", *NEXT_STEPS]
+    lines += ["", *next_steps(command_name(sys.argv[0], shutil.which("inferprof")))]
     return "\n".join(lines)
 
 
-#: What the demo suggests after its breakdown.
-NEXT_STEPS = (
-    "next:",
-    "  - instrument your own service: inferprof.configure() + inferprof.fastapi.instrument(app)"
-    " (README, docs/instrumenting.md)",
-    "  - record now, report later: inferprof demo --forward file:///tmp/run.otlp, then"
-    " inferprof report /tmp/run.otlp --html report.html",
-    "  - see a slow request's trace: start Jaeger, then inferprof demo --forward"
-    " otlp-grpc://127.0.0.1:4317 (docs/demo.md)",
-)
+def command_name(argv0: str, on_path: str | None) -> str:
+    """How to run this command again: ``inferprof`` when that name on PATH is this
+    program, else the path it was started by (``.venv/bin/inferprof``, the README's
+    first command, whose venv is not activated)."""
+    if os.path.basename(argv0) != "inferprof":  # python -m ..., a test runner
+        return "inferprof"
+    if on_path and os.path.realpath(on_path) == os.path.realpath(argv0):
+        return "inferprof"
+    return argv0
+
+
+def next_steps(prog: str = "inferprof") -> tuple[str, ...]:
+    """What the demo suggests after its breakdown, ``prog`` being how to run inferprof."""
+    return (
+        "next:",
+        "  - instrument your own service: inferprof.configure() +"
+        " inferprof.fastapi.instrument(app) (README, docs/instrumenting.md)",
+        f"  - record now, report later: {prog} demo --forward file:///tmp/run.otlp, then"
+        f" {prog} report /tmp/run.otlp --html report.html",
+        f"  - see a slow request's trace: start Jaeger, then {prog} demo --forward"
+        " otlp-grpc://127.0.0.1:4317 (docs/demo.md)",
+    )
 
 
 def _format_table(doc: dict[str, Any]) -> str:

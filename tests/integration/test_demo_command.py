@@ -8,6 +8,7 @@ from click.testing import CliRunner
 
 from inferprof import semconv
 from inferprof.cli import main
+from inferprof.demo.command import command_name, next_steps
 
 pytestmark = pytest.mark.integration
 
@@ -43,6 +44,21 @@ def test_the_default_load_ends_with_a_definite_verdict_and_next_steps():
     nxt = out[out.index("\nnext:"):]
     assert "instrument your own service" in nxt
     assert "inferprof report" in nxt and "--forward" in nxt
+
+
+def test_next_steps_name_the_command_as_it_can_be_run_again(tmp_path):
+    # The README's first command runs .venv/bin/inferprof without activating the venv:
+    # "inferprof report ..." would be "command not found".
+    exe = tmp_path / "bin" / "inferprof"
+    exe.parent.mkdir()
+    exe.write_text("")
+    assert command_name(".venv/bin/inferprof", None) == ".venv/bin/inferprof"
+    assert command_name(str(exe), "/usr/local/bin/inferprof") == str(exe)
+    assert command_name(str(exe), str(exe)) == "inferprof"
+    assert command_name("/usr/bin/pytest", None) == "inferprof"
+    steps = "\n".join(next_steps(".venv/bin/inferprof"))
+    assert ".venv/bin/inferprof report /tmp/run.otlp" in steps
+    assert ".venv/bin/inferprof demo --forward otlp-grpc://" in steps
 
 
 def test_demo_json_matches_what_the_client_saw():
