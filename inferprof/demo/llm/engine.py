@@ -193,7 +193,7 @@ class Engine:
     def _fail_all(self) -> None:
         failed = [*self.scheduler.running, *self.scheduler.waiting]
         for req in failed:
-            self.scheduler.cancel(req)
+            self.scheduler.cancel(req, failed=True)
         if failed:
             self._deliver([Delivery(r, (), FINISH_ERROR) for r in failed])
 

@@ -45,7 +45,8 @@ class EngineInstrument:
         """``tokens`` were produced for ``request`` and handed to its stream."""
 
     def finish(self, request: GenRequest) -> None:
-        """The request produced its last token; its blocks are freed."""
+        """The request produced its last token, or the engine failed it (a failed step,
+        the engine stopping); its blocks are freed."""
 
     def cancel(self, request: GenRequest) -> None:
         """The request was cancelled (client gone); its blocks are freed."""

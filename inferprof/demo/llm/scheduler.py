@@ -166,8 +166,9 @@ class Scheduler:
                 finished.append(req)
         return finished
 
-    def cancel(self, req: GenRequest) -> bool:
-        """Drop a waiting or running request and free its blocks; False if already done."""
+    def cancel(self, req: GenRequest, *, failed: bool = False) -> bool:
+        """Drop a waiting or running request and free its blocks; False if already done.
+        ``failed``: the engine failed it (its telemetry ends it, not as cancelled)."""
         if req.status == RUNNING:
             self.running.remove(req)
         elif req.status == WAITING:
@@ -179,7 +180,10 @@ class Scheduler:
             return False
         self._release(req)
         req.status = CANCELLED
-        self.instrument.cancel(req)
+        if failed:
+            self.instrument.finish(req)
+        else:
+            self.instrument.cancel(req)
         return True
 
 

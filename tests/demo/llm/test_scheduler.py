@@ -205,3 +205,35 @@ def test_a_request_that_evicts_itself_holds_no_block_while_it_waits():
         sched.advance(items, {it.request.id: 7 for it in items if it.samples})
         _check_blocks(sched)
     assert older.status == newest.status == FINISHED and sched.allocator.used == 0
+
+
+def test_requests_failed_by_the_engine_end_as_finished_not_cancelled():
+    # A failed step fails the requests in flight: their telemetry ends them (finish()), it
+    # does not report them cancelled, which says the client went away.
+    import threading
+
+    from inferprof.demo.llm.engine import FINISH_ERROR
+
+    class Broken(TinyLM):
+        def step(self, *args, **kwargs):
+            raise RuntimeError("device lost")
+
+    ended = threading.Event()
+    got = {}
+
+    def deliver(batch):
+        for d in batch:
+            got[d.request.id] = d.finish_reason
+        ended.set()
+
+    rec = Recorder()
+    sched = Scheduler(num_blocks=16, block_size=4, watermark=0.0)
+    engine = Engine(Broken(CONFIG), sched, deliver, instrument=rec).start()
+    try:
+        req = engine.submit(_prompt(0, 5), 4)
+        assert ended.wait(10)
+    finally:
+        engine.stop()
+    assert got[req.id] == FINISH_ERROR
+    assert ("finish", req.id) in rec.events and ("cancel", req.id) not in rec.events
+    assert sched.allocator.used == 0 and req.status == CANCELLED
