@@ -191,12 +191,22 @@ PROM_GPU_SAMPLES: Final = "inferprof_gpu_samples"
 PROM_LABELS_TRUNCATED: Final = "inferprof_labels_truncated_total"
 PROM_LABEL_LABEL: Final = "label"
 PROM_TRITON_REQUESTS_PARTIAL: Final = "inferprof_triton_requests_partial_total"
+#: Extension (collector/fleet.py): the sketch's buckets and tail table as cumulative
+#: counters, summed across collectors in Prometheus for the fleet-wide breakdown.
+PROM_FLEET_STAGE_DURATION: Final = "inferprof_fleet_stage_duration_seconds"
+PROM_FLEET_REQUEST_DURATION: Final = "inferprof_fleet_request_duration_seconds"
+PROM_FLEET_TAIL_STAGE: Final = "inferprof_fleet_tail_stage_seconds_total"
+PROM_FLEET_TAIL_REQUEST: Final = "inferprof_fleet_tail_request_seconds_total"
+PROM_FLEET_TAIL_TRACED: Final = "inferprof_fleet_tail_traced_requests_total"
+PROM_FLEET_RELATIVE_ACCURACY: Final = "inferprof_fleet_relative_accuracy"
 PROM_LABEL_SERVICE: Final = "service"
 PROM_LABEL_MODEL: Final = "model"
 PROM_LABEL_STAGE: Final = "stage"
 PROM_LABEL_QUANTILE: Final = "quantile"
 PROM_LABEL_VERDICT: Final = "verdict"
 PROM_LABEL_REASON: Final = "reason"
+#: the bucket bound of a histogram bucket, and of the fleet tail table's counters
+PROM_LABEL_LE: Final = "le"
 
 # Collector self-metrics of the transport (receivers, forwarding); not in the v1
 # contract's list but named under the same prefix.

@@ -152,8 +152,13 @@ class CollectorApp:
                 "--metrics-window-s %g is longer than the longest of --windows-s (%g s, what "
                 "the collector keeps): /metrics and the API's default window cover the "
                 "last %g s", s.metrics_window_s, max(s.windows_s), max(s.windows_s))
+        fleet = None
+        if s.fleet_metrics:
+            from inferprof.collector.fleet import FleetExposition
+
+            fleet = FleetExposition(self.engine, s.max_series)
         api = api_app(self.engine, self.registry, default_window_s=s.metrics_window_s,
-                      trace_url=s.trace_url)
+                      trace_url=s.trace_url, fleet_metrics=fleet)
         if token:
             from inferprof.collector.auth import BearerAuthMiddleware
 

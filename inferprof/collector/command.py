@@ -151,6 +151,13 @@ gpu_hour_price_option = click.option(
     "hold the others to three quarters of the cap (default on).",
 )
 @click.option(
+    "--fleet-metrics/--no-fleet-metrics",
+    default=None,
+    help="Expose the sketch's buckets and tail table on /metrics, so that Prometheus "
+    "sums several collectors into one breakdown (about 1,400 series per service, model "
+    "and stage; default off).",
+)
+@click.option(
     "--trace-url",
     metavar="TEMPLATE",
     help="Link the breakdown's slow traces: a URL with {trace_id}, e.g. "

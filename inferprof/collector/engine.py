@@ -58,6 +58,7 @@ from inferprof.collector.attribution import (
 )
 from inferprof.collector.examples import ExampleStore
 from inferprof.collector.exemplars import Exemplar, ExemplarStore
+from inferprof.collector.fleet import FleetStore, FleetTables, split_tables
 from inferprof.collector.generation import GenerationFold
 from inferprof.collector.gpu_samples import DROP_INVALID, GpuSamples
 from inferprof.collector.labels import bounded, utf8_bytes
@@ -315,6 +316,8 @@ class Engine:
         self._reclaim_after = -math.inf
         self._reclaimed = 0
         self._slices: dict[int, TimeSlice] = {}
+        #: the sketch tables since start, for the fleet exposition (fleet.py)
+        self._fleet = FleetStore(_Q_LOCAL, STAGE_BITS)
         self._hist: dict[tuple[int, int], np.ndarray] = {}
         self._hist_sum: dict[tuple[int, int], float] = {}
         self._gpu = GpuSamples(
@@ -559,6 +562,7 @@ class Engine:
         self._exemplars.forget_series(sid)
         self._gen.forget_series(sid)
         self._cost.forget_series(sid)
+        self._fleet.forget_series(sid)
         self._reclaimed += 1
         return sid
 
@@ -813,7 +817,8 @@ class Engine:
         q_val = np.concatenate([req_e2e, pt])
         q_w = np.concatenate([req_w, req_w[pr]])
         q_codes = (q_series << _Q_LOCAL) | (q_stage << KEY_BITS) | mapping.key(q_val)
-        slice_.q_chunks.append(reduce_codes(q_codes, q_w))
+        q_reduced = reduce_codes(q_codes, q_w)
+        slice_.q_chunks.append(q_reduced)
 
         # Tail attribution: per request traced/weight/e2e columns, per stage exclusive time.
         e2e_key = mapping.key(req_e2e)
@@ -828,7 +833,11 @@ class Engine:
             ]
         )
         t_vals = np.concatenate([np.ones(n), req_w, req_w * req_e2e, req_w[pr] * pe])
-        slice_.t_chunks.append(reduce_codes(tail_codes(t_series, t_key, t_cols), t_vals))
+        t_reduced = reduce_codes(tail_codes(t_series, t_key, t_cols), t_vals)
+        slice_.t_chunks.append(t_reduced)
+        self._fleet.add(
+            q_reduced, t_reduced, reduce_codes((q_series << STAGE_BITS) | q_stage, q_w * q_val)
+        )
         if len(slice_.q_chunks) > 16:
             slice_.quantile_store()
             slice_.tail_store()
@@ -993,6 +1002,13 @@ class Engine:
                 name = None if stage == _E2E else self._stage_names[stage]
                 out.append((service, model, name, arr.copy(), self._hist_sum[(sid, stage)]))
             return out
+
+    def fleet_tables(self) -> dict[tuple[str, str], FleetTables]:
+        """Per (service, model), the quantile and tail tables since start (fleet.py)."""
+        with self._lock:
+            q, t, sums = self._fleet.tables()
+            per_sid = split_tables(q, t, sums, _Q_LOCAL, STAGE_BITS, self._stage_names, _E2E)
+            return {self._series_keys[sid]: tables for sid, tables in per_sid.items()}
 
     def histogram_exemplars(
         self, service: str, model: str, stage: str | None

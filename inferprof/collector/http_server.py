@@ -53,6 +53,8 @@ PATH_METRICS = "/v1/metrics"
 PATH_LOGS = "/v1/logs"
 PATH_HEALTHZ = "/healthz"
 PATH_METRICS_SCRAPE = "/metrics"
+#: the fleet families (collector/fleet.py), with --fleet-metrics: a scrape of its own
+PATH_FLEET_METRICS_SCRAPE = "/metrics/fleet"
 PATH_BREAKDOWN = "/api/v1/breakdown"
 PATH_SERVICES = "/api/v1/services"
 
@@ -212,10 +214,11 @@ def otlp_app(
 def api_app(
     engine: Any, registry: CollectorRegistry, *, default_window_s: float,
     trace_url: str | None = None,
+    fleet_metrics: Callable[[], bytes] | None = None,
 ) -> Any:
     """The ASGI app serving ``/metrics``, ``/api/v1/breakdown``, ``/api/v1/services`` and
     ``/healthz``; ``trace_url``: a template (``examples.link``) giving the breakdown's
-    examples a ``url``."""
+    examples a ``url``; ``fleet_metrics``: renders ``/metrics/fleet`` (absent: 404)."""
     require("starlette", "collector")
     prometheus_client = require("prometheus_client", "collector")
     from prometheus_client.exposition import choose_encoder
@@ -267,6 +270,10 @@ def api_app(
             )
         return _json(200, with_links(doc, trace_url))
 
+    async def fleet(request: Request) -> Response:
+        body = await run_in_threadpool(fleet_metrics)
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
     async def services(request: Request) -> Response:
         return _json(200, {"services": await run_in_threadpool(engine.services)})
 
@@ -279,6 +286,7 @@ def api_app(
             Route(PATH_BREAKDOWN, breakdown, methods=["GET"]),
             Route(PATH_SERVICES, services, methods=["GET"]),
             Route(PATH_HEALTHZ, healthz, methods=["GET"]),
+            *([Route(PATH_FLEET_METRICS_SCRAPE, fleet, methods=["GET"])] if fleet_metrics else []),
         ]
     )
 

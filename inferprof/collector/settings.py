@@ -67,6 +67,7 @@ _DEFAULT_METRICS_WINDOW_S = 300.0
 _DEFAULT_ADVANCE_INTERVAL_S = 0.5
 _DEFAULT_TRITON_SPANS = True  # Triton's own spans become stages of the Triton service
 _DEFAULT_SHARE_PENDING_CAP = True  # near the cap, a starved sender's room is kept for it
+_DEFAULT_FLEET_METRICS = False  # about 1,400 series per (series, stage): opt in (fleet.py)
 
 # --- environment variables (one per setting) --------------------------------------------
 ENV_HOST = "INFERPROF_COLLECTOR_HOST"
@@ -109,6 +110,7 @@ ENV_METRICS_WINDOW_S = "INFERPROF_COLLECTOR_METRICS_WINDOW_S"
 ENV_ADVANCE_INTERVAL_S = "INFERPROF_COLLECTOR_ADVANCE_INTERVAL_S"
 ENV_TRITON_SPANS = "INFERPROF_COLLECTOR_TRITON_SPANS"  # true/false, 1/0, yes/no, on/off
 ENV_SHARE_PENDING_CAP = "INFERPROF_COLLECTOR_SHARE_PENDING_CAP"  # true/false, like the above
+ENV_FLEET_METRICS = "INFERPROF_COLLECTOR_FLEET_METRICS"  # true/false, like the above
 ENV_TRACE_URL = "INFERPROF_COLLECTOR_TRACE_URL"
 ENV_GPU_HOUR_PRICES = "INFERPROF_COLLECTOR_GPU_HOUR_PRICES"  # comma-separated [MODEL=]PRICE
 ENV_CONFIG = "INFERPROF_COLLECTOR_CONFIG"
@@ -204,6 +206,7 @@ _ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
     "advance_interval_s": (ENV_ADVANCE_INTERVAL_S, _parse_float),
     "triton_spans": (ENV_TRITON_SPANS, _parse_bool),
     "share_pending_cap": (ENV_SHARE_PENDING_CAP, _parse_bool),
+    "fleet_metrics": (ENV_FLEET_METRICS, _parse_bool),
     "trace_url": (ENV_TRACE_URL, _parse_str),
     "gpu_hour_prices": (ENV_GPU_HOUR_PRICES, lambda v: parse_prices(_parse_list(v))),
 }
@@ -254,6 +257,8 @@ class CollectorSettings:
     advance_interval_s: float = _DEFAULT_ADVANCE_INTERVAL_S
     triton_spans: bool = _DEFAULT_TRITON_SPANS
     share_pending_cap: bool = _DEFAULT_SHARE_PENDING_CAP
+    #: expose the fleet histograms and tail table on /metrics (collector/fleet.py)
+    fleet_metrics: bool = _DEFAULT_FLEET_METRICS
     #: URL template of one trace ({trace_id}): the breakdown's examples link to it
     trace_url: str | None = None
     #: price per GPU-hour by GPU model (hw.model; "": every other GPU), for the cost figures
@@ -451,6 +456,7 @@ def load_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
             "forward_headers",
             "triton_spans",
             "share_pending_cap",
+            "fleet_metrics",
         ):
             value = _try(lambda v=value, n=name: _ENV[n][1](v), f"config key {key}={value!r}")
         if value is not _INVALID and _field_ok(name, value):
@@ -531,7 +537,7 @@ def _check_field(name: str, value: Any) -> None:
     elif name == "forward":
         for url in value:
             validate_forward_url(url)
-    elif name in ("triton_spans", "share_pending_cap"):
+    elif name in ("triton_spans", "share_pending_cap", "fleet_metrics"):
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be true or false, got {value!r}")
     elif name == "trace_url":

@@ -110,15 +110,30 @@ def build_documents(
 
 @click.command("report")
 @click.argument(
-    "files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, readable=True)
+    "files", nargs=-1, type=click.Path(exists=True, dir_okay=False, readable=True)
 )
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(["table", "json"]),
+    type=click.Choice(["table", "text", "json", "html"]),
     default="table",
     show_default=True,
-    help="Text tables, or the contract §5 JSON document(s).",
+    help="Text tables ('text' is the same), the contract §5 JSON document(s), or the "
+    "HTML page on stdout.",
+)
+@click.option(
+    "--prometheus",
+    "prometheus_url",
+    metavar="URL",
+    help="Instead of FILES: the fleet-wide breakdown of --service from the collectors' "
+    "--fleet-metrics in this Prometheus (or anything with its HTTP API).",
+)
+@click.option(
+    "--window",
+    "window_s",
+    type=float,
+    metavar="SECONDS",
+    help="With --prometheus: over the last SECONDS (default: since the collectors started).",
 )
 @click.option("--service", help="Only this service (service.name).")
 @click.option("--model", help="Only this model (inferprof.model.name; '' for none).")
@@ -140,9 +155,22 @@ def build_documents(
     default=None,
     help="Progress bar on stderr (default: when stderr is a terminal).",
 )
-def report(files, fmt, service, model, html_out, trace_url, gpu_hour_prices, progress) -> None:
+def report(
+    files, fmt, prometheus_url, window_s, service, model, html_out, trace_url, gpu_hour_prices,
+    progress,
+) -> None:
     """Per-stage latency breakdown of OTLP FILES: OpenTelemetry Collector file-exporter
-    output (format json or proto, optionally gzipped) or inferprof protobuf dumps."""
+    output (format json or proto, optionally gzipped) or inferprof protobuf dumps; or,
+    with --prometheus, of a fleet of collectors."""
+    if prometheus_url is not None:
+        if files:
+            raise click.UsageError("give FILES or --prometheus, not both")
+        _fleet_report(prometheus_url, service, model, window_s, fmt, html_out)
+        return
+    if not files:
+        raise click.UsageError("give FILES to read, or --prometheus URL")
+    if window_s is not None:
+        raise click.UsageError("--window goes with --prometheus (FILES are read whole)")
     from inferprof.collector.examples import check_template, with_links
 
     try:
@@ -170,12 +198,42 @@ def report(files, fmt, service, model, html_out, trace_url, gpu_hour_prices, pro
             what += f" with model {model!r}"
         raise click.ClickException(f"no {what} found in {', '.join(files)}")
     docs = [with_links(doc, trace_url) for doc in docs]
+    _print(docs, fmt)
+    if html_out:
+        from inferprof.report.render import write_html
+
+        write_html(docs, html_out)
+        click.echo(f"wrote {html_out}", err=True)
+
+
+def _print(docs: list[dict], fmt: str) -> None:
     if fmt == "json":
         click.echo(json.dumps(docs[0] if len(docs) == 1 else docs, indent=2))
+    elif fmt == "html":
+        from inferprof.report.render import html_page
+
+        click.echo(html_page(docs), nl=False)
     else:
         from inferprof.report.render import format_table
 
         click.echo("\n\n".join(format_table(doc) for doc in docs))
+
+
+def _fleet_report(url, service, model, window_s, fmt, html_out) -> None:
+    from inferprof.report.prometheus import PrometheusError, fleet_documents
+
+    if service is None:
+        raise click.UsageError("--prometheus needs --service")
+    if window_s is not None and not window_s > 0:
+        raise click.BadParameter("must be a positive number of seconds", param_hint="--window")
+    try:
+        docs = fleet_documents(url, service, model, window_s)
+    except PrometheusError as exc:
+        raise click.ClickException(str(exc)) from None
+    if not docs:
+        what = f"service {service!r}" + (f" with model {model!r}" if model is not None else "")
+        raise click.ClickException(f"{url} holds no fleet figures of {what}")
+    _print(docs, fmt)
     if html_out:
         from inferprof.report.render import write_html
 

@@ -351,16 +351,20 @@ def _examples_html(doc: dict) -> str:
     )
 
 
-def write_html(docs: Sequence[dict], path: str | os.PathLike) -> None:
-    """Write one self-contained HTML page with a section per breakdown document."""
+def html_page(docs: Sequence[dict]) -> str:
+    """One self-contained HTML page with a section per breakdown document."""
     body = "".join(_section(doc) for doc in docs)
-    page = (
+    return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         "<title>inferprof report</title>"
         f"<style>{_CSS}</style></head><body><h1>inferprof report</h1>{body}</body></html>\n"
     )
+
+
+def write_html(docs: Sequence[dict], path: str | os.PathLike) -> None:
+    """Write ``html_page(docs)`` to ``path``."""
     with open(path, "w", encoding="utf-8") as fh:
-        fh.write(page)
+        fh.write(html_page(docs))
 
 
-__all__ = ["format_table", "write_html"]
+__all__ = ["format_table", "html_page", "write_html"]

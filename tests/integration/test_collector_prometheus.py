@@ -27,6 +27,8 @@ RULES = ROOT / "deploy" / "prometheus" / "alerts.yml"
 RULES_TEST = ROOT / "deploy" / "prometheus" / "alerts_test.yml"
 BUDGETS = ROOT / "deploy" / "prometheus" / "budgets.yml"
 BUDGETS_TEST = ROOT / "deploy" / "prometheus" / "budgets_test.yml"
+FLEET = ROOT / "deploy" / "prometheus" / "fleet.yml"
+FLEET_TEST = ROOT / "deploy" / "prometheus" / "fleet_test.yml"
 DASHBOARD = ROOT / "deploy" / "grafana" / "inferprof-dashboard.json"
 PROMETHEUS = shutil.which("prometheus")
 PROMTOOL = shutil.which("promtool")
@@ -41,20 +43,22 @@ def _free_port() -> int:
 @pytest.fixture
 def prometheus(tmp_path):
     """Start Prometheus with a temp config/data dir; yields start(*targets, flags=()) ->
-    base URL (``flags``: more command-line flags, e.g. a feature to enable)."""
+    base URL (``flags``: more command-line flags, e.g. a feature to enable; ``metrics_path``:
+    the path scraped)."""
     if PROMETHEUS is None:
         pytest.fail("prometheus is not installed (apt-get install prometheus)")
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     procs = []
 
-    def start(*targets: str, flags: tuple[str, ...] = ()) -> str:
+    def start(*targets: str, flags: tuple[str, ...] = (), metrics_path: str = "/metrics") -> str:
         config = tmp_path / "prometheus.yml"
         config.write_text(
             "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
-            f"rule_files:\n  - {RULES}\n  - {BUDGETS}\n"
+            f"rule_files:\n  - {RULES}\n  - {BUDGETS}\n  - {FLEET}\n"
             "scrape_configs:\n"
             "  - job_name: inferprof\n"
+            f"    metrics_path: {metrics_path}\n"
             f"    static_configs:\n      - targets: {json.dumps(list(targets))}\n"
         )
         with open(tmp_path / "prometheus.log", "wb") as log:  # the child keeps its own handle
@@ -324,13 +328,13 @@ def test_promtool_accepts_and_unit_tests_the_alert_rules():
     if PROMTOOL is None:
         pytest.fail("promtool is not installed (apt-get install prometheus)")
     check = subprocess.run(
-        [PROMTOOL, "check", "rules", str(RULES), str(BUDGETS)],
+        [PROMTOOL, "check", "rules", str(RULES), str(BUDGETS), str(FLEET)],
         check=False, capture_output=True, text=True,
     )
     assert check.returncode == 0, check.stdout + check.stderr
     assert "SUCCESS" in check.stdout
     unit = subprocess.run(
-        [PROMTOOL, "test", "rules", str(RULES_TEST), str(BUDGETS_TEST)],
+        [PROMTOOL, "test", "rules", str(RULES_TEST), str(BUDGETS_TEST), str(FLEET_TEST)],
         check=False,
         capture_output=True,
         text=True,
