@@ -28,25 +28,30 @@ same ``le`` set, so each (series, stage) present exposes every bucket from
 ``+Inf``): about ``ln(FLEET_MAX_S / FLEET_MIN_S) / ln(gamma)`` series, 1,383 at the
 default accuracy (0.005). Values below ``FLEET_MIN_S`` count in its bucket, values above
 ``FLEET_MAX_S`` only in ``+Inf``: their quantiles read as the range's ends. The tail
-tables are sparse (buckets with requests only): they are per-bucket counters, which sum
-correctly whatever each collector holds; they start at each collector's fastest
-request, so they cost ``(stages + 2) * ln(FLEET_MAX_S / fastest) / ln(gamma)`` series.
+tables are per-bucket counters, which sum correctly whatever range each collector
+exposes; starting at each collector's fastest request, they cost ``(stages + 2) *
+ln(FLEET_MAX_S / fastest) / ln(gamma)`` series.
 
 What does not merge this way stays per collector: GPU samples joined to compute spans,
-queue-behind-batches, padding, examples, generation figures. A fleet document leaves
-them empty, and the verdict reads stage shares only (a compute-bound tail says
+queue-behind-batches, padding, examples, generation figures, cost. A fleet document
+leaves them empty, and the verdict reads stage shares only (a compute-bound tail says
 ``unknown`` for want of GPU evidence, as it does on one collector without samples).
+
+The collector serves these on ``GET /metrics/fleet`` (``FleetExposition``), a scrape of
+their own, with ``--fleet-metrics``.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from inferprof import semconv as sc
 from inferprof.collector.attribution import COL_BITS, COL_E2E, COL_MASK, COL_STAGE0, COL_TRACED
+from inferprof.collector.gpu_samples import GpuSamples
 from inferprof.collector.sketch import (
     KEY_BITS,
     KEY_MASK,
@@ -55,7 +60,7 @@ from inferprof.collector.sketch import (
     concat_reduce,
     rank_index,
 )
-from inferprof.collector.verdict import GpuSamples, decide, gpu_evidence
+from inferprof.collector.verdict import decide, gpu_evidence
 
 #: The exported bucket range (seconds): each (series, stage) exposes every bucket in it.
 FLEET_MIN_S = 1e-4
@@ -158,20 +163,20 @@ def split_tables(
     out: dict[int, FleetTables] = {}
     stage_mask = (1 << stage_bits) - 1
     qc, qw = q
-    for code, w in zip(qc.tolist(), qw.tolist()):
+    for code, w in zip(qc.tolist(), qw.tolist(), strict=True):
         tables = out.get(code >> q_shift)
         if tables is None:
             tables = out[code >> q_shift] = FleetTables()
         stage = (code >> KEY_BITS) & stage_mask
         name = E2E if stage == e2e_stage else stage_names[stage]
         tables.stages.setdefault(name, {})[code & KEY_MASK] = w
-    for code, v in zip(sums[0].tolist(), sums[1].tolist()):
+    for code, v in zip(sums[0].tolist(), sums[1].tolist(), strict=True):
         tables = out.get(code >> stage_bits)
         if tables is not None:
             stage = code & stage_mask
             tables.sums[E2E if stage == e2e_stage else stage_names[stage]] = v
     tc, tv = t
-    for code, v in zip(tc.tolist(), tv.tolist()):
+    for code, v in zip(tc.tolist(), tv.tolist(), strict=True):
         tables = out.get(code >> (KEY_BITS + COL_BITS))
         if tables is None:
             tables = out[code >> (KEY_BITS + COL_BITS)] = FleetTables()
@@ -199,7 +204,9 @@ class Buckets:
         upper = np.power(mapping.gamma, (keys - KEY_OFFSET).astype(np.float64))
         self.labels = ["0.0", *(le_label(v) for v in upper.tolist()), "+Inf"]
         #: le label -> the key its bucket reads as (``hi + 1``: above the range)
-        self.key_of = {label: k for label, k in zip(self.labels, [0, *keys.tolist(), self.hi + 1])}
+        self.key_of = {label: k for label, k in zip(
+            self.labels, [0, *keys.tolist(), self.hi + 1], strict=True
+        )}
 
     def clamp(self, key: int) -> int:
         """The exported bucket holding sketch bucket ``key``."""
@@ -216,7 +223,7 @@ class Buckets:
         for key, w in weights.items():
             k = self.clamp(key)
             per[0 if k == 0 else k - self.lo + 1] += w
-        return list(zip(self.labels, np.cumsum(per).tolist()))
+        return list(zip(self.labels, np.cumsum(per).tolist(), strict=True))
 
     def clamped(self, table: Mapping[int, float], from_key: int) -> dict[str, float]:
         """A per-bucket table keyed by ``le`` label (keys clamped to the grid), with every
@@ -319,7 +326,8 @@ def render(tables: Mapping[tuple[str, str], FleetTables], buckets: Buckets) -> b
     text = []
     for name, lines in out.items():
         kind, help_text = _HELP[name]
-        family = name.removesuffix("_total") if kind == "counter" else name
+        # a counter's family is named without the samples' "_total"
+        family = name[: -len("total") - 1] if kind == "counter" else name
         text.append(f"# HELP {family} {help_text}\n# TYPE {family} {kind}\n")
         if lines:
             text.append("\n".join(lines))
@@ -331,7 +339,7 @@ class FleetExposition:
     """``/metrics/fleet`` of an engine: ``render`` of its tables, at most ``max_series``
     (service, model) pairs (the overflow series always)."""
 
-    def __init__(self, engine, max_series: int = 1000) -> None:
+    def __init__(self, engine: Any, max_series: int = 1000) -> None:
         self.engine = engine
         self.buckets = Buckets(engine.mapping)
         self.max_series = max_series
@@ -395,7 +403,9 @@ def tables_from_sums(
     return tables
 
 
-def _quantiles(mapping: KeyMapping, table: Mapping[int, float]) -> tuple[float, dict, int | None]:
+def _quantiles(
+    mapping: KeyMapping, table: Mapping[int, float]
+) -> tuple[float, dict[str, float | None], int | None]:
     keys = np.array(sorted(k for k, w in table.items() if w > 0), np.int64)
     if keys.size == 0:
         return 0.0, {"p50": None, "p95": None, "p99": None}, None
@@ -405,7 +415,7 @@ def _quantiles(mapping: KeyMapping, table: Mapping[int, float]) -> tuple[float, 
     idx = [rank_index(cum, q) for q in sc.QUANTILES]
     return (
         float(cum[-1]),
-        {name: float(values[i]) for name, i in zip(("p50", "p95", "p99"), idx)},
+        {name: float(values[i]) for name, i in zip(("p50", "p95", "p99"), idx, strict=True)},
         int(keys[idx[1]]),
     )
 
@@ -430,7 +440,7 @@ def document(
     tables: FleetTables,
     mapping: KeyMapping,
     errors: float = 0.0,
-) -> dict:
+) -> dict[str, Any]:
     """The contract §5 breakdown of summed fleet ``tables``: requests, latency, per-stage
     quantiles and shares of p50/p95/p99 and the verdict, as the engine computes them; the
     sections that do not merge across collectors empty."""

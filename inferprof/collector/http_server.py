@@ -270,25 +270,27 @@ def api_app(
             )
         return _json(200, with_links(doc, trace_url))
 
-    async def fleet(request: Request) -> Response:
-        body = await run_in_threadpool(fleet_metrics)
-        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
-
     async def services(request: Request) -> Response:
         return _json(200, {"services": await run_in_threadpool(engine.services)})
 
     async def healthz(request: Request) -> Response:
         return _json(200, {"status": "ok"})
 
-    return Starlette(
-        routes=[
-            Route(PATH_METRICS_SCRAPE, metrics, methods=["GET"]),
-            Route(PATH_BREAKDOWN, breakdown, methods=["GET"]),
-            Route(PATH_SERVICES, services, methods=["GET"]),
-            Route(PATH_HEALTHZ, healthz, methods=["GET"]),
-            *([Route(PATH_FLEET_METRICS_SCRAPE, fleet, methods=["GET"])] if fleet_metrics else []),
-        ]
-    )
+    routes = [
+        Route(PATH_METRICS_SCRAPE, metrics, methods=["GET"]),
+        Route(PATH_BREAKDOWN, breakdown, methods=["GET"]),
+        Route(PATH_SERVICES, services, methods=["GET"]),
+        Route(PATH_HEALTHZ, healthz, methods=["GET"]),
+    ]
+    if fleet_metrics is not None:
+        render = fleet_metrics
+
+        async def fleet(request: Request) -> Response:
+            body = await run_in_threadpool(render)
+            return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+        routes.append(Route(PATH_FLEET_METRICS_SCRAPE, fleet, methods=["GET"]))
+    return Starlette(routes=routes)
 
 
 # --- serving ---------------------------------------------------------------------------------

