@@ -334,6 +334,9 @@ class Assembler:
         self.link_late: set[tuple[bytes, bytes]] = set()
         # linked span identity -> index entries still referring to it
         self.link_refs: dict[tuple[bytes, bytes], int] = {}
+        # member trace id -> index entries naming it: at most max_spans_per_trace, like
+        # the trace's own spans (they are folded with it, in one share of work)
+        self.link_count: dict[bytes, int] = {}
         # Finalised traces, for ``trace_timeout_s``: trace id -> when (clock order), and
         # trace id -> the request spans counted (a re-sent export must not count twice).
         self.recent_done: OrderedDict[bytes, float] = OrderedDict()
@@ -375,6 +378,7 @@ class Assembler:
         # each): beyond the one span ``accepted`` counts.
         link_pending = 0
         link_refs = self.link_refs
+        link_count = self.link_count
         due = now + self.settle_s
         attr_stage = sc.ATTR_STAGE
         attr_request = sc.ATTR_REQUEST
@@ -542,9 +546,13 @@ class Assembler:
                                 if n_links > 1
                                 else ((span_links[0].trace_id, span_links[0].span_id),)
                             )
-                            link_refs[ident] = len(targets)
-                            link_pending += len(targets) - 1
+                            kept = 0
                             for lk in targets:
+                                n_member = link_count.get(lk[0], 0)
+                                if n_member >= max_spans:
+                                    continue
+                                link_count[lk[0]] = n_member + 1
+                                kept += 1
                                 lst = links.get(lk)
                                 if lst is None:
                                     links[lk] = [record]
@@ -553,6 +561,20 @@ class Assembler:
                                         self.link_late.add(lk)
                                 else:
                                     lst.append(record)
+                            if kept < len(targets):
+                                why = (
+                                    f"span {sid.hex()}: {len(targets) - kept} of its member "
+                                    f"traces have {max_spans} linked spans already "
+                                    "(max_spans_per_trace)"
+                                )
+                                if not kept:
+                                    reject(sc.DROP_TRACE_TOO_LARGE, why)
+                                    continue
+                                self._drop(sc.DROP_TRACE_TOO_LARGE, len(targets) - kept)
+                                if len(errors) < _MAX_ERRORS:
+                                    errors.append(why)
+                            link_refs[ident] = kept
+                            link_pending += kept - 1
                             continue
                     else:
                         sidx = None
@@ -652,7 +674,7 @@ class Assembler:
         if everything:
             while traces and left > 0:
                 tid, trace = traces.popitem()
-                left -= len(trace.spans)
+                left -= len(trace.spans) + self.link_count.get(tid, 0)
                 if trace.due is not None:
                     self._finalise(tid, trace, out, now)
                 else:
@@ -666,7 +688,7 @@ class Assembler:
                 left -= 1
                 if trace is not None and trace.due == due:
                     del traces[tid]
-                    left -= len(trace.spans)
+                    left -= len(trace.spans) + self.link_count.get(tid, 0)
                     self._finalise(tid, trace, out, now)
                 # else: finalised already, or due later (it has another entry)
                 if left <= 0:
@@ -688,6 +710,8 @@ class Assembler:
             for lk in _pop_older(self.link_created, link_horizon):
                 records = self.links.pop(lk, None)
                 left -= 1
+                if records:
+                    self._uncount(lk[0], len(records))
                 late = lk in self.link_late
                 if late:
                     self.link_late.discard(lk)
@@ -745,9 +769,17 @@ class Assembler:
         self.link_created.clear()
         self.link_late.clear()
         self.link_refs.clear()
+        self.link_count.clear()
         self._due.clear()
         self._created.clear()
         self.backlog = False
+
+    def _uncount(self, tid: bytes, n: int) -> None:
+        left = self.link_count.get(tid, 0) - n
+        if left > 0:
+            self.link_count[tid] = left
+        else:
+            self.link_count.pop(tid, None)
 
     def _release_linked(self, records: list[tuple]) -> None:
         """Each record is one member's use of a linked span: pending once each."""
@@ -832,6 +864,7 @@ class Assembler:
                 if linked is not None:
                     self.link_created.pop((tid, rid), None)
                     self.link_late.discard((tid, rid))
+                    self._uncount(tid, len(linked))
                     self._release_linked(linked)
                     self._drop(sc.DROP_DUPLICATE, len(linked))
         translated = (
@@ -842,6 +875,7 @@ class Assembler:
             if linked is not None:
                 self.link_created.pop((tid, rid), None)
                 self.link_late.discard((tid, rid))
+                self._uncount(tid, len(linked))
                 self._release_linked(linked)
                 row = rows.get(rid)
                 if row is None:
