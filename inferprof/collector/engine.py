@@ -488,7 +488,7 @@ class Engine:
                 del self._slices[idx]
             self._examples.prune(oldest)
             self._cost.prune(oldest)
-            if now >= self._next_gpu_prune:  # a scan of every series: once a second
+            if now >= self._next_gpu_prune:  # once a second
                 self._next_gpu_prune = now + 1.0
                 self._gpu.prune(now - self.retention_s)
             self._gen.prune(oldest, now)

@@ -24,7 +24,9 @@ thread-safe: the engine locks.
 
 from __future__ import annotations
 
+import heapq
 import math
+from bisect import bisect_left
 from collections import defaultdict
 from collections.abc import Iterable
 
@@ -86,6 +88,12 @@ class GpuSamples:
         self._by_gpu: dict[tuple[str, str], dict[Key, None]] = defaultdict(dict)
         #: whole second -> samples retained with a timestamp in it
         self._per_second: dict[int, int] = defaultdict(int)
+        #: each series' earliest timestamp, and a heap of (that timestamp, series) (older
+        #: entries of a series are skipped): pruning finds what is due without a scan
+        self._first: dict[Key, float] = {}
+        self._expiry: list[tuple[float, Key]] = []
+        #: series whose samples did not arrive in time order (pruned by a scan of theirs)
+        self._unsorted: set[Key] = set()
         self.total = 0
         self.received = 0
         self.dropped: dict[str, int] = dict.fromkeys(DROP_REASONS, 0)
@@ -125,8 +133,16 @@ class GpuSamples:
             del series[0][:cut]
             del series[1][:cut]
             self.dropped[DROP_SERIES_FULL] += cut
-        series[0].append(t)
+            self._set_first(key, series[0])
+        ts = series[0]
+        if ts and t < ts[-1]:
+            self._unsorted.add(key)
+        ts.append(t)
         series[1].append(value)
+        first = self._first.get(key)
+        if first is None or t < first:
+            self._first[key] = t
+            heapq.heappush(self._expiry, (t, key))
         self._per_second[math.floor(t)] += 1
         self._version[key] += 1
         self.total += 1
@@ -169,23 +185,41 @@ class GpuSamples:
             n += 1
         self.total -= n
 
+    def _set_first(self, key: Key, ts: list[float]) -> None:
+        first = min(ts) if key in self._unsorted else ts[0]
+        self._first[key] = first
+        heapq.heappush(self._expiry, (first, key))
+
     def prune(self, oldest: float) -> None:
         """Drop the samples older than ``oldest``, and the series, GPUs and hosts left
-        with none."""
-        for key, (ts, vs) in list(self._data.items()):
-            if ts and min(ts[0], ts[-1]) < oldest:
+        with none. Costs what it removes: only the series holding such samples are read."""
+        expiry = self._expiry
+        while expiry and expiry[0][0] < oldest:
+            first, key = heapq.heappop(expiry)
+            if self._first.get(key) != first:
+                continue  # the series went, or its earliest sample changed since
+            ts, vs = self._data[key]
+            if key in self._unsorted:
                 keep = [i for i, t in enumerate(ts) if t >= oldest]
                 self._forget([t for t in ts if t < oldest])
-                self._version[key] += 1
-                if not keep:
-                    self._drop_series(key)
-                    continue
-                self._data[key] = ([ts[i] for i in keep], [vs[i] for i in keep])
+                ts[:], vs[:] = [ts[i] for i in keep], [vs[i] for i in keep]
+            else:
+                cut = bisect_left(ts, oldest)
+                self._forget(ts[:cut])
+                del ts[:cut]
+                del vs[:cut]
+            self._version[key] += 1
+            if not ts:
+                self._drop_series(key)
+                continue
+            self._set_first(key, ts)
 
     def _drop_series(self, key: Key) -> None:
         host, gpu, metric = key
         del self._data[key]
         self._sorted.pop(key, None)
+        self._first.pop(key, None)
+        self._unsorted.discard(key)
         del self._version[key]
         index = self._by_gpu[(gpu, metric)]
         index.pop(key, None)
