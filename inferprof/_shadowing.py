@@ -15,9 +15,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-# ``-c`` puts the working directory first on ``sys.path``; drop it, then run the module
-# as ``-m`` would. (``-P`` does the same from Python 3.11 only.)
-_RUN_MODULE = ("import runpy, sys; del sys.path[0]; "
+# ``-c`` puts the working directory ('') first on ``sys.path``; drop it, then run the
+# module as ``-m`` would. (``-P`` does the same from Python 3.11 only.) Under
+# PYTHONSAFEPATH it is not there, and the first entry is the user's PYTHONPATH: kept.
+_RUN_MODULE = ("import runpy, sys; sys.path[:1] = [p for p in sys.path[:1] if p]; "
                "runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)")
 
 

@@ -1,6 +1,7 @@
 """A folder named ``inferprof`` in the working directory (a clone of this repository)
 must not break the console command's children, and the command says what it is."""
 
+import os
 import subprocess
 
 from click.testing import CliRunner
@@ -48,3 +49,16 @@ def test_children_do_not_import_the_working_directorys_folder(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "SHADOWED" not in done.stdout
     assert "usage" in done.stdout.lower()
+
+
+def test_children_keep_the_users_pythonpath_under_pythonsafepath(tmp_path):
+    # PYTHONSAFEPATH=1 (Python 3.11+) starts `-c` without the working directory on
+    # sys.path: its first entry is then PYTHONPATH's, which the child must keep.
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "users_module.py").write_text("print('FOUND')\n")
+    env = {**os.environ, "PYTHONSAFEPATH": "1", "PYTHONPATH": str(lib)}
+    done = subprocess.run(python_module_command("users_module"), cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "FOUND" in done.stdout
