@@ -543,11 +543,10 @@ def test_a_failed_step_emits_no_tokens_for_its_members():
         b = engine.request(prompt_tokens=4)
         with engine.step() as step:
             step.prefill(a, 1)
-        with pytest.raises(RuntimeError, match="oom"):
-            with engine.step() as step:
-                step.decode(a)
-                step.prefill(b, 4)
-                raise RuntimeError("oom")
+        with pytest.raises(RuntimeError, match="oom"), engine.step() as step:
+            step.decode(a)
+            step.prefill(b, 4)
+            raise RuntimeError("oom")
         a.finish()
         b.finish()
     requests = {r.attributes[semconv.ATTR_TOKENS_PROMPT]: r for r in cap.requests()}
