@@ -81,131 +81,151 @@ def otlp_app(
     """The ASGI app serving ``POST /v1/traces``, ``/v1/metrics`` and ``/v1/logs``."""
     require("starlette", "collector")
     from starlette.applications import Starlette
-    from starlette.concurrency import run_in_threadpool
-    from starlette.requests import ClientDisconnect, Request
-    from starlette.responses import Response
     from starlette.routing import Route
 
-    in_flight = 0  # requests being decoded/ingested; bounded to keep memory bounded
-    buffered = 0  # bytes of the bodies being read (before a processing slot is taken)
-    max_buffered = max_concurrent_requests * max_body_bytes
-    transport = semconv.TRANSPORT_HTTP
+    receiver = _OtlpReceiver(intake, max_body_bytes, max_concurrent_requests, body_timeout_s)
 
-    def fail(signal: str, exc: BodyError, fmt: Any) -> Response:
-        intake.metrics.request(transport, signal, exc.outcome)
-        if exc.status == 400:
-            intake.metrics.decode_error(transport, fmt or "unknown")
-        body, ctype = error_body(exc.reason, fmt, exc.status)
-        return Response(body, status_code=exc.status, media_type=ctype)
-
-    def overloaded(signal: str, message: str, fmt: Any, *, count: bool = True) -> Response:
-        if count:  # the intake has counted overloads the engine reported
-            intake.metrics.request(transport, signal, semconv.OUTCOME_OVERLOADED)
-        body, ctype = error_body(message, fmt, 429)
-        retry = str(max(1, math.ceil(intake.retry_after_s)))
-        return Response(body, status_code=429, media_type=ctype, headers={"Retry-After": retry})
-
-    def decode_and_ingest(
-        signal: str, raw: bytes, fmt: Any, encoding: str | None, peer: str | None
-    ) -> Any:
-        data = decompress(raw, encoding, max_body_bytes)
-        message = parse_request(data, fmt, signal)
-        # Forward protobuf bytes: the decompressed body itself when it was protobuf.
-        payload = data if fmt == FORMAT_PROTOBUF else None
-        return intake.ingest(transport, signal, message, payload, peer)
-
-    async def read_body(request: Request, chunks: bytearray) -> None:
-        nonlocal buffered
-        async for chunk in request.stream():
-            chunks += chunk
-            buffered += len(chunk)
-            if len(chunks) > max_body_bytes:
-                raise too_large(max_body_bytes)
-            if buffered > max_buffered:
-                raise _ReadersFull
-
-    def timed_out(signal: str, fmt: Any) -> Response:
-        intake.metrics.request(transport, signal, semconv.OUTCOME_BODY_TIMEOUT)
-        body, ctype = error_body(
-            f"the request body did not arrive within {body_timeout_s:g} s "
-            "(--body-timeout-s)", fmt, 408)
-        # The rest of the body may still be on its way: the connection cannot be reused.
-        return Response(body, status_code=408, media_type=ctype,
-                        headers={"Connection": "close"})
-
-    def endpoint(signal: str) -> Callable[[Request], Any]:
-        async def handle(request: Request) -> Response:
-            fmt = None
-            try:
-                fmt = body_format(request.headers.get("content-type"))
-                length = request.headers.get("content-length")
-                if length is not None and length.isdigit() and int(length) > max_body_bytes:
-                    raise too_large(max_body_bytes)
-            except BodyError as exc:
-                return fail(signal, exc, fmt)
-            intake.metrics.enter(transport)
-            try:
-                return await receive(signal, request, fmt)
-            finally:
-                intake.metrics.leave(transport)
-
-        return handle
-
-    async def receive(signal: str, request: Request, fmt: Any) -> Response:
-        """Read the body within the deadline, then process it in a processing slot."""
-        nonlocal in_flight, buffered
-        chunks = bytearray()
-        try:
-            await asyncio.wait_for(read_body(request, chunks), body_timeout_s)
-        except ClientDisconnect:
-            return Response(status_code=400)
-        except asyncio.TimeoutError:
-            return timed_out(signal, fmt)
-        except _ReadersFull:
-            return overloaded(signal, "too many exports being received; retry later", fmt)
-        except BodyError as exc:
-            return fail(signal, exc, fmt)
-        finally:
-            buffered -= len(chunks)
-        if in_flight >= max_concurrent_requests:
-            return overloaded(signal, "too many concurrent exports; retry later", fmt)
-        in_flight += 1
-        try:
-            intake.metrics.observe_body(transport, signal, len(chunks))
-            outcome = await run_in_threadpool(
-                decode_and_ingest,
-                signal,
-                bytes(chunks),
-                fmt,
-                request.headers.get("content-encoding"),
-                request.client.host if request.client else None,
-            )
-        except BodyError as exc:
-            return fail(signal, exc, fmt)
-        finally:
-            in_flight -= 1
-        if outcome.overloaded:
-            return overloaded(signal, outcome.error_message, fmt, count=False)
-        if outcome.failed:
-            body, ctype = error_body(outcome.error_message, fmt, 500)
-            return Response(body, status_code=500, media_type=ctype)
-        body, ctype = encode_response(
-            signal, fmt, rejected=outcome.rejected, error_message=outcome.error_message
-        )
-        return Response(body, status_code=200, media_type=ctype)
-
-
-    async def healthz(request: Request) -> Response:
+    async def healthz(request: Any) -> Any:
         return _json(200, {"status": "ok"})
 
     return Starlette(
         routes=[
-            Route(PATH_TRACES, endpoint(semconv.SIGNAL_TRACES), methods=["POST"]),
-            Route(PATH_METRICS, endpoint(semconv.SIGNAL_METRICS), methods=["POST"]),
-            Route(PATH_LOGS, endpoint(semconv.SIGNAL_LOGS), methods=["POST"]),
+            Route(PATH_TRACES, receiver.endpoint(semconv.SIGNAL_TRACES), methods=["POST"]),
+            Route(PATH_METRICS, receiver.endpoint(semconv.SIGNAL_METRICS), methods=["POST"]),
+            Route(PATH_LOGS, receiver.endpoint(semconv.SIGNAL_LOGS), methods=["POST"]),
             Route(PATH_HEALTHZ, healthz, methods=["GET"]),
         ]
     )
+
+
+class _OtlpReceiver:
+    """The OTLP/HTTP export endpoints: read a body within its deadline, then decode and
+    ingest it in one of the bounded processing slots, answering as OTLP/HTTP says."""
+
+    def __init__(self, intake: Intake, max_body_bytes: int, max_concurrent_requests: int,
+                 body_timeout_s: float) -> None:
+        from starlette.concurrency import run_in_threadpool
+        from starlette.requests import ClientDisconnect
+        from starlette.responses import Response
+
+        self.intake = intake
+        self.max_body_bytes = max_body_bytes
+        self.max_concurrent_requests = max_concurrent_requests
+        self.body_timeout_s = body_timeout_s
+        self.in_flight = 0  # requests being decoded/ingested; bounded to keep memory bounded
+        self.buffered = 0  # bytes of the bodies being read (before a processing slot is taken)
+        self.max_buffered = max_concurrent_requests * max_body_bytes
+        self._response = Response
+        self._disconnect = ClientDisconnect
+        self._in_threadpool = run_in_threadpool
+
+    # --- answers --------------------------------------------------------------------------
+    def fail(self, signal: str, exc: BodyError, fmt: Any) -> Any:
+        self.intake.metrics.request(_HTTP, signal, exc.outcome)
+        if exc.status == 400:
+            self.intake.metrics.decode_error(_HTTP, fmt or "unknown")
+        body, ctype = error_body(exc.reason, fmt, exc.status)
+        return self._response(body, status_code=exc.status, media_type=ctype)
+
+    def overloaded(self, signal: str, message: str, fmt: Any, *, count: bool = True) -> Any:
+        if count:  # the intake has counted overloads the engine reported
+            self.intake.metrics.request(_HTTP, signal, semconv.OUTCOME_OVERLOADED)
+        body, ctype = error_body(message, fmt, 429)
+        retry = str(max(1, math.ceil(self.intake.retry_after_s)))
+        return self._response(body, status_code=429, media_type=ctype,
+                              headers={"Retry-After": retry})
+
+    def timed_out(self, signal: str, fmt: Any) -> Any:
+        self.intake.metrics.request(_HTTP, signal, semconv.OUTCOME_BODY_TIMEOUT)
+        body, ctype = error_body(
+            f"the request body did not arrive within {self.body_timeout_s:g} s "
+            "(--body-timeout-s)", fmt, 408)
+        # The rest of the body may still be on its way: the connection cannot be reused.
+        return self._response(body, status_code=408, media_type=ctype,
+                              headers={"Connection": "close"})
+
+    def answer(self, signal: str, fmt: Any, outcome: Any) -> Any:
+        """The response to an export the intake took (or refused)."""
+        if outcome.overloaded:
+            return self.overloaded(signal, outcome.error_message, fmt, count=False)
+        if outcome.failed:
+            body, ctype = error_body(outcome.error_message, fmt, 500)
+            return self._response(body, status_code=500, media_type=ctype)
+        body, ctype = encode_response(
+            signal, fmt, rejected=outcome.rejected, error_message=outcome.error_message
+        )
+        return self._response(body, status_code=200, media_type=ctype)
+
+    # --- one export -----------------------------------------------------------------------
+    def endpoint(self, signal: str) -> Callable[[Any], Any]:
+        async def handle(request: Any) -> Any:
+            fmt = None
+            try:
+                fmt = body_format(request.headers.get("content-type"))
+                length = request.headers.get("content-length")
+                if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+                    raise too_large(self.max_body_bytes)
+            except BodyError as exc:
+                return self.fail(signal, exc, fmt)
+            self.intake.metrics.enter(_HTTP)
+            try:
+                return await self.receive(signal, request, fmt)
+            finally:
+                self.intake.metrics.leave(_HTTP)
+
+        return handle
+
+    async def read_body(self, request: Any, chunks: bytearray) -> None:
+        async for chunk in request.stream():
+            chunks += chunk
+            self.buffered += len(chunk)
+            if len(chunks) > self.max_body_bytes:
+                raise too_large(self.max_body_bytes)
+            if self.buffered > self.max_buffered:
+                raise _ReadersFull
+
+    async def receive(self, signal: str, request: Any, fmt: Any) -> Any:
+        """Read the body within the deadline, then process it in a processing slot."""
+        chunks = bytearray()
+        try:
+            await asyncio.wait_for(self.read_body(request, chunks), self.body_timeout_s)
+        except self._disconnect:
+            return self._response(status_code=400)
+        except asyncio.TimeoutError:
+            return self.timed_out(signal, fmt)
+        except _ReadersFull:
+            return self.overloaded(signal, "too many exports being received; retry later", fmt)
+        except BodyError as exc:
+            return self.fail(signal, exc, fmt)
+        finally:
+            self.buffered -= len(chunks)
+        if self.in_flight >= self.max_concurrent_requests:
+            return self.overloaded(signal, "too many concurrent exports; retry later", fmt)
+        self.in_flight += 1
+        try:
+            self.intake.metrics.observe_body(_HTTP, signal, len(chunks))
+            outcome = await self._in_threadpool(
+                self.decode_and_ingest, signal, bytes(chunks), fmt,
+                request.headers.get("content-encoding"),
+                request.client.host if request.client else None,
+            )
+        except BodyError as exc:
+            return self.fail(signal, exc, fmt)
+        finally:
+            self.in_flight -= 1
+        return self.answer(signal, fmt, outcome)
+
+    def decode_and_ingest(
+        self, signal: str, raw: bytes, fmt: Any, encoding: str | None, peer: str | None
+    ) -> Any:
+        data = decompress(raw, encoding, self.max_body_bytes)
+        message = parse_request(data, fmt, signal)
+        # Forward protobuf bytes: the decompressed body itself when it was protobuf.
+        payload = data if fmt == FORMAT_PROTOBUF else None
+        return self.intake.ingest(_HTTP, signal, message, payload, peer)
+
+
+_HTTP = semconv.TRANSPORT_HTTP
 
 
 # --- API and Prometheus endpoint -----------------------------------------------------------
