@@ -206,9 +206,23 @@ class EngineCollector:
         return []
 
     def collect(self) -> Iterator:
+        self.engine.advance()  # fold what is due, so histograms and gauges agree
+        series = self.engine.series()
+        # The engine's own cap folds the pairs past it into __overflow__, which comes after
+        # them: it is always rendered, so what was folded stays visible.
+        overflow = (sc.OVERFLOW_SERIES, "")
+        series = series[: self.max_series] + (
+            [overflow] if overflow in series[self.max_series:] else [])
+        allowed = set(series)
+        yield from self._histograms(allowed)
+        yield from self._generation_and_errors(allowed)
+        yield from self._windowed(series)
+        yield from self._engine_counters()
+
+    def _histograms(self, allowed: set) -> Iterator:
+        """The duration histograms, with their exemplars on OpenMetrics scrapes."""
         core = self._core
         svc, mdl, stg = sc.PROM_LABEL_SERVICE, sc.PROM_LABEL_MODEL, sc.PROM_LABEL_STAGE
-
         stage_hist = core.HistogramMetricFamily(
             sc.PROM_STAGE_DURATION,
             "Time per request spent in each stage (weighted by sampling weight).",
@@ -219,14 +233,6 @@ class EngineCollector:
             "End-to-end request latency (weighted by sampling weight).",
             labels=[svc, mdl],
         )
-        self.engine.advance()  # fold what is due, so histograms and gauges agree
-        series = self.engine.series()
-        # The engine's own cap folds the pairs past it into __overflow__, which comes after
-        # them: it is always rendered, so what was folded stays visible.
-        overflow = (sc.OVERFLOW_SERIES, "")
-        series = series[: self.max_series] + (
-            [overflow] if overflow in series[self.max_series:] else [])
-        allowed = set(series)
         exemplar_of = self._samples.Exemplar
         for service, model, stage, counts, total in self.engine.histograms():
             if (service, model) not in allowed:
@@ -249,6 +255,10 @@ class EngineCollector:
                 stage_hist.add_metric([service, model, stage], buckets, total)
         yield stage_hist
         yield req_hist
+
+    def _generation_and_errors(self, allowed: set) -> Iterator:
+        core = self._core
+        svc, mdl = sc.PROM_LABEL_SERVICE, sc.PROM_LABEL_MODEL
         gen_hist = {
             h: core.HistogramMetricFamily(name, text, labels=[svc, mdl])
             for h, (name, text) in _GEN_HISTOGRAMS.items()
@@ -267,6 +277,10 @@ class EngineCollector:
                 errors.add_metric([service, model], total)
         yield errors
 
+    def _windowed(self, series: list) -> Iterator:
+        """The gauges of each series' breakdown over the metrics window."""
+        core = self._core
+        svc, mdl, stg = sc.PROM_LABEL_SERVICE, sc.PROM_LABEL_MODEL, sc.PROM_LABEL_STAGE
         # The engine answers for what it retains: a longer window is read as that.
         window_s = min(self.window_s, self.engine.retention_s)
         quantile = core.GaugeMetricFamily(
@@ -307,6 +321,7 @@ class EngineCollector:
             labels=[svc, mdl, sc.PROM_LABEL_CAUSE],
         )
         resources = self._resource_families(core, svc, mdl, stg, window_s)
+        families = (quantile, latency, share, verdict, behind, ttft_share, itl_share)
         for service, model in series:
             try:
                 doc = self.engine.breakdown(service, model, window_s)
@@ -315,38 +330,13 @@ class EngineCollector:
                 continue
             if doc is None:
                 continue
-            for st in doc["stages"]:
-                for label, key in _QUANTILE_KEYS:
-                    if st[key] is not None:
-                        quantile.add_metric([service, model, st["stage"], label], st[key])
-                share.add_metric([service, model, st["stage"]], st["share_of_p95"])
-            for label, key in _QUANTILE_KEYS:
-                if doc["latency"].get(key) is not None:
-                    latency.add_metric([service, model, label], doc["latency"][key])
-            if doc["requests"] or doc["traced_requests"]:
-                # A series with nothing in the window has no verdict to state: it leaves
-                # with the other windowed series (not an everlasting "unknown").
-                current = doc["verdict"]["bottleneck"]
-                for name in sc.VERDICTS:
-                    verdict.add_metric([service, model, name], 1.0 if name == current else 0.0)
-            if doc.get("queue"):
-                behind.add_metric([service, model], doc["queue"]["behind_batches"])
-            generation = doc.get("generation")
-            if generation:
-                for st in generation["ttft"]["stages"]:
-                    ttft_share.add_metric([service, model, st["stage"]], st["share_of_p95"])
-                for c in generation["itl"]["causes"]:
-                    itl_share.add_metric([service, model, c["cause"]], c["share_of_p95"])
+            _add_breakdown(families, service, model, doc)
             _add_resources(resources, service, model, doc)
-        yield quantile
-        yield latency
-        yield share
-        yield verdict
-        yield behind
-        yield ttft_share
-        yield itl_share
+        yield from families
         yield from resources.values()
 
+    def _engine_counters(self) -> Iterator:
+        core = self._core
         stats = self.engine.stats
         yield core.CounterMetricFamily(
             sc.PROM_SPANS_RECEIVED,
@@ -368,6 +358,34 @@ class EngineCollector:
         for name, help_text, field in _ENGINE_COUNTERS:
             yield core.CounterMetricFamily(name, help_text, value=getattr(stats, field))
         yield from _bounds_families(core, stats)
+
+
+def _add_breakdown(families: tuple, service: str, model: str, doc: dict) -> None:
+    """One series' breakdown into the windowed gauges."""
+    quantile, latency, share, verdict, behind, ttft_share, itl_share = families
+    for st in doc["stages"]:
+        for label, key in _QUANTILE_KEYS:
+            if st[key] is not None:
+                quantile.add_metric([service, model, st["stage"], label], st[key])
+        share.add_metric([service, model, st["stage"]], st["share_of_p95"])
+    for label, key in _QUANTILE_KEYS:
+        if doc["latency"].get(key) is not None:
+            latency.add_metric([service, model, label], doc["latency"][key])
+    if doc["requests"] or doc["traced_requests"]:
+        # A series with nothing in the window has no verdict to state: it leaves
+        # with the other windowed series (not an everlasting "unknown").
+        current = doc["verdict"]["bottleneck"]
+        for name in sc.VERDICTS:
+            verdict.add_metric([service, model, name], 1.0 if name == current else 0.0)
+    if doc.get("queue"):
+        behind.add_metric([service, model], doc["queue"]["behind_batches"])
+    generation = doc.get("generation")
+    if generation:
+        for st in generation["ttft"]["stages"]:
+            ttft_share.add_metric([service, model, st["stage"]], st["share_of_p95"])
+        for c in generation["itl"]["causes"]:
+            itl_share.add_metric([service, model, c["cause"]], c["share_of_p95"])
+
 
 def _bounds_families(core, stats) -> Iterator:
     """What the engine's caps on GPU samples and names kept out."""
