@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from inferprof import _settings, semconv
+from inferprof import environment_variables as ev
 from inferprof.demo.llm.model import ModelConfig
 from inferprof.demo.settings import (
     ENV_ENDPOINT,
@@ -26,12 +27,12 @@ from inferprof.demo.tokenizer import DEFAULT_VOCAB_SIZE
 #: ``none`` runs no telemetry code; the inferprof modes configure inferprof.
 LLM_INSTRUMENTATIONS = (INSTRUMENTATION_NONE, *semconv.MODES)
 
-ENV_MODEL_SIZE = "INFERPROF_DEMO_LLM_MODEL_SIZE"
-ENV_KV_BLOCKS = "INFERPROF_DEMO_LLM_KV_BLOCKS"
-ENV_BLOCK_SIZE = "INFERPROF_DEMO_LLM_BLOCK_SIZE"
-ENV_MAX_BATCHED_TOKENS = "INFERPROF_DEMO_LLM_MAX_BATCHED_TOKENS"
-ENV_MAX_RUNNING = "INFERPROF_DEMO_LLM_MAX_RUNNING"
-ENV_MAX_IN_FLIGHT = "INFERPROF_DEMO_LLM_MAX_IN_FLIGHT"
+ENV_MODEL_SIZE = ev.INFERPROF_DEMO_LLM_MODEL_SIZE
+ENV_KV_BLOCKS = ev.INFERPROF_DEMO_LLM_KV_BLOCKS
+ENV_BLOCK_SIZE = ev.INFERPROF_DEMO_LLM_BLOCK_SIZE
+ENV_MAX_BATCHED_TOKENS = ev.INFERPROF_DEMO_LLM_MAX_BATCHED_TOKENS
+ENV_MAX_RUNNING = ev.INFERPROF_DEMO_LLM_MAX_RUNNING
+ENV_MAX_IN_FLIGHT = ev.INFERPROF_DEMO_LLM_MAX_IN_FLIGHT
 
 #: Named model sizes: (d_model, n_layers, d_ff), 4 heads each.
 LLM_MODEL_SIZES: dict[str, tuple[int, int, int]] = {
