@@ -42,11 +42,16 @@ _SUBPACKAGES = frozenset(
 __all__ = ["semconv", "__version__", *_LAZY]
 
 if TYPE_CHECKING:  # pragma: no cover
-    from inferprof._config import configure, shutdown
-    from inferprof.batching.dynamic import DynamicBatcher
-    from inferprof.batching.hooks import batch, enqueue
-    from inferprof.instrumentation.engine import Engine
-    from inferprof.instrumentation.stage import current_request, request, stage
+    # redundant aliases: names re-exported (resolved lazily by __getattr__ at run time)
+    from inferprof._config import configure as configure
+    from inferprof._config import shutdown as shutdown
+    from inferprof.batching.dynamic import DynamicBatcher as DynamicBatcher
+    from inferprof.batching.hooks import batch as batch
+    from inferprof.batching.hooks import enqueue as enqueue
+    from inferprof.instrumentation.engine import Engine as Engine
+    from inferprof.instrumentation.stage import current_request as current_request
+    from inferprof.instrumentation.stage import request as request
+    from inferprof.instrumentation.stage import stage as stage
 
 
 def __getattr__(name: str) -> Any:

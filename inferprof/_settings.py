@@ -70,7 +70,7 @@ def fraction(arg: Any, name: str, default: float, what: str, *, open_low: bool) 
     """A number in (0, 1] (``open_low``) or [0, 1]."""
 
     def ok(v: float) -> bool:
-        return (0.0 < v if open_low else 0.0 <= v) and v <= 1.0
+        return (v > 0.0 if open_low else v >= 0.0) and v <= 1.0
 
     interval = "(0, 1]" if open_low else "[0, 1]"
     return number(arg, name, default, what, ok, f"a number in {interval}")

@@ -53,7 +53,7 @@ class Collated:
 
 
 class _Entry:
-    __slots__ = ("item", "tokens", "handle", "future", "taken", "t", "busy0")
+    __slots__ = ("busy0", "future", "handle", "item", "t", "taken", "tokens")
 
     def __init__(
         self, item: Any, tokens: int | None, handle: QueueHandle, future: asyncio.Future
@@ -306,7 +306,7 @@ class DynamicBatcher:
                 results = await self._loop.run_in_executor(
                     self._executor, ctx.run, self._process_sync, entries
                 )
-        except BaseException as exc:  # noqa: BLE001 - delivered to the batch's requests
+        except BaseException as exc:
             for entry in entries:
                 if not entry.future.done():
                     entry.future.set_exception(exc)
@@ -360,4 +360,4 @@ def _checked(results: Any, n: int) -> list[Any]:
     return results
 
 
-__all__ = ["DynamicBatcher", "Collated"]
+__all__ = ["Collated", "DynamicBatcher"]

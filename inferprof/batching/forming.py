@@ -34,7 +34,7 @@ async def batch_ready(queue: deque[Any], wakeup: asyncio.Event, max_batch_size: 
         wakeup.clear()
         try:
             await asyncio.wait_for(wakeup.wait(), remaining)
-        except asyncio.TimeoutError:  # noqa: UP041 - not TimeoutError before 3.11
+        except asyncio.TimeoutError:
             return
 
 

@@ -135,7 +135,7 @@ def _enqueue(depth: int) -> QueueHandle:
 class _BoundStage(Stage):
     """A stage of a given batch, whatever the current context (``Batch.stage``)."""
 
-    __slots__ = ("_owner", "_outer")
+    __slots__ = ("_outer", "_owner")
     _outer: Any
 
     def __init__(self, owner: BatchRecord, name: str, device: Any, attrs: dict) -> None:
@@ -177,7 +177,15 @@ class Batch:
     """A batch being processed (what ``with inferprof.batch(...)`` yields)."""
 
     __slots__ = (
-        "handles", "max_size", "model", "encoding", "attrs", "record", "quiet", "_token", "_rt"
+        "_rt",
+        "_token",
+        "attrs",
+        "encoding",
+        "handles",
+        "max_size",
+        "model",
+        "quiet",
+        "record"
     )
     _token: Any
 
@@ -392,4 +400,4 @@ def set_tokens(*, effective: int | None = None, padded: int | None = None) -> No
     current_batch().set_tokens(effective=effective, padded=padded)
 
 
-__all__ = ["enqueue", "batch", "Batch", "QueueHandle", "current_batch", "set_tokens"]
+__all__ = ["Batch", "QueueHandle", "batch", "current_batch", "enqueue", "set_tokens"]

@@ -90,10 +90,13 @@ def _plain(value: str) -> str:
 
 # subcommand -> "module:attribute" of its click command.
 _SUBCOMMANDS = {
-    "demo": ("inferprof.demo.command:demo", "Run the demo service under load and print its breakdown."),
-    "collect": ("inferprof.collector.command:collect", "Receive OTLP and serve per-stage breakdowns."),
+    "demo": ("inferprof.demo.command:demo",
+             "Run the demo service under load and print its breakdown."),
+    "collect": ("inferprof.collector.command:collect",
+                "Receive OTLP and serve per-stage breakdowns."),
     "report": ("inferprof.report.command:report", "Per-stage breakdown of OTLP files, offline."),
-    "gpu": ("inferprof.gpu.command:gpu", "Sample GPUs (NVML, dcgm-exporter) and ship them as OTLP."),
+    "gpu": ("inferprof.gpu.command:gpu",
+            "Sample GPUs (NVML, dcgm-exporter) and ship them as OTLP."),
 }
 
 

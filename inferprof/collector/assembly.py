@@ -210,7 +210,8 @@ class Finalised:
     ``end[i]`` (ns), ``error[i]`` (1: the request span's status is ERROR). Per stage span
     attributed to a request (a linked batch span once per member): ``span_key`` = request
     index << 32 | stage number (one append instead of two; the number indexes
-    ``Assembler.stage_names``), ``span_start``, ``span_end`` (ns). ``batches``: (request index, effective, padded) of batches seen first here;
+    ``Assembler.stage_names``), ``span_start``, ``span_end`` (ns). ``batches``: (request index,
+    effective, padded) of batches seen first here;
     ``compute``: (request index, (host, gpu id, start s, end s)) of compute-stage spans,
     deduplicated per batch. ``instance`` per request: its resource's (host.name,
     service.instance.id). ``work``: flat (request index, start s, end s) of work spans

@@ -173,7 +173,7 @@ def exact_tail_shares(
     """Exact §6 ``share_of_p95`` of per-request exclusive times (reference for tests)."""
     num: dict[str, float] = defaultdict(float)
     den = 0.0
-    for x, w, ex in zip(e2e, weights, exclusive):
+    for x, w, ex in zip(e2e, weights, exclusive, strict=False):
         if x >= p95:
             den += w * x
             for k, v in ex.items():

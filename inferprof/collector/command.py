@@ -111,7 +111,8 @@ gpu_hour_price_option = click.option(
     type=click.Choice(_settings.FORWARD_COMPRESSIONS),
     help="Compression of forwarded exports (default gzip).",
 )
-@click.option("--settle-s", type=float, help="Seconds after a request span arrives before its request is folded.")
+@click.option("--settle-s", type=float,
+              help="Seconds after a request span arrives before its request is folded.")
 @click.option("--trace-timeout-s", type=float, help="Longest a trace is held before it is folded.")
 @click.option(
     "--windows-s", callback=_windows, help="Sliding windows kept, comma-separated seconds."

@@ -262,7 +262,8 @@ class Engine:
         self.max_stages = max_stages
         # Random keys of the queue-span sample (uniform; seeded: a run is repeatable).
         self._rng = np.random.default_rng(0)
-        for name, flag in (("triton_spans", triton_spans), ("share_pending_cap", share_pending_cap)):
+        flags = (("triton_spans", triton_spans), ("share_pending_cap", share_pending_cap))
+        for name, flag in flags:
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be True or False, got {flag!r}")
         self.max_series = max_series
@@ -695,7 +696,8 @@ class Engine:
         n = len(fin)
         per_req: list[list[tuple[str, int, int]]] = [[] for _ in range(n)]
         col_of: dict[str, int] = {}
-        for key, col, s, e in zip(fin.span_key, stage.tolist(), fin.span_start, fin.span_end):
+        for key, col, s, e in zip(fin.span_key, stage.tolist(), fin.span_start, fin.span_end,
+                                  strict=False):
             r = key >> 32
             name = self._column_name(col)
             per_req[r].append((name, s, e))
@@ -740,7 +742,7 @@ class Engine:
         # A model attribute that is not a string (or none at all) is "".
         models = [m if isinstance(m, str) else "" for m in fin.model]
         series: list[int] = []
-        for key in zip(fin.service, models):
+        for key in zip(fin.service, models, strict=False):
             sid = known(key)
             if sid is None:  # a new series, or one folded into the overflow series
                 sid = series_id(*key, now)
@@ -750,11 +752,11 @@ class Engine:
             # new one further down the same fold.
             series_last[sid] = now
             series.append(sid)
-        for sid, w in zip(series, fin.weight):
+        for sid, w in zip(series, fin.weight, strict=False):
             series_requests[sid] += w
         if any(fin.error):
             errors = slice_.errors
-            for sid, w, err in zip(series, fin.weight, fin.error):
+            for sid, w, err in zip(series, fin.weight, fin.error, strict=False):
                 if err:
                     errors[sid] += w
                     self._series_errors[sid] += w
@@ -851,7 +853,7 @@ class Engine:
         q_row = np.concatenate([np.arange(n), pr])[keep]
         self._exemplars.add(pair, bucket, hv, q_row, fin.trace_id, now, (STAGE_BITS, _STAGE_MASK))
         uniq, sums = reduce_codes(h_codes, hw)
-        for code, w in zip(uniq.tolist(), sums.tolist()):
+        for code, w in zip(uniq.tolist(), sums.tolist(), strict=False):
             p, bucket = divmod(code, _NB)
             key = (p >> STAGE_BITS, p & _STAGE_MASK)
             arr = self._hist.get(key)
@@ -860,7 +862,7 @@ class Engine:
                 self._hist_sum[key] = 0.0
             arr[bucket] += w
         uniq, sums = reduce_codes(pair, hw * hv)
-        for p, s in zip(uniq.tolist(), sums.tolist()):
+        for p, s in zip(uniq.tolist(), sums.tolist(), strict=False):
             self._hist_sum[(p >> STAGE_BITS, p & _STAGE_MASK)] += s
         if fin.gen:
             self._gen.fold(fin, series, self._asm.stage_names, index, now)
@@ -1035,7 +1037,8 @@ class Engine:
         """(service, model, weighted requests whose request span has status ERROR) per
         series, since start (a Prometheus counter; a reclaimed series starts again)."""
         with self._lock:
-            return [(*key, total) for key, total in zip(self._series_keys, self._series_errors)]
+            pairs = zip(self._series_keys, self._series_errors, strict=False)
+            return [(*key, total) for key, total in pairs]
 
     def breakdown(
         self, service: str, model: str | None = None, window_s: float | None = 300.0
@@ -1122,7 +1125,8 @@ class Engine:
             idx = [rank_index(cum, q) for q in sc.QUANTILES]
             return (
                 float(cum[-1]),
-                {name: float(values[i]) for name, i in zip(("p50", "p95", "p99"), idx)},
+                {name: float(values[i])
+                 for name, i in zip(("p50", "p95", "p99"), idx, strict=False)},
                 int(k[idx[1]]),
             )
 

@@ -3,7 +3,8 @@
 Each destination has its own bounded queue and sender thread. Receivers hand over
 the request's protobuf bytes with :meth:`Forwarder.submit`, which never blocks:
 when the queue is full, in exports or in bytes, the payload is dropped and counted,
-so a slow or dead downstream costs ingest nothing and holds a bounded amount of memory. A payload that fails to send is retried a few
+so a slow or dead downstream costs ingest nothing and holds a bounded amount of memory. A
+payload that fails to send is retried a few
 times (for retryable failures only) and then dropped and counted. Drops are
 visible as ``inferprof_forward_dropped_total{destination,reason}``.
 
@@ -152,7 +153,9 @@ class _FileSender:
     def __init__(self, path: str) -> None:
         from inferprof.collector.otlp_json import PB_KIND_METRICS, PB_KIND_TRACES, PB_MAGIC
 
-        self._kinds = {semconv.SIGNAL_TRACES: PB_KIND_TRACES, semconv.SIGNAL_METRICS: PB_KIND_METRICS}
+        self._kinds = {
+            semconv.SIGNAL_TRACES: PB_KIND_TRACES, semconv.SIGNAL_METRICS: PB_KIND_METRICS,
+        }
         self._fh = open(path, "ab")  # noqa: SIM115 - held open for the forwarder's lifetime
         if self._fh.tell() == 0:
             self._fh.write(PB_MAGIC)

@@ -293,7 +293,8 @@ class GpuSamples:
         known = [p for p in periods if p > 0]
         fallback = float(np.median(known)) if known else 1.0
         weights = [
-            np.full(vals.size, p if p > 0 else fallback) for vals, p in zip(values, periods)
+            np.full(vals.size, p if p > 0 else fallback)
+            for vals, p in zip(values, periods, strict=False)
         ]
         return np.concatenate(values), np.concatenate(weights)
 

@@ -191,7 +191,9 @@ def _check_free(host: str, port: int, address: str) -> None:
             probe.bind((host, port))
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
-            raise OSError(f"cannot listen for OTLP/gRPC on {address}: address already in use") from None
+            raise OSError(
+                f"cannot listen for OTLP/gRPC on {address}: address already in use"
+            ) from None
         # anything else (a name to resolve, an address not here): grpc's bind decides
 
 

@@ -390,7 +390,7 @@ class HttpServers:
 
         try:
             asyncio.run(main())
-        except BaseException as exc:  # noqa: BLE001 - reported to start()/logged, never raised here
+        except BaseException as exc:
             self._error = exc
             _log.exception("inferprof HTTP listeners stopped with an error")
 

@@ -73,7 +73,7 @@ def _le(bound: float) -> str:
 def _buckets(bounds, counts) -> list[tuple[str, float]]:
     cumulative = 0.0
     out = []
-    for bound, c in zip((*bounds, float("inf")), counts.tolist()):
+    for bound, c in zip((*bounds, float("inf")), counts.tolist(), strict=False):
         cumulative += c
         out.append(("+Inf" if bound == float("inf") else _le(bound), cumulative))
     return out
@@ -325,7 +325,7 @@ class EngineCollector:
         for service, model in series:
             try:
                 doc = self.engine.breakdown(service, model, window_s)
-            except Exception:  # noqa: BLE001 - a scrape must not fail because of one series
+            except Exception:
                 _log.exception("inferprof: breakdown of %s/%s failed", service, model)
                 continue
             if doc is None:

@@ -16,7 +16,8 @@ Files: ``iter_otlp_file`` reads what the OpenTelemetry Collector's ``file`` expo
 writes with ``format: json`` (one ``{"resourceSpans": ...}`` or ``{"resourceMetrics":
 ...}`` document per line; ``.gz`` compressed too) or ``format: proto`` (each message
 after a 4-byte big-endian length, one signal per file), and inferprof's own
-length-delimited protobuf dumps (``inferprof.report.dump.write_pb``): the magic line ``PB_MAGIC`` then, per
+length-delimited protobuf dumps (``inferprof.report.dump.write_pb``): the magic line
+``PB_MAGIC`` then, per
 export, one kind byte (``T`` traces, ``M`` metrics), a varint length and the serialized
 ``Export*ServiceRequest``.
 """
@@ -77,7 +78,7 @@ def pb_record(kind: bytes, payload: bytes) -> bytes:
 
 def _hex_to_b64(value: Any, size: int, where: str) -> str:
     if not isinstance(value, str):
-        raise ValueError(f"{where}: expected a hex string, got {type(value).__name__}")  # noqa: TRY004 - malformed input is a ValueError (module contract)
+        raise ValueError(f"{where}: expected a hex string, got {type(value).__name__}")
     if value == "":
         return ""
     if len(value) != 2 * size:
@@ -111,7 +112,7 @@ def _items(obj: dict, names: tuple[str, ...], where: str) -> list[dict]:
             copies = []
             for i, item in enumerate(value):
                 if not isinstance(item, dict):
-                    raise ValueError(f"{path}[{i}]: expected an object")  # noqa: TRY004 - malformed input is a ValueError (module contract)
+                    raise ValueError(f"{path}[{i}]: expected an object")
                 copies.append(dict(item))
             obj[name] = copies
             return copies
@@ -126,13 +127,13 @@ def _load(data: bytes | str | dict) -> dict:
     if isinstance(data, (list, int, float, bool)) or data is None:  # JSON, parsed already
         raise ValueError("OTLP/JSON: the document must be a JSON object")
     if not isinstance(data, str):
-        raise ValueError(f"OTLP/JSON: expected bytes, str or dict, got {type(data).__name__}")  # noqa: TRY004 - malformed input is a ValueError (module contract)
+        raise ValueError(f"OTLP/JSON: expected bytes, str or dict, got {type(data).__name__}")
     try:
         doc = json.loads(data)
     except RecursionError:
         raise ValueError("OTLP/JSON: document nested too deeply") from None
     if not isinstance(doc, dict):
-        raise ValueError("OTLP/JSON: the document must be a JSON object")  # noqa: TRY004
+        raise ValueError("OTLP/JSON: the document must be a JSON object")
     return doc
 
 
@@ -357,7 +358,7 @@ def parse_trace_request_json(data: bytes | str | dict) -> ExportTraceServiceRequ
     doc = _load(data)
     try:
         return _fast_trace_request(doc)
-    except Exception:  # noqa: BLE001, S110 - anything unexpected: the exact, slower path decides
+    except Exception:
         pass
     for i, rs in enumerate(_items(doc, ("resourceSpans", "resource_spans"), "")):
         for j, ss in enumerate(_items(rs, ("scopeSpans", "scope_spans"), f"resourceSpans[{i}]")):
@@ -604,10 +605,10 @@ def to_json(request: OtlpRequest) -> dict:
 
 __all__ = [
     "PB_MAGIC",
-    "pb_record",
     "iter_otlp_file",
     "parse_json_line",
     "parse_metrics_request_json",
     "parse_trace_request_json",
+    "pb_record",
     "to_json",
 ]

@@ -420,10 +420,7 @@ def load_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     else:  # tomli: the parser that became tomllib, for Python 3.10
         toml = require("tomli", "collector")
     try:
-        if suffix == ".toml":
-            data = toml.loads(text)
-        else:
-            data = yaml.safe_load(text) or {}
+        data = toml.loads(text) if suffix == ".toml" else yaml.safe_load(text) or {}
     except Exception as exc:  # parse errors of either format
         raise ValueError(f"cannot parse collector config {str(p)!r}: {exc}") from exc
     if not isinstance(data, dict):

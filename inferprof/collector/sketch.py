@@ -159,7 +159,8 @@ class TimeSlice:
     ``padding``: series -> [effective tokens, padded tokens, batches];
     ``compute``: series -> compute-span windows for the GPU join;
     ``queue``: series -> a sample of queue-span rows (instance, start s, end s, weight,
-    reported ``inferprof.queue.behind_batches_s`` or NaN, random key); ``work``: series -> the union of batch work windows (instance, start s,
+    reported ``inferprof.queue.behind_batches_s`` or NaN, random key); ``work``: series -> the
+    union of batch work windows (instance, start s,
     end s), sorted; ``work_seen`` / ``work_estimate``: series -> the work windows' summed
     durations / the weighted batch work of the traced members (``queueing``);
     ``queue_version`` / ``queue_cache``: a change count per series and the cached
@@ -169,7 +170,8 @@ class TimeSlice:
     """
 
     __slots__ = (
-        "compute", "errors", "index", "padding", "q_chunks", "queue", "queue_cache", "queue_version",
+        "compute", "errors", "index", "padding", "q_chunks", "queue", "queue_cache",
+        "queue_version",
         "t_chunks", "work", "work_estimate", "work_seen",
     )
 
@@ -226,7 +228,8 @@ def split_groups(
     starts = np.concatenate([[0], bounds])
     ends = np.concatenate([bounds, [codes.size]])
     return {
-        int(group[a]): (keys[a:b], weights[a:b]) for a, b in zip(starts.tolist(), ends.tolist())
+        int(group[a]): (keys[a:b], weights[a:b])
+        for a, b in zip(starts.tolist(), ends.tolist(), strict=False)
     }
 
 

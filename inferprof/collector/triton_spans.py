@@ -145,7 +145,7 @@ def translate(
             times.extend((None,) * len(_COMPUTE_EVENTS))
         _, req_start, req_end = spans[rid][:3]
         stages = []
-        for stage, s, e in zip(STAGES, times, times[1:]):
+        for stage, s, e in zip(STAGES, times, times[1:], strict=False):
             if s is not None and e is not None and req_start <= s <= e <= req_end:
                 stages.append((stage, s, e))
         out[rid] = (model, stages, 2 if len(computes) == 1 else 1)

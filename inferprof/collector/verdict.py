@@ -29,7 +29,8 @@ stands for a busy GPU (lower cannot tell ``runtime`` from ``kernel``: ``unknown`
 ``unknown`` has confidence 0.
 
 GPU samples (contract §4) are kept per GPU (``hw.id``) and metric with their timestamps
-(``gpu_samples.GpuSamples``). A utilisation sample taken at ``t`` describes the sampling period before it, so it is
+(``gpu_samples.GpuSamples``). A utilisation sample taken at ``t`` describes the sampling period
+before it, so it is
 joined to a compute span ``[s, e]`` when ``s < t < e + period`` (``period`` = the median
 gap between that GPU's samples): compute spans are often shorter than the sampling
 period and a strict "inside" rule would match nothing. Each joined sample weighs by that period
@@ -394,4 +395,4 @@ def _unknown(*evidence: str) -> dict:
     return _verdict(sc.VERDICT_UNKNOWN, 0.0, list(evidence))
 
 
-__all__ = ["MIN_TRACED_REQUESTS", "GpuSamples", "decide", "gpu_evidence", "is_gpu_metric"]
+__all__ = ["MIN_TRACED_REQUESTS", "decide", "gpu_evidence", "is_gpu_metric"]

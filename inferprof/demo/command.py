@@ -69,7 +69,8 @@ def _echo(message: str, quiet: bool) -> None:
 @click.option("--concurrency", type=click.IntRange(min=1), default=None,
               help="Closed loop: this many concurrent clients instead of the open loop.")
 @click.option("--rate", type=click.FloatRange(min=0.1), default=None,
-              help=f"Open loop: requests per second (Poisson arrivals) [default: {DEFAULT_RATE:g}].")
+              help="Open loop: requests per second (Poisson arrivals) "
+                   f"[default: {DEFAULT_RATE:g}].")
 @click.option("--burst", type=click.IntRange(min=1), default=1, show_default=True,
               help="Open loop: requests arriving together.")
 @click.option("--mode", type=click.Choice(INSTRUMENTATIONS), default=semconv.MODE_FULL,

@@ -94,7 +94,10 @@ class DemoPipeline:
             return {
                 "topic": self.model.topics[best],
                 "confidence": round(float(probs[best]), 4),
-                "scores": {t: round(float(p), 4) for t, p in zip(self.model.topics, probs)},
+                "scores": {
+                    t: round(float(p), 4)
+                    for t, p in zip(self.model.topics, probs, strict=False)
+                },
                 "top_tokens": top_tokens,
                 "tokens": len(ids),
             }

@@ -39,7 +39,7 @@ from inferprof.batching.forming import batch_ready
 
 
 class _Entry:
-    __slots__ = ("item", "future", "t")
+    __slots__ = ("future", "item", "t")
 
     def __init__(self, item: Any, future: asyncio.Future[Any]) -> None:
         self.item = item
@@ -113,13 +113,13 @@ class PlainBatcher:
         try:
             results = await self._loop.run_in_executor(self._pool, self._call,
                                                        [e.item for e in live])
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             # One failed batch fails its members, not the server.
             for e in live:
                 if not e.future.done():
                     e.future.set_exception(exc)
             return
-        for e, result in zip(live, results):
+        for e, result in zip(live, results, strict=False):
             if not e.future.done():
                 e.future.set_result(result)
 

@@ -138,7 +138,9 @@ class ServiceProcess:
                         return
             except OSError:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"demo service is not healthy:\n{self.stderr_text()}")
+                    raise RuntimeError(
+                        f"demo service is not healthy:\n{self.stderr_text()}"
+                    ) from None
                 time.sleep(0.05)
 
     def stderr_text(self) -> str:
@@ -171,7 +173,7 @@ class ServiceProcess:
             self._stderr.close()
             self._stderr = None
 
-    def __enter__(self) -> ServiceProcess:  # noqa: PYI034
+    def __enter__(self) -> ServiceProcess:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -222,7 +222,7 @@ class _Telemetry:
                 inferprof.shutdown()
             elif self._provider is not None:
                 self._provider.shutdown()
-        except Exception:  # noqa: BLE001 - telemetry never stops a clean shutdown
+        except Exception:
             _log.exception("telemetry shutdown failed")
 
 

@@ -7,4 +7,4 @@ from __future__ import annotations
 
 from inferprof.fastapi.middleware import InferprofMiddleware, chunk_tokens, instrument
 
-__all__ = ["InferprofMiddleware", "instrument", "chunk_tokens"]
+__all__ = ["InferprofMiddleware", "chunk_tokens", "instrument"]

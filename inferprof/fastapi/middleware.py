@@ -104,27 +104,27 @@ class _HttpRequest(RequestRecord):
     """
 
     __slots__ = (
-        "recv_start",
-        "recv_end",
-        "received",
-        "ser_start",
-        "ser_end",
-        "sent",
-        "status",
-        "route",
-        "content",
-        "disconnected",
-        "stream",
+        "_otel_token",
+        "_receive",
+        "_scope_token",
+        "_send",
+        "chunk_merged",
         "chunk_times",
         "chunk_tokens",
-        "chunk_merged",
-        "next_tokens",
-        "root_path",
+        "content",
+        "disconnected",
         "live_scope",
-        "_receive",
-        "_send",
-        "_scope_token",
-        "_otel_token",
+        "next_tokens",
+        "received",
+        "recv_end",
+        "recv_start",
+        "root_path",
+        "route",
+        "sent",
+        "ser_end",
+        "ser_start",
+        "status",
+        "stream",
     )
 
     async def receive(self) -> Message:
@@ -669,4 +669,4 @@ def _native_tracing_off(app: Any) -> None:
                      "fastapi_tracing=True) keeps FastAPI's)")
 
 
-__all__ = ["InferprofMiddleware", "instrument", "chunk_tokens"]
+__all__ = ["InferprofMiddleware", "chunk_tokens", "instrument"]

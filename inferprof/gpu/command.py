@@ -296,7 +296,9 @@ def _read_once(sampler: _sampler.GpuSampler) -> None:
     try:
         samples = sampler.read_once()
     except (SourceUnavailable, ImportError) as exc:
-        raise click.ClickException(f"cannot sample GPUs: {exc}{_elsewhere(sampler.source)}") from None
+        raise click.ClickException(
+            f"cannot sample GPUs: {exc}{_elsewhere(sampler.source)}"
+        ) from None
     except ValueError as exc:  # from open(): a GPU that is not there, a malformed recording
         raise click.UsageError(str(exc)) from None
     except RuntimeError as exc:  # a failed read: one line, not a traceback

@@ -137,4 +137,7 @@ def metric_exporter(config: instr_config.Config) -> Any:
     return instr_config.metric_exporter(config)
 
 
-__all__ = ["DEFAULT_ENDPOINTS", "metric_exporter", "metrics_config", "metrics_target", "sampler_resource", "service_host_name", "to_metrics_data"]
+__all__ = [
+    "DEFAULT_ENDPOINTS", "metric_exporter", "metrics_config", "metrics_target",
+    "sampler_resource", "service_host_name", "to_metrics_data",
+]

@@ -51,7 +51,7 @@ def _record(line: str, where: str) -> tuple[float, str, str | None, tuple[tuple[
     except json.JSONDecodeError as exc:
         raise ValueError(f"{where}: not JSON ({exc.msg})") from None
     if not isinstance(doc, dict):
-        raise ValueError(f"{where}: expected a JSON object")  # noqa: TRY004 - bad file
+        raise ValueError(f"{where}: expected a JSON object")
     t, hw_id, host, values = (doc.get(k) for k in (KEY_T, KEY_HW_ID, KEY_HOST, KEY_VALUES))
     if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
         raise ValueError(f"{where}: {KEY_T!r} must be a number of seconds, got {t!r}")
@@ -67,7 +67,7 @@ def _record(line: str, where: str) -> tuple[float, str, str | None, tuple[tuple[
             raise ValueError(f"{where}: {name!r} is not a GPU metric of the contract "
                              f"({', '.join(sorted(METRICS))})")
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(  # noqa: TRY004 - a bad file, not a bad argument
+            raise ValueError(
                 f"{where}: {name} must be a number, got {value!r}")
         pairs.append((name, float(value)))
     return float(t), hw_id, host or None, tuple(pairs)
@@ -120,7 +120,7 @@ class ReplaySource:
         records = read_samples(self.path)  # ValueError: a bad file is a bad argument
         t0 = records[0][0]
         offsets = [round((t - t0) * 1e9) for t, *_ in records]
-        self._records = [(off, r[1], r[2], r[3]) for off, r in zip(offsets, records)]
+        self._records = [(off, r[1], r[2], r[3]) for off, r in zip(offsets, records, strict=False)]
         distinct = sorted(set(offsets))
         gaps = [b - a for a, b in itertools.pairwise(distinct)]
         gap = statistics.median(gaps) if gaps else 100_000_000

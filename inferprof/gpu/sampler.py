@@ -182,13 +182,15 @@ class GpuSampler:
             self._config = None
             protocol_used, url = "custom", None
         if max_export_batch_size is not None and (
-                isinstance(max_export_batch_size, bool) or not isinstance(max_export_batch_size, int)
+                isinstance(max_export_batch_size, bool)
+                or not isinstance(max_export_batch_size, int)
                 or max_export_batch_size < 1):
             raise ValueError(
                 f"max_export_batch_size must be a positive int, got {max_export_batch_size!r}")
         self.settings = SamplerSettings(
             source=source.name,
-            interval=_settings.positive_seconds(interval, ENV_INTERVAL, source.default_interval, "interval"),
+            interval=_settings.positive_seconds(interval, ENV_INTERVAL, source.default_interval,
+                                                "interval"),
             export_interval=_settings.positive_seconds(export_interval, ENV_EXPORT_INTERVAL,
                                             _DEFAULT_EXPORT_INTERVAL_S, "export_interval"),
             max_queue_size=_settings.positive_int(max_queue_size, ENV_MAX_QUEUE_SIZE,
@@ -352,7 +354,7 @@ class GpuSampler:
     def _poll_once(self) -> None:
         try:
             samples = self.source.read()
-        except Exception as exc:  # noqa: BLE001 - a failed poll is logged, counted, retried
+        except Exception as exc:
             with self._lock:
                 self._stats = replace(self._stats, polls=self._stats.polls + 1,
                                       poll_errors=self._stats.poll_errors + 1)
@@ -408,7 +410,7 @@ class GpuSampler:
                                            timeout_millis=10_000)
             failed = result is not MetricExportResult.SUCCESS
             reason = "the exporter reported a failure"
-        except Exception as exc:  # noqa: BLE001 - a broken exporter must not kill the thread
+        except Exception as exc:
             failed, reason = True, f"{type(exc).__name__}: {exc}"
         with self._lock:
             s = self._stats
@@ -500,7 +502,7 @@ def start_sampler(
         reason = f"GPU sampling disabled: {exc}"
     except (ValueError, TypeError):
         raise
-    except Exception as exc:  # noqa: BLE001 - nor may an unexpected failure stop the service
+    except Exception as exc:
         reason = f"GPU sampling disabled: the {src.name} source failed to start: {exc!r}"
     _logger.warning("%s", reason)
     return DisabledSampler(reason)

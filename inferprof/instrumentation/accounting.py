@@ -56,7 +56,7 @@ class DeferredTrace:
     trace state) on the export thread; ``runtime`` turns those into ``ReadableSpan``
     objects or, for inferprof's own OTLP exporter, straight into protobuf bytes."""
 
-    __slots__ = ("runtime", "build", "args", "n")
+    __slots__ = ("args", "build", "n", "runtime")
 
     def __init__(self, runtime: Any, build: Callable[..., tuple], args: tuple, n: int) -> None:
         self.runtime = runtime
@@ -72,7 +72,7 @@ class EncodedTrace:
     """A kept trace of ``n`` spans, encoded (``otlp_encode.encode_trace_spans``) for
     ``runtime``'s resource and scope."""
 
-    __slots__ = ("runtime", "payload", "n")
+    __slots__ = ("n", "payload", "runtime")
 
     def __init__(self, runtime: Any, payload: bytes, n: int) -> None:
         self.runtime = runtime
@@ -87,7 +87,7 @@ TRACE_ENTRIES = (DeferredTrace, EncodedTrace)
 class EncodedSpans:
     """``n`` spans already encoded as an ``ExportTraceServiceRequest`` (``payload``)."""
 
-    __slots__ = ("payload", "n")
+    __slots__ = ("n", "payload")
 
     def __init__(self, payload: bytes, n: int) -> None:
         self.payload = payload
@@ -124,8 +124,15 @@ class Stats:
     under-count, never break serving)."""
 
     __slots__ = (
-        "emitted", "queue_full", "export_failed", "exported", "kept", "discarded", "untimed",
-        "shutdown", "_lock",
+        "_lock",
+        "discarded",
+        "emitted",
+        "export_failed",
+        "exported",
+        "kept",
+        "queue_full",
+        "shutdown",
+        "untimed",
     )
 
     def __init__(self) -> None:
@@ -262,10 +269,10 @@ class CountingSpanExporter(SpanExporter):
 
 __all__ = [
     "TRACE_ENTRIES",
+    "CountingSpanExporter",
     "DeferredTrace",
     "EncodedSpans",
     "EncodedTrace",
     "Stats",
     "StatsSnapshot",
-    "CountingSpanExporter",
 ]

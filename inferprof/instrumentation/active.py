@@ -99,6 +99,7 @@ def is_installed(provider: Any) -> bool:
 
 
 __all__ = [
-    "active_runtime", "configured_runtime", "current_config", "final_stats", "install", "is_installed",
+    "active_runtime", "configured_runtime", "current_config", "final_stats", "install",
+    "is_installed",
     "mark_installed", "uninstall",
 ]

@@ -281,7 +281,17 @@ def metric_exporter(config: Config) -> Any:
 
 
 __all__ = [
-    "Config", "PROTOCOLS", "PROTOCOL_GRPC", "PROTOCOL_HTTP", "batch_encoding_setting",
-    "excluded_paths_setting", "metric_exporter", "metrics_endpoint", "mode_setting",
-    "protocol_port_mismatch", "resolve", "resource", "traces_endpoint",
+    "PROTOCOLS",
+    "PROTOCOL_GRPC",
+    "PROTOCOL_HTTP",
+    "Config",
+    "batch_encoding_setting",
+    "excluded_paths_setting",
+    "metric_exporter",
+    "metrics_endpoint",
+    "mode_setting",
+    "protocol_port_mismatch",
+    "resolve",
+    "resource",
+    "traces_endpoint",
 ]

@@ -81,7 +81,7 @@ class _TorchDevice:
     skips it, and still follows ``with torch.cuda.stream(s):``.
     """
 
-    __slots__ = ("index", "event_cls", "current_stream", "gpu_id")
+    __slots__ = ("current_stream", "event_cls", "gpu_id", "index")
 
     def __init__(self, torch: Any, index: int) -> None:
         self.index = index
@@ -154,7 +154,13 @@ class DeviceTiming:
     """
 
     __slots__ = (
-        "rec", "start_event", "end_event", "start_host", "end_host", "done_at_end", "stream"
+        "done_at_end",
+        "end_event",
+        "end_host",
+        "rec",
+        "start_event",
+        "start_host",
+        "stream"
     )
 
     def __init__(self, rec: Any, start_event: Any, end_event: Any, stream: Any = None) -> None:
@@ -256,10 +262,10 @@ def _resolve(timings: list[DeviceTiming]) -> None:
 
 
 __all__ = [
-    "parse_cuda_device",
-    "begin_device_stage",
-    "resolve_stages",
-    "EventDevice",
     "DeviceTiming",
+    "EventDevice",
+    "begin_device_stage",
     "gpu_uuid",
+    "parse_cuda_device",
+    "resolve_stages",
 ]

@@ -71,7 +71,7 @@ class Engine:
     the step attribute ``Engine.step(kv_cache_usage=)`` is the cheaper alternative).
     """
 
-    __slots__ = ("engine_id", "model", "kv_cache_usage", "_warned_second", "_gauge_on")
+    __slots__ = ("_gauge_on", "_warned_second", "engine_id", "kv_cache_usage", "model")
 
     def __init__(self, engine_id: str = semconv.DEFAULT_ENGINE_ID, *, model: str | None = None,
                  kv_cache_usage: Callable[[], float] | None = None) -> None:
@@ -170,9 +170,22 @@ class Step:
     """
 
     __slots__ = (
-        "rt", "engine_id", "kv", "start", "end", "prefill_tokens", "decode_tokens",
-        "requests", "timed", "stages", "stages_dropped", "finished", "_decoders",
-        "_prefills", "_token", "error",
+        "_decoders",
+        "_prefills",
+        "_token",
+        "decode_tokens",
+        "end",
+        "engine_id",
+        "error",
+        "finished",
+        "kv",
+        "prefill_tokens",
+        "requests",
+        "rt",
+        "stages",
+        "stages_dropped",
+        "start",
+        "timed",
     )
 
     def __init__(self, rt: Any, engine_id: str, kv_cache_usage: float | None) -> None:
@@ -212,7 +225,7 @@ class Step:
         self.timed = True
         state = gen.state
         if state != PREFILL:
-            if state == DONE or state == DECODING:
+            if state in (DONE, DECODING):
                 return
             gen._admit(self.start)  # QUEUED or PREEMPTED: admitted in this step
         gen.prefilled += tokens

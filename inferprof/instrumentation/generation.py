@@ -51,9 +51,24 @@ class Generation:
     """
 
     __slots__ = (
-        "engine_id", "rec", "own", "state", "stage", "prompt_tokens", "output", "emits",
-        "emit_tokens", "merged", "preemptions", "prefilled", "prefill_chunks", "prefill_end",
-        "last_step_end", "run_start", "run_output", "cancelled",
+        "cancelled",
+        "emit_tokens",
+        "emits",
+        "engine_id",
+        "last_step_end",
+        "merged",
+        "output",
+        "own",
+        "preemptions",
+        "prefill_chunks",
+        "prefill_end",
+        "prefilled",
+        "prompt_tokens",
+        "rec",
+        "run_output",
+        "run_start",
+        "stage",
+        "state",
     )
 
     def __init__(self, engine_id: str, rec: Any, own: bool, prompt_tokens: int | None,
@@ -299,7 +314,8 @@ def generation_attributes(
     """A kept request's generation attributes (for its request span).
 
     ``transport``: the times (ns) at which the response's chunks left the service, the
-    tokens of each (None: one each) and the merges already made, from the HTTP middleware; they win over the engine's
+    tokens of each (None: one each) and the merges already made, from the HTTP middleware; they
+    win over the engine's
     own emissions (:class:`Generation`). The engine's handle, when there is one, gives the
     token counts, the engine id and the preemptions.
     """
@@ -348,4 +364,4 @@ def _span_start(rec: Any) -> int:
     return int(rec.start)
 
 
-__all__ = ["Generation", "generation_attributes", "emission_attributes", "merge_pairs"]
+__all__ = ["Generation", "emission_attributes", "generation_attributes", "merge_pairs"]

@@ -32,7 +32,7 @@ class StageRecord:
     a request that is not kept never draw a random id.
     """
 
-    __slots__ = ("name", "span_id", "parent", "start", "end", "attrs", "error", "device")
+    __slots__ = ("attrs", "device", "end", "error", "name", "parent", "span_id", "start")
 
     def __init__(self, name: str, parent: StageRecord | None, start: int, attrs: dict) -> None:
         self.name = name
@@ -84,27 +84,27 @@ class RequestRecord:
     """
 
     __slots__ = (
-        "name",
-        "kind",
-        "trace_id",
-        "span_id",
-        "parent",
-        "start",
-        "end",
         "attrs",
-        "stages",
         "batches",
-        "error",
-        "head",
-        "weight_hint",
-        "live_span",
         "emit_request_span",
-        "runtime",
+        "end",
+        "error",
         "finished",
-        "kept",
-        "stages_dropped",
-        "trace_state",
         "generation",
+        "head",
+        "kept",
+        "kind",
+        "live_span",
+        "name",
+        "parent",
+        "runtime",
+        "span_id",
+        "stages",
+        "stages_dropped",
+        "start",
+        "trace_id",
+        "trace_state",
+        "weight_hint",
     )
 
     def __init__(
@@ -211,22 +211,22 @@ class BatchRecord:
     """
 
     __slots__ = (
-        "batch_id",
         "attrs",
-        "stages",
-        "members",
-        "encoding",
-        "runtime",
+        "batch_id",
+        "bodies",
         "closed",
-        "pending",
+        "emitted",
+        "encoding",
+        "finished",
         "kept_members",
         "lock",
-        "emitted",
+        "members",
+        "pending",
+        "runtime",
+        "stages",
+        "stages_dropped",
         "tokens",
         "trace_id",
-        "stages_dropped",
-        "bodies",
-        "finished",
     )
 
     def __init__(
@@ -327,7 +327,9 @@ def detach_context(token: Any) -> None:
 #: The innermost open scope of this context: (owner, enclosing stage record or None). The
 #: owner is a RequestRecord (request stages) or a BatchRecord (inside ``inferprof.batch``/the
 #: batcher); or the scope is :data:`UNTIMED`.
-SCOPE: ContextVar[tuple[Any, StageRecord | None] | None] = ContextVar("inferprof_scope", default=None)
+SCOPE: ContextVar[tuple[Any, StageRecord | None] | None] = ContextVar(
+    "inferprof_scope", default=None
+)
 
 
 class _Untimed:
@@ -351,18 +353,18 @@ def current_owner() -> Any:
 
 
 __all__ = [
-    "StageRecord",
-    "RequestRecord",
-    "RequestSpan",
-    "BatchRecord",
-    "SCOPE",
-    "UNTIMED",
     "MEMBERSHIP_LOCK",
     "NO_BATCHES",
-    "current_owner",
-    "span_id_of",
-    "set_batch_tokens",
-    "current_otel_context",
+    "SCOPE",
+    "UNTIMED",
+    "BatchRecord",
+    "RequestRecord",
+    "RequestSpan",
+    "StageRecord",
     "attach_span",
+    "current_otel_context",
+    "current_owner",
     "detach_context",
+    "set_batch_tokens",
+    "span_id_of",
 ]

@@ -11,9 +11,11 @@ most telemetry CPU exactly when the service has none to spare (measured on the d
 kept fraction went from 15% to 34% and tipped an 80%-loaded service into overload). So when
 more than ``_TAIL_BUDGET`` x (1 - ``tail_quantile``) of the last ``_GUARD_PERIODS`` x
 ``refresh`` requests were slow (long enough that chance alone never trips it: with the
-defaults, 2x the expected share over 256 requests is a 5-sigma event), slow requests are kept with the probability that brings the rate back to that
+defaults, 2x the expected share over 256 requests is a 5-sigma event), slow requests are kept
+with the probability that brings the rate back to that
 budget (never below ``sample_rate``; head-sampled ones always), and carry its inverse as
-weight. The probability is fixed before the request it applies to, so weights stay exact. The kept request span carries
+weight. The probability is fixed before the request it applies to, so weights stay exact. The
+kept request span carries
 ``inferprof.sample.weight = 1 / probability``, so weighted counts, quantiles and shares
 computed by the collector stay unbiased whatever the estimate's error: a wrong threshold
 costs only efficiency (more or fewer traces kept), never correctness.
@@ -54,7 +56,7 @@ _OVERFLOW_KEY = ("<overflow>",)
 
 
 class _Window:
-    __slots__ = ("buf", "n", "threshold", "slow", "recent_slow", "tail_p")
+    __slots__ = ("buf", "n", "recent_slow", "slow", "tail_p", "threshold")
 
     def __init__(self, size: int) -> None:
         self.buf = array.array("q", bytes(8 * size))

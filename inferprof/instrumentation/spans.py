@@ -120,6 +120,12 @@ def error_parts(error: Any, when: int) -> tuple[Status, tuple[Event, ...], dict[
 
 
 __all__ = [
-    "SpanSpec", "UNSET", "batch_stage_attrs", "error_parts", "new_span_id", "new_spec",
-    "new_trace_id", "stage_spec",
+    "UNSET",
+    "SpanSpec",
+    "batch_stage_attrs",
+    "error_parts",
+    "new_span_id",
+    "new_spec",
+    "new_trace_id",
+    "stage_spec",
 ]

@@ -93,7 +93,7 @@ class Stage(StageRecord):
     the same Stage again records into a new record.
     """
 
-    __slots__ = ("_where", "_rec", "_token", "_span", "_otel_token", "_timing")
+    __slots__ = ("_otel_token", "_rec", "_span", "_timing", "_token", "_where")
     _rec: StageRecord | None
     _token: Any
     _otel_token: Any
@@ -391,7 +391,7 @@ def begin_request(
 class RequestScope:
     """One use of ``inferprof.request()``; ``with`` yields the request handle (or None)."""
 
-    __slots__ = ("name", "kind", "attrs", "carrier", "_rec", "_token", "_otel_token", "_rt")
+    __slots__ = ("_otel_token", "_rec", "_rt", "_token", "attrs", "carrier", "kind", "name")
     _token: Any
     _otel_token: Any
 
@@ -529,6 +529,15 @@ def current_request() -> RequestRecord | None:
 
 
 __all__ = [
-    "stage", "request", "current_request", "Stage", "RequestScope", "begin_request",
-    "reset_scope", "timed_share", "under_live_span", "NoopStage", "check_stage",
+    "NoopStage",
+    "RequestScope",
+    "Stage",
+    "begin_request",
+    "check_stage",
+    "current_request",
+    "request",
+    "reset_scope",
+    "stage",
+    "timed_share",
+    "under_live_span",
 ]

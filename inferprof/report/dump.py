@@ -30,7 +30,8 @@ def _kind(request) -> bytes:
     if isinstance(request, ExportMetricsServiceRequest):
         return PB_KIND_METRICS
     raise ValueError(
-        f"expected ExportTraceServiceRequest or ExportMetricsServiceRequest, got {type(request).__name__}"
+        "expected ExportTraceServiceRequest or ExportMetricsServiceRequest, got "
+        f"{type(request).__name__}"
     )
 
 

@@ -101,7 +101,8 @@ def _notes(doc: dict) -> list[str]:
     util = gpu.get("utilization_during_compute")
     if util:
         lines.append(
-            f"GPU utilisation during compute: median {_pct(util['p50'])}, mean {_pct(util['mean'])} "
+            f"GPU utilisation during compute: median {_pct(util['p50'])}, "
+            f"mean {_pct(util['mean'])} "
             f"({gpu.get('samples', 0)} samples)"
         )
     return lines
@@ -227,7 +228,7 @@ def _charts(doc: dict) -> tuple[str, str]:
     fig = Figure(figsize=(9, 2.8))
     ax = fig.subplots()
     rows = [("≥ p50", "share_of_p50"), ("≥ p95", "share_of_p95"), ("≥ p99", "share_of_p99")]
-    for y, (label, key) in enumerate(rows):
+    for y, (_label, key) in enumerate(rows):
         left = 0.0
         for st in stages:
             value = st.get(key, 0.0) or 0.0
@@ -268,7 +269,7 @@ def _charts(doc: dict) -> tuple[str, str]:
     ax = fig.subplots()
     width = 0.27
     xs = range(len(names))
-    for i, (q, color) in enumerate(zip(_QS, ("#9ecae1", "#3182bd", "#08519c"))):
+    for i, (q, color) in enumerate(zip(_QS, ("#9ecae1", "#3182bd", "#08519c"), strict=False)):
         values = [(s[q] or 0.0) * 1e3 for s in stages]
         ax.bar([x + (i - 1) * width for x in xs], values, width, label=q, color=color)
     ax.set_xticks(list(xs), names, rotation=30, ha="right")

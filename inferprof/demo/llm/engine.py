@@ -112,7 +112,7 @@ class Engine:
                 break
             try:
                 self._step()
-            except Exception:  # noqa: BLE001 - fail the requests in flight, keep serving
+            except Exception:
                 _log.exception("engine step failed; failing the requests in it")
                 self._fail_all()
         self._fail_all()
@@ -155,7 +155,8 @@ class Engine:
                  for it in items],
                 self.cache, logits_for=[it.samples for it in items])
             sampled = {it.request.id: int(t)
-                       for it, t in zip(items, np.argmax(logits, axis=-1)) if it.samples}
+                       for it, t in zip(items, np.argmax(logits, axis=-1), strict=False)
+                       if it.samples}
             finished = sched.advance(items, sampled)
         except BaseException as exc:
             error = exc

@@ -94,7 +94,8 @@ class StreamResult:
             return {"p50": quantile(values, 0.5), "p95": quantile(values, 0.95),
                     "p99": quantile(values, 0.99), "max": max(values) if values else None}
 
-        tpot = [(e - t) / (n - 1) for t, e, n in zip(self.ttft_s, self.e2e_s, self.tokens)
+        tpot = [(e - t) / (n - 1)
+                for t, e, n in zip(self.ttft_s, self.e2e_s, self.tokens, strict=False)
                 if n >= 2]
         d = self.duration_s
         return {

@@ -300,7 +300,7 @@ class _Telemetry:
             import inferprof
 
             inferprof.shutdown()
-        except Exception:  # noqa: BLE001 - telemetry never stops a clean shutdown
+        except Exception:
             _log.exception("telemetry shutdown failed")
 
 
