@@ -276,6 +276,28 @@ class Finalised:
         return len(self.start)
 
 
+def _local_roots(trace: _Trace) -> set[bytes]:
+    """The trace's request spans: candidates marked ``inferprof.request``, without a
+    parent, with a remote parent, or whose parent belongs to another service."""
+    spans = trace.spans
+    requests: set[bytes] = set()
+    for sid in trace.candidates:
+        parent, _, _, _, resource, extra, _, flags, _ = spans[sid]
+        if extra is not None and extra.get(sc.ATTR_REQUEST) is True:
+            requests.add(sid)
+            continue
+        if not parent or parent == _ZERO_SPAN:
+            requests.add(sid)
+            continue
+        if flags & _FLAG_HAS_IS_REMOTE and flags & _FLAG_IS_REMOTE:
+            requests.add(sid)
+            continue
+        p = spans.get(parent)
+        if p is None or p[4][0] != resource[0]:
+            requests.add(sid)
+    return requests
+
+
 class _Trace:
     __slots__ = ("candidates", "created", "due", "late", "spans", "triton")
 
@@ -297,6 +319,104 @@ class _Trace:
     def has_stage(self) -> bool:
         # Asked only of expired traces: cheaper than a flag set per span on ingest.
         return any(rec[3] is not None for rec in self.spans.values())
+
+
+class _Export:
+    """What one export's ingest counts as it goes."""
+
+    __slots__ = (
+        "asm",
+        "created",
+        "due",
+        "errors",
+        "link_pending",
+        "made_due",
+        "now",
+        "rejected",
+        "seen",
+        "unpending",
+    )
+
+    def __init__(self, asm: Assembler, now: float) -> None:
+        self.asm = asm
+        self.now = now
+        self.due = now + asm.settle_s
+        #: traces opened and traces made due by this export, for the schedules
+        self.created: list[bytes] = []
+        self.made_due: list[bytes] = []
+        self.seen = 0
+        self.rejected = 0
+        #: accepted spans that are not pending: engine step spans and their device stages
+        self.unpending = 0
+        self.link_pending = 0
+        self.errors: list[str] = []
+
+    def reject(self, reason: str, why: str) -> None:
+        self.rejected += 1
+        self.asm._drop(reason)
+        self.note(why)
+
+    def note(self, why: str) -> None:
+        if len(self.errors) < _MAX_ERRORS:
+            self.errors.append(why)
+
+
+def _resource_of(rs: Any) -> tuple[str, str, str]:
+    """(service.name, host.name, service.instance.id) of a ResourceSpans."""
+    service = _DEFAULT_SERVICE
+    host = ""
+    instance = ""
+    for kv in rs.resource.attributes:
+        k = kv.key
+        if k == sc.RESOURCE_SERVICE_NAME:
+            service = kv.value.string_value or _DEFAULT_SERVICE
+        elif k == sc.RESOURCE_HOST_NAME:
+            host = kv.value.string_value
+        elif k == sc.RESOURCE_SERVICE_INSTANCE_ID:
+            instance = kv.value.string_value
+    return service, host, instance
+
+
+def _read_attributes(attributes: Any) -> tuple[Any, dict[str, Any] | None]:
+    """A span's stage (None: none; ``_EMPTY``: present without a value) and the values of
+    the attributes the engine reads (None: none of them)."""
+    stage = None
+    extra = None
+    attr_stage = sc.ATTR_STAGE
+    for kv in attributes:
+        k = kv.key
+        if k == attr_stage:
+            v = kv.value
+            # Typed read first (the contract's type); the generic decode only when the
+            # sender used another type (_EMPTY: no value).
+            stage = v.string_value or _stage_value(v)
+        elif k in _WANTED:
+            v = kv.value
+            if k in _STRING_KEYS:
+                value = v.string_value or _any_value(v)
+            elif k in _ARRAY_KEYS:
+                value = _gen.array_value(v)
+            elif k in _INT_KEYS:
+                value = v.int_value or _any_value(v)
+            else:
+                value = _any_value(v)
+            if extra is None:
+                extra = {k: value}
+            else:
+                extra[k] = value
+    return stage, extra
+
+
+def _triton_span(trace: _Trace, span: Any, sid: bytes) -> bool:
+    """Keep what a span of Triton's scope says; whether it is Triton's request span."""
+    trec = _triton.read_span(span)
+    if trec is None:
+        return False
+    if trace.triton is None:
+        trace.triton = {sid: trec}
+    else:
+        trace.triton[sid] = trec
+    return bool(trec[0] == _triton.REQUEST)
 
 
 class Assembler:
@@ -363,296 +483,214 @@ class Assembler:
         self.dropped[reason] = self.dropped.get(reason, 0) + n
 
     def ingest(self, request: Any) -> tuple[int, int, list[str]]:
-        # The hot path: every protobuf field read creates a Python object (upb), so each
-        # span's fields are read once into locals, attribute values are decoded only for
-        # the handful of keys we use, and links are looked at only on stage spans.
-        now = self.clock()
-        traces = self.traces
-        links = self.links
-        stage_index = self.stage_index
-        wanted = _WANTED
-        string_keys = _STRING_KEYS
-        int_keys = _INT_KEYS
-        max_spans = self.max_spans_per_trace
-        max_links = self.max_links_per_span
-        # A linked batch span is pending once per member it links (one index entry
-        # each): beyond the one span ``accepted`` counts.
-        link_pending = 0
-        link_refs = self.link_refs
-        link_count = self.link_count
-        due = now + self.settle_s
-        attr_stage = sc.ATTR_STAGE
-        attr_request = sc.ATTR_REQUEST
-        recent_done = self.recent_done
-        # Traces opened and traces made due by this export, for the schedules.
-        created: list[bytes] = []
-        made_due: list[bytes] = []
-        candidate_kinds = _CANDIDATE_KINDS
+        """Take an OTLP traces export: (spans accepted, spans rejected, the first few
+        reasons). Spans are kept pending in their traces until those are due."""
+        ex = _Export(self, self.clock())
         triton_on = self.triton_spans
-        array_keys = _ARRAY_KEYS
-        step_sink = self.steps
-        # Accepted spans that are not pending: engine step spans and their device stages.
-        unpending = 0
-        seen = rejected = 0
-        errors: list[str] = []
-
-        def reject(reason: str, why: str) -> None:
-            nonlocal rejected
-            rejected += 1
-            self._drop(reason)
-            if len(errors) < _MAX_ERRORS:
-                errors.append(why)
-
         for rs in request.resource_spans:
-            service = _DEFAULT_SERVICE
-            host = ""
-            instance = ""
-            for kv in rs.resource.attributes:
-                k = kv.key
-                if k == sc.RESOURCE_SERVICE_NAME:
-                    service = kv.value.string_value or _DEFAULT_SERVICE
-                elif k == sc.RESOURCE_HOST_NAME:
-                    host = kv.value.string_value
-                elif k == sc.RESOURCE_SERVICE_INSTANCE_ID:
-                    instance = kv.value.string_value
-            resource = (service, host, instance)
+            resource = _resource_of(rs)
             for ss in rs.scope_spans:
                 spans = ss.spans
+                # Every span is accepted unless rejected (and counted) in _ingest_spans.
+                ex.seen += len(spans)
                 # Triton's spans are told by their scope: other scopes' spans are never
                 # asked for their name or events.
                 triton = triton_on and ss.scope.name == _triton.SCOPE
-                # Every span is accepted unless rejected (and counted) below.
-                seen += len(spans)
-                for span in spans:
-                    tid = span.trace_id
-                    sid = span.span_id
-                    # A trace already open has a valid id: only a new one is checked.
-                    trace = traces.get(tid)
-                    if (
-                        (trace is None and (len(tid) != 16 or tid == _ZERO_TRACE))
-                        or len(sid) != 8
-                        or sid == _ZERO_SPAN
-                    ):
-                        reject(
-                            sc.DROP_INVALID_ID,
-                            f"span {sid.hex()!r} in trace {tid.hex()!r}: invalid trace or span id",
-                        )
-                        continue
-                    start = span.start_time_unix_nano
-                    end = span.end_time_unix_nano
-                    if not 0 <= end - start <= _DAY_NS:
-                        if end < start:
-                            reject(
-                                sc.DROP_NEGATIVE_DURATION,
-                                f"span {sid.hex()}: end time before start time",
-                            )
-                        else:
-                            reject(
-                                sc.DROP_ABSURD_DURATION, f"span {sid.hex()}: duration over one day"
-                            )
-                        continue
-                    stage = None
-                    extra = None
-                    for kv in span.attributes:
-                        k = kv.key
-                        if k == attr_stage:
-                            v = kv.value
-                            # Typed read first (the contract's type); the generic decode
-                            # only when the sender used another type (_EMPTY: no value).
-                            stage = v.string_value or _stage_value(v)
-                        elif k in wanted:
-                            v = kv.value
-                            if k in string_keys:
-                                value = v.string_value or _any_value(v)
-                            elif k in array_keys:
-                                value = _gen.array_value(v)
-                            elif k in int_keys:
-                                value = v.int_value or _any_value(v)
-                            else:
-                                value = _any_value(v)
-                            if extra is None:
-                                extra = {k: value}
-                            else:
-                                extra[k] = value
-                    if (
-                        extra is not None
-                        and step_sink is not None
-                        and _gen.is_step_span(extra, stage, span.parent_span_id)
-                    ):
-                        # An engine step (or a device stage of one): to the engine's
-                        # timeline, never pending (its trace has no request).
-                        unpending += 1
-                        if stage is None:
-                            step_sink.add_step(resource, extra, start, end, now)
-                            # Device stages sent without the engine id came first.
-                            stray = traces.pop(tid, None) if trace is not None else None
-                            if stray is not None:
-                                n_stray = len(stray.spans)
-                                self.pending -= n_stray
-                                self.ignored += n_stray
-                        else:
-                            self.ignored += 1
-                        continue
-                    if stage is not None:
-                        # Stage name -> its number; a name not seen before is checked.
-                        try:
-                            sidx = stage_index.get(stage)
-                        except TypeError:  # an array or map value: no stage name
-                            sidx = None
-                        if sidx is None:
-                            if stage is _EMPTY:
-                                # Present but empty: no stage span, though the span still
-                                # "carries an inferprof attribute" (see _finalise_trace).
-                                if extra is None:
-                                    extra = {}
-                                extra[attr_stage] = None
-                            elif (
-                                isinstance(stage, str)
-                                and sc.STAGE_NAME_PATTERN.match(stage)
-                                and stage != sc.STAGE_UNATTRIBUTED
-                            ):
-                                sidx = stage_index[stage] = len(self.stage_names)
-                                self.stage_names.append(stage)
-                            else:
-                                reject(
-                                    sc.DROP_INVALID_STAGE,
-                                    f"span {sid.hex()}: invalid stage value {stage!r}",
-                                )
-                                continue
-                        # Links matter on stage spans only.
-                        span_links = span.links if sidx is not None else None
-                        if span_links:
-                            # Batch encoding (b): attributed through its links only.
-                            ident = (tid, sid)
-                            if ident in link_refs:
-                                reject(
-                                    sc.DROP_DUPLICATE,
-                                    f"span {sid.hex()}: duplicate span id in trace {tid.hex()}",
-                                )
-                                continue
-                            record = (sidx, start, end, resource, extra, ident)
-                            n_links = len(span_links)
-                            if n_links > max_links:
-                                self._drop(sc.DROP_TOO_MANY_LINKS, n_links - max_links)
-                                if len(errors) < _MAX_ERRORS:
-                                    errors.append(
-                                        f"span {sid.hex()}: {n_links} links, only the first "
-                                        f"{max_links} read (max_links_per_span)"
-                                    )
-                                span_links = span_links[:max_links]
-                            # One member request linked twice (a sender linking once per
-                            # item) is still one member: its stage counts once.
-                            targets = (
-                                dict.fromkeys((ln.trace_id, ln.span_id) for ln in span_links)
-                                if n_links > 1
-                                else ((span_links[0].trace_id, span_links[0].span_id),)
-                            )
-                            kept = 0
-                            for lk in targets:
-                                n_member = link_count.get(lk[0], 0)
-                                if n_member >= max_spans:
-                                    continue
-                                link_count[lk[0]] = n_member + 1
-                                kept += 1
-                                lst = links.get(lk)
-                                if lst is None:
-                                    links[lk] = [record]
-                                    self.link_created[lk] = now
-                                    if lk[0] in recent_done:
-                                        self.link_late.add(lk)
-                                else:
-                                    lst.append(record)
-                            if kept < len(targets):
-                                why = (
-                                    f"span {sid.hex()}: {len(targets) - kept} of its member "
-                                    f"traces have {max_spans} linked spans already "
-                                    "(max_spans_per_trace)"
-                                )
-                                if not kept:
-                                    reject(sc.DROP_TRACE_TOO_LARGE, why)
-                                    continue
-                                self._drop(sc.DROP_TRACE_TOO_LARGE, len(targets) - kept)
-                                if len(errors) < _MAX_ERRORS:
-                                    errors.append(why)
-                            link_refs[ident] = kept
-                            link_pending += kept - 1
-                            continue
-                    else:
-                        sidx = None
-                    if trace is None:
-                        trace = traces[tid] = _Trace(now)
-                        created.append(tid)
-                        if tid in recent_done:
-                            trace.late = True
-                        trace_spans = trace.spans
-                    else:
-                        trace_spans = trace.spans
-                        if sid in trace_spans:
-                            reject(
-                                sc.DROP_DUPLICATE,
-                                f"span {sid.hex()}: duplicate span id in trace {tid.hex()}",
-                            )
-                            continue
-                        if len(trace_spans) >= max_spans:
-                            reject(
-                                sc.DROP_TRACE_TOO_LARGE,
-                                f"trace {tid.hex()}: more than {max_spans} spans",
-                            )
-                            continue
-                    triton_request = False
-                    if triton and sidx is None:
-                        trec = _triton.read_span(span)
-                        if trec is not None:
-                            if trace.triton is None:
-                                trace.triton = {sid: trec}
-                            else:
-                                trace.triton[sid] = trec
-                            triton_request = trec[0] == _triton.REQUEST
-                    if (
-                        span.kind in candidate_kinds
-                        or (extra is not None and extra.get(attr_request) is True)
-                        or (extra is not None and _gen.is_engine_request(extra))
-                        or triton_request
-                    ):
-                        trace.candidates.append(sid)
-                        if trace.due is None or due > trace.due:
-                            trace.due = due
-                            made_due.append(tid)
-                        # Only request spans need the trace state, the is-remote bits and
-                        # the status.
-                        flags = span.flags & _OTLP_FLAGS
-                        if span.status.code == _STATUS_ERROR:
-                            flags |= _FLAG_ERROR
-                        trace_spans[sid] = (
-                            span.parent_span_id,
-                            start,
-                            end,
-                            sidx,
-                            resource,
-                            extra,
-                            True,
-                            flags,
-                            span.trace_state,
-                        )
-                    else:
-                        trace_spans[sid] = (
-                            span.parent_span_id,
-                            start,
-                            end,
-                            sidx,
-                            resource,
-                            extra,
-                            False,
-                            0,
-                            None,
-                        )
-        accepted = seen - rejected
-        self._created.add(now, created)
-        self._due.add(due, made_due)
-        self.received += accepted + rejected
+                self._ingest_spans(ex, spans, resource, triton)
+        accepted = ex.seen - ex.rejected
+        self._created.add(ex.now, ex.created)
+        self._due.add(ex.due, ex.made_due)
+        self.received += accepted + ex.rejected
         self.accepted += accepted
-        self.pending += accepted - unpending + link_pending
-        return accepted, rejected, errors
+        self.pending += accepted - ex.unpending + ex.link_pending
+        return accepted, ex.rejected, ex.errors
+
+    def _ingest_spans(self, ex: _Export, spans: Any, resource: tuple, triton: bool) -> None:
+        # The hot path: every protobuf field read creates a Python object (upb), so each
+        # span's fields are read once into locals, attribute values are decoded only for
+        # the handful of keys we use, and links are looked at only on stage spans.
+        now = ex.now
+        traces = self.traces
+        stage_index = self.stage_index
+        max_spans = self.max_spans_per_trace
+        recent_done = self.recent_done
+        step_sink = self.steps
+        reject = ex.reject
+        for span in spans:
+            tid = span.trace_id
+            sid = span.span_id
+            # A trace already open has a valid id: only a new one is checked.
+            trace = traces.get(tid)
+            if (
+                (trace is None and (len(tid) != 16 or tid == _ZERO_TRACE))
+                or len(sid) != 8
+                or sid == _ZERO_SPAN
+            ):
+                reject(sc.DROP_INVALID_ID,
+                       f"span {sid.hex()!r} in trace {tid.hex()!r}: invalid trace or span id")
+                continue
+            start = span.start_time_unix_nano
+            end = span.end_time_unix_nano
+            if not 0 <= end - start <= _DAY_NS:
+                if end < start:
+                    reject(sc.DROP_NEGATIVE_DURATION,
+                           f"span {sid.hex()}: end time before start time")
+                else:
+                    reject(sc.DROP_ABSURD_DURATION, f"span {sid.hex()}: duration over one day")
+                continue
+            stage, extra = _read_attributes(span.attributes)
+            if (
+                extra is not None
+                and step_sink is not None
+                and _gen.is_step_span(extra, stage, span.parent_span_id)
+            ):
+                self._step_span(ex, tid, trace, resource, extra, stage, start, end)
+                continue
+            sidx = None
+            if stage is not None:
+                # Stage name -> its number; a name not seen before is checked.
+                try:
+                    sidx = stage_index.get(stage)
+                except TypeError:  # an array or map value: no stage name
+                    sidx = None
+                if sidx is None:
+                    if stage is _EMPTY:
+                        # Present but empty: no stage span, though the span still
+                        # "carries an inferprof attribute" (see _finalise_trace).
+                        extra = {} if extra is None else extra
+                        extra[sc.ATTR_STAGE] = None
+                    else:
+                        sidx = self._new_stage(ex, stage, sid)
+                        if sidx is None:
+                            continue
+                # Links matter on stage spans only: batch encoding (b), attributed
+                # through its links only.
+                if sidx is not None and span.links:
+                    self._link_span(ex, span.links, tid, sid, (sidx, start, end, resource,
+                                                               extra, (tid, sid)))
+                    continue
+            if trace is None:
+                trace = traces[tid] = _Trace(now)
+                ex.created.append(tid)
+                if tid in recent_done:
+                    trace.late = True
+            else:
+                trace_spans = trace.spans
+                if sid in trace_spans:
+                    reject(sc.DROP_DUPLICATE,
+                           f"span {sid.hex()}: duplicate span id in trace {tid.hex()}")
+                    continue
+                if len(trace_spans) >= max_spans:
+                    reject(sc.DROP_TRACE_TOO_LARGE,
+                           f"trace {tid.hex()}: more than {max_spans} spans")
+                    continue
+            triton_request = triton and sidx is None and _triton_span(trace, span, sid)
+            if (
+                span.kind in _CANDIDATE_KINDS
+                or (extra is not None and extra.get(sc.ATTR_REQUEST) is True)
+                or (extra is not None and _gen.is_engine_request(extra))
+                or triton_request
+            ):
+                trace.candidates.append(sid)
+                if trace.due is None or ex.due > trace.due:
+                    trace.due = ex.due
+                    ex.made_due.append(tid)
+                # Only request spans need the trace state, the is-remote bits and the
+                # status.
+                flags = span.flags & _OTLP_FLAGS
+                if span.status.code == _STATUS_ERROR:
+                    flags |= _FLAG_ERROR
+                trace.spans[sid] = (span.parent_span_id, start, end, sidx, resource, extra,
+                                    True, flags, span.trace_state)
+            else:
+                trace.spans[sid] = (span.parent_span_id, start, end, sidx, resource, extra,
+                                    False, 0, None)
+
+    def _step_span(self, ex: _Export, tid: bytes, trace: _Trace | None, resource: tuple,
+                   extra: dict, stage: Any, start: int, end: int) -> None:
+        """An engine step (or a device stage of one): to the engine's timeline, never
+        pending (its trace has no request)."""
+        ex.unpending += 1
+        if stage is not None:
+            self.ignored += 1
+            return
+        self.steps.add_step(resource, extra, start, end, ex.now)
+        # Device stages sent without the engine id came first.
+        stray = self.traces.pop(tid, None) if trace is not None else None
+        if stray is not None:
+            n_stray = len(stray.spans)
+            self.pending -= n_stray
+            self.ignored += n_stray
+
+    def _new_stage(self, ex: _Export, stage: Any, sid: bytes) -> int | None:
+        """The number of a stage name not seen before; None (rejected) for a bad one."""
+        if (
+            isinstance(stage, str)
+            and sc.STAGE_NAME_PATTERN.match(stage)
+            and stage != sc.STAGE_UNATTRIBUTED
+        ):
+            sidx = self.stage_index[stage] = len(self.stage_names)
+            self.stage_names.append(stage)
+            return sidx
+        ex.reject(sc.DROP_INVALID_STAGE, f"span {sid.hex()}: invalid stage value {stage!r}")
+        return None
+
+    def _link_span(self, ex: _Export, span_links: Any, tid: bytes, sid: bytes,
+                   record: tuple) -> None:
+        """A batch stage span linked to its member requests: pending under each link
+        until the member's trace is finalised."""
+        ident = record[5]
+        link_refs = self.link_refs
+        if ident in link_refs:
+            ex.reject(sc.DROP_DUPLICATE,
+                      f"span {sid.hex()}: duplicate span id in trace {tid.hex()}")
+            return
+        max_links = self.max_links_per_span
+        n_links = len(span_links)
+        if n_links > max_links:
+            self._drop(sc.DROP_TOO_MANY_LINKS, n_links - max_links)
+            ex.note(f"span {sid.hex()}: {n_links} links, only the first {max_links} read "
+                    "(max_links_per_span)")
+            span_links = span_links[:max_links]
+        # One member request linked twice (a sender linking once per item) is still one
+        # member: its stage counts once.
+        targets = (
+            dict.fromkeys((ln.trace_id, ln.span_id) for ln in span_links)
+            if n_links > 1
+            else ((span_links[0].trace_id, span_links[0].span_id),)
+        )
+        links = self.links
+        link_count = self.link_count
+        max_spans = self.max_spans_per_trace
+        kept = 0
+        for lk in targets:
+            # A member trace's index entries count as its own spans do: at most
+            # max_spans_per_trace (they are folded with it, in one share of work).
+            n_member = link_count.get(lk[0], 0)
+            if n_member >= max_spans:
+                continue
+            link_count[lk[0]] = n_member + 1
+            kept += 1
+            lst = links.get(lk)
+            if lst is None:
+                links[lk] = [record]
+                self.link_created[lk] = ex.now
+                if lk[0] in self.recent_done:
+                    self.link_late.add(lk)
+            else:
+                lst.append(record)
+        if kept < len(targets):
+            why = (f"span {sid.hex()}: {len(targets) - kept} of its member traces have "
+                   f"{max_spans} linked spans already (max_spans_per_trace)")
+            if not kept:
+                ex.reject(sc.DROP_TRACE_TOO_LARGE, why)
+                return
+            self._drop(sc.DROP_TRACE_TOO_LARGE, len(targets) - kept)
+            ex.note(why)
+        link_refs[ident] = kept
+        # A linked batch span is pending once per member it links (one index entry
+        # each): beyond the one span ``accepted`` counts.
+        ex.link_pending += kept - 1
 
     # --- finalisation ------------------------------------------------------------------
     def advance(
@@ -806,26 +844,34 @@ class Assembler:
         trace (another service's, arriving later) are counted as usual.
         """
         spans = trace.spans
-        # Confirm local roots among the candidates.
-        requests: set[bytes] = set()
-        for sid in trace.candidates:
-            parent, _, _, _, resource, extra, _, flags, _ = spans[sid]
-            if extra is not None and extra.get(sc.ATTR_REQUEST) is True:
-                requests.add(sid)
-                continue
-            if not parent or parent == _ZERO_SPAN:
-                requests.add(sid)
-                continue
-            if flags & _FLAG_HAS_IS_REMOTE and flags & _FLAG_IS_REMOTE:
-                requests.add(sid)
-                continue
-            p = spans.get(parent)
-            if p is None or p[4][0] != resource[0]:
-                requests.add(sid)
+        requests = _local_roots(trace)
         repeated = requests.intersection(counted) if counted else None
         # Request span id -> its row in ``out``; a row is opened by the request's first
         # stage span (or at the end for a request with attributes but no stage span).
         rows: dict[bytes, int] = {}
+        self._own_stages(tid, spans, requests, repeated, rows, out, now)
+        if repeated:
+            requests -= repeated
+            self._forget_repeated(tid, repeated)
+        translated = (
+            _triton.translate(spans, trace.triton, requests) if trace.triton is not None else None
+        )
+        links = self.links
+        for rid in requests:
+            linked = links.pop((tid, rid), None) if links else None
+            if linked is not None:
+                self._linked_stages(tid, rid, linked, spans, rows, out, now)
+            if translated and rid not in rows and rid in translated:
+                self._triton_stages(rid, translated[rid], spans, rows, out)
+            if rid not in rows:
+                self._request_alone(spans[rid], out)
+        return tuple(requests)
+
+    def _own_stages(self, tid: bytes, spans: dict, requests: set[bytes],
+                    repeated: set[bytes] | None, rows: dict[bytes, int], out: Finalised,
+                    now: float) -> None:
+        """The trace's stage spans, each into its request's row (orphans and the stages
+        of repeated requests dropped); other spans counted as ignored."""
         owner_of: dict[bytes, bytes | None] = {}
         add_key = out.span_key.append
         add_start = out.span_start.append
@@ -856,76 +902,77 @@ class Assembler:
                 out.work.extend((row, s * 1e-9, e * 1e-9))
                 out.device.extend((row, stage, (e - s) * 1e-9 if e > s else 0.0, 1.0))
         self.ignored += ignored
+
+    def _forget_repeated(self, tid: bytes, repeated: set[bytes]) -> None:
+        """Requests counted before, sent again: dropped, with the batch spans linked to
+        them (re-sent with their member)."""
         links = self.links
-        if repeated:
-            requests -= repeated
-            self._drop(sc.DROP_DUPLICATE, len(repeated))
-            for rid in repeated:  # linked batch spans re-sent with their member
-                linked = links.pop((tid, rid), None) if links else None
-                if linked is not None:
-                    self.link_created.pop((tid, rid), None)
-                    self.link_late.discard((tid, rid))
-                    self._uncount(tid, len(linked))
-                    self._release_linked(linked)
-                    self._drop(sc.DROP_DUPLICATE, len(linked))
-        translated = (
-            _triton.translate(spans, trace.triton, requests) if trace.triton is not None else None
-        )
-        for rid in requests:
+        self._drop(sc.DROP_DUPLICATE, len(repeated))
+        for rid in repeated:
             linked = links.pop((tid, rid), None) if links else None
             if linked is not None:
                 self.link_created.pop((tid, rid), None)
                 self.link_late.discard((tid, rid))
                 self._uncount(tid, len(linked))
                 self._release_linked(linked)
-                row = rows.get(rid)
-                if row is None:
-                    row = rows[rid] = self._open_row(spans[rid], out)
-                for stage, s, e, res, extra, ident in linked:
-                    add_key(row << 32 | stage)
-                    add_start(s)
-                    add_end(e)
-                    if extra is not None:
-                        self._stage_attrs(out, row, stage, s, e, res, extra, ident, now)
-                    elif self.stage_names[stage] in _WORK_STAGES:
-                        out.work.extend((row, s * 1e-9, e * 1e-9))
-                        out.device.extend((row, stage, (e - s) * 1e-9 if e > s else 0.0, 1.0))
-            if translated and rid not in rows and rid in translated:
-                # A Triton request with no inferprof stage of its own: its derived stages.
-                model, derived, used = translated[rid]
-                row = rows[rid] = self._open_row(spans[rid], out)
-                out.model[row] = model
-                for name, s, e in derived:
-                    number = self._stage_number(name)
-                    add_key(row << 32 | number)
-                    add_start(s)
-                    add_end(e)
-                    if name in _WORK_STAGES:
-                        # Requests Triton batched together share these times: the engine
-                        # keeps one of each (no work_share: Triton traces all or none).
-                        out.work.extend((row, s * 1e-9, e * 1e-9))
-                        # Triton's spans give no batch size: each request is charged the
-                        # whole window (docs/concepts.md, cost).
-                        out.device.extend((row, number, (e - s) * 1e-9 if e > s else 0.0, 1.0))
-                if len(derived) < len(_triton.STAGES):
-                    self.triton_partial += 1
-                self.ignored -= used  # counted as ignored above; they were not
-            if rid not in rows:
-                req = spans[rid]
-                derived = _gen.derived_stages(req[1], req[2], req[5]) if req[5] else None
-                # A request span with no stage span and no inferprof.* attribute (health
-                # checks, metric scrapes) is not an inference request.
-                if req[3] is None and not _gen.marks_request(req[5]):
-                    self.ignored += 1
-                else:
-                    row = self._open_row(req, out)
-                    for name, s, e in derived or ():
-                        # An engine's own request span (vLLM, SGLang): stages from its
-                        # gen_ai.latency.* attributes.
-                        add_key(row << 32 | self._stage_number(name))
-                        add_start(s)
-                        add_end(e)
-        return tuple(requests)
+                self._drop(sc.DROP_DUPLICATE, len(linked))
+
+    def _linked_stages(self, tid: bytes, rid: bytes, linked: list, spans: dict,
+                       rows: dict[bytes, int], out: Finalised, now: float) -> None:
+        """Batch stage spans linked to request ``rid`` (the ``links`` encoding)."""
+        self.link_created.pop((tid, rid), None)
+        self.link_late.discard((tid, rid))
+        self._uncount(tid, len(linked))
+        self._release_linked(linked)
+        row = rows.get(rid)
+        if row is None:
+            row = rows[rid] = self._open_row(spans[rid], out)
+        for stage, s, e, res, extra, ident in linked:
+            out.span_key.append(row << 32 | stage)
+            out.span_start.append(s)
+            out.span_end.append(e)
+            if extra is not None:
+                self._stage_attrs(out, row, stage, s, e, res, extra, ident, now)
+            elif self.stage_names[stage] in _WORK_STAGES:
+                out.work.extend((row, s * 1e-9, e * 1e-9))
+                out.device.extend((row, stage, (e - s) * 1e-9 if e > s else 0.0, 1.0))
+
+    def _triton_stages(self, rid: bytes, translated: tuple, spans: dict,
+                       rows: dict[bytes, int], out: Finalised) -> None:
+        """A Triton request with no inferprof stage of its own: its derived stages."""
+        model, derived, used = translated
+        row = rows[rid] = self._open_row(spans[rid], out)
+        out.model[row] = model
+        for name, s, e in derived:
+            number = self._stage_number(name)
+            out.span_key.append(row << 32 | number)
+            out.span_start.append(s)
+            out.span_end.append(e)
+            if name in _WORK_STAGES:
+                # Requests Triton batched together share these times: the engine
+                # keeps one of each (no work_share: Triton traces all or none).
+                out.work.extend((row, s * 1e-9, e * 1e-9))
+                # Triton's spans give no batch size: each request is charged the
+                # whole window (docs/concepts.md, cost).
+                out.device.extend((row, number, (e - s) * 1e-9 if e > s else 0.0, 1.0))
+        if len(derived) < len(_triton.STAGES):
+            self.triton_partial += 1
+        self.ignored -= used  # counted as ignored above; they were not
+
+    def _request_alone(self, req: tuple, out: Finalised) -> None:
+        """A request span with no stage span: an engine's own request span (vLLM,
+        SGLang), whose stages come from its gen_ai.latency.* attributes; one with no
+        inferprof.* attribute at all (health checks, metric scrapes) is not an inference
+        request."""
+        derived = _gen.derived_stages(req[1], req[2], req[5]) if req[5] else None
+        if req[3] is None and not _gen.marks_request(req[5]):
+            self.ignored += 1
+            return
+        row = self._open_row(req, out)
+        for name, s, e in derived or ():
+            out.span_key.append(row << 32 | self._stage_number(name))
+            out.span_start.append(s)
+            out.span_end.append(e)
 
     def _stage_number(self, stage: str) -> int:
         sidx = self.stage_index.get(stage)
