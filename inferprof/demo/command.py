@@ -327,7 +327,7 @@ def command_name(argv0: str, on_path: str | None) -> str:
 def next_steps(prog: str = "inferprof") -> tuple[str, ...]:
     """What the demo suggests after its breakdown, ``prog`` being how to run inferprof."""
     return (
-        "next:",
+        "what to try next:",
         "  - instrument your own service: inferprof.configure() +"
         " inferprof.fastapi.instrument(app) (README, docs/instrumenting.md)",
         f"  - record now, report later: {prog} demo --forward file:///tmp/run.otlp, then"

@@ -41,7 +41,7 @@ def test_the_default_load_ends_with_a_definite_verdict_and_next_steps():
     assert "open loop, 50 req/s" in out
     assert "verdict: batching" in out, out
     assert "requests wait for the batcher" in out
-    nxt = out[out.index("\nnext:"):]
+    nxt = out[out.index("\nwhat to try next:"):]
     assert "instrument your own service" in nxt
     assert "inferprof report" in nxt and "--forward" in nxt
 
