@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import math
 import threading
 import time
@@ -74,6 +75,8 @@ from inferprof.collector.sketch import (
     TimeSlice,
 )
 from inferprof.collector.verdict import is_gpu_metric, normalize_gpu_id
+
+_log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -418,7 +421,13 @@ class Engine(SeriesPart, FoldPart, DocumentPart):
                 if not self._asm.backlog:
                     return
                 if time.monotonic() >= deadline:
+                    held = self._asm.pending
                     self._asm.discard(sc.DROP_SHUTDOWN)
+                    _log.warning(
+                        "flush stopped after %g s: %d spans still held were dropped "
+                        "(inferprof_spans_dropped_total{reason=\"%s\"})",
+                        timeout_s, held, sc.DROP_SHUTDOWN,
+                    )
                     return
             time.sleep(_YIELD_S)
 
