@@ -3,6 +3,7 @@ holds, and no single call on the ingest path works off an unbounded backlog."""
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 
@@ -118,3 +119,27 @@ def test_flush_without_a_deadline_folds_everything():
     assert engine.pending_spans() == 0
     assert engine.breakdown("svc", window_s=None)["requests"] == 30_000
     assert sc.DROP_SHUTDOWN not in engine.stats.spans_dropped
+
+
+def test_gpu_samples_prune_keeps_exactly_the_samples_in_the_retention():
+    # A sampler's series arrives in time order (its old samples are cut from the front);
+    # one out of order is rewritten; one wholly old goes with its GPU.
+    from inferprof.collector.gpu_samples import GpuSamples
+
+    g = GpuSamples(max_gpus_per_host=3)
+    now = 1_000.0
+    for t in range(100):
+        g.add("h", "GPU-0", "util", float(t), float(t), now, -math.inf)
+    for t in (50, 10, 90, 5, 70, 40):
+        g.add("h", "GPU-1", "util", float(t), float(t), now, -math.inf)
+    for t in range(10):
+        g.add("h", "GPU-2", "util", float(t), float(t), now, -math.inf)
+    g.prune(40.0)
+    assert g.total == g.count() == 60 + 4
+    assert g.count(since=60.0) == 40 + 2
+    g.prune(40.0)  # nothing more to cut
+    assert g.total == 64
+    # GPU-2 left: a fourth GPU fits again on the host
+    assert g.add("h", "GPU-3", "util", 500.0, 1.0, now, -math.inf) is None
+    g.prune(1_000.0)
+    assert g.total == g.count() == 0
