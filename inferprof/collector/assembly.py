@@ -65,7 +65,7 @@ _MAX_ERRORS = 5
 _BATCH_MEMORY_S = 120.0
 #: Work one ``Assembler.advance`` call does at most by default: spans finalised or
 #: dropped plus entries forgotten (see ``advance``).
-DEFAULT_ADVANCE_BUDGET = 20_000
+DEFAULT_ADVANCE_BUDGET = 5_000
 
 # Attributes read from span attributes besides ``inferprof.stage`` (compared on its
 # own, first: most spans that carry anything carry it); all others are skipped without
