@@ -32,8 +32,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inferprof.collector.engine import Engine  # noqa: E402
-from tests.collector.synth import FakeClock, TraceBuilder, bulk_export  # noqa: E402
+from inferprof.collector.engine import Engine
+from tests.collector.synth import FakeClock, TraceBuilder, bulk_export
 
 TIMEOUT_S = 60.0
 LINKS_PER_SPAN = 1000

@@ -40,7 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from collector_http_ingest import build_export  # noqa: E402
+from collector_http_ingest import build_export
 
 SPANS_PER_REQUEST = 4
 _MARKER = bytes.fromhex("5eed5eed5eed5eed")

@@ -7,7 +7,14 @@ import pytest
 
 from inferprof import semconv as sc
 from inferprof.collector.engine import Engine, Overloaded
-from tests.collector.synth import FakeClock, Ref, TraceBuilder, bulk_export, new_span_id, new_trace_id
+from tests.collector.synth import (
+    FakeClock,
+    Ref,
+    TraceBuilder,
+    bulk_export,
+    new_span_id,
+    new_trace_id,
+)
 
 
 def test_links_beyond_the_cap_are_dropped_counted_and_reported():
