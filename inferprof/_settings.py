@@ -144,6 +144,42 @@ def parse_flag(raw: str) -> bool:
     raise ValueError(f"must be a boolean (1/0, true/false), got {raw!r}")
 
 
+def parse_str(raw: str) -> str:
+    """A string variable's value, as it is."""
+    return raw
+
+
+def parse_int(raw: str) -> int:
+    return int(raw)
+
+
+def parse_float(raw: str) -> float:
+    return float(raw)
+
+
+def parse_list(raw: str) -> tuple[str, ...]:
+    """A comma-separated list; blank items dropped."""
+    return tuple(part.strip() for part in raw.split(",") if part.strip())
+
+
+def parse_floats(raw: str) -> tuple[float, ...]:
+    """A comma-separated list of numbers."""
+    return tuple(float(part) for part in parse_list(raw))
+
+
+def parse_header(item: str) -> tuple[str, str]:
+    """One ``key=value`` header: the key lower-cased, both stripped."""
+    key, sep, val = item.partition("=")
+    if not sep or not key.strip():
+        raise ValueError(f"header {item!r} is not key=value")
+    return key.strip().lower(), val.strip()
+
+
+def parse_headers(raw: str) -> tuple[tuple[str, str], ...]:
+    """A comma-separated list of ``key=value`` headers."""
+    return tuple(parse_header(item) for item in parse_list(raw))
+
+
 #: A settings record's checks: field -> (value -> the error, or None when it is good).
 Checks = Mapping[str, Callable[[Any], "str | None"]]
 
@@ -188,5 +224,7 @@ def from_environ(
 
 __all__ = [
     "FALSE", "TRUE", "Checks", "check_fields", "choice", "env", "flag", "fraction",
-    "from_environ", "number", "parse_flag", "positive_int", "positive_seconds", "rate", "url",
+    "from_environ", "number", "parse_flag", "parse_float", "parse_floats", "parse_header",
+    "parse_headers", "parse_int", "parse_list", "parse_str", "positive_int", "positive_seconds",
+    "rate", "url",
 ]

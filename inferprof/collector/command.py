@@ -11,6 +11,7 @@ from typing import Any
 
 import click
 
+from inferprof._settings import parse_floats, parse_header
 from inferprof.cli import as_flags, log_level_option
 from inferprof.cli.signals import until_signal
 from inferprof.collector import settings as _settings
@@ -18,7 +19,7 @@ from inferprof.collector import settings as _settings
 
 def header_option(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> Any:
     try:
-        return tuple(_settings._split_header(v) for v in values) or None
+        return tuple(parse_header(v) for v in values) or None
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
 
@@ -27,7 +28,7 @@ def _windows(ctx: click.Context, param: click.Parameter, value: str | None) -> A
     if value is None:
         return None
     try:
-        return _settings._parse_floats(value)
+        return parse_floats(value)
     except ValueError as exc:
         raise click.BadParameter(f"expected comma-separated seconds: {exc}") from None
 

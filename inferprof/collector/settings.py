@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from inferprof import _settings
 from inferprof import environment_variables as ev
 from inferprof.collector.attribution import DEFAULT_MAX_STAGES, MAX_MAX_STAGES, MIN_MAX_STAGES
 from inferprof.collector.cost import parse_prices, valid_price
@@ -121,48 +122,16 @@ FORWARD_SCHEMES = ("otlp-grpc", "otlp-grpcs", "http", "https", "file")
 FORWARD_COMPRESSIONS = ("gzip", "none")
 
 
-def _parse_str(value: str) -> str:
-    return value
-
-
-def _parse_int(value: str) -> int:
-    return int(value)
-
-
-def _parse_float(value: str) -> float:
-    return float(value)
-
-
-_TRUE = frozenset({"1", "true", "yes", "on"})
-_FALSE = frozenset({"0", "false", "no", "off"})
-
-
-def _parse_bool(value: str) -> bool:
-    v = value.strip().lower()
-    if v in _TRUE:
-        return True
-    if v in _FALSE:
-        return False
-    raise ValueError(f"{value!r} is not a boolean (true/false, 1/0, yes/no, on/off)")
-
-
-def _parse_list(value: str) -> tuple[str, ...]:
-    return tuple(part.strip() for part in value.split(",") if part.strip())
-
-
-def _parse_floats(value: str) -> tuple[float, ...]:
-    return tuple(float(part) for part in _parse_list(value))
-
-
-def _parse_headers(value: str) -> tuple[tuple[str, str], ...]:
-    return tuple(_split_header(item) for item in _parse_list(value))
-
-
-def _split_header(item: str) -> tuple[str, str]:
-    key, sep, val = item.partition("=")
-    if not sep or not key.strip():
-        raise ValueError(f"header {item!r} is not key=value")
-    return key.strip().lower(), val.strip()
+# The string parsers are the settings toolkit's (inferprof._settings), shared with the
+# instrumentation, the GPU sampler and the demos; the collector adds its config file.
+_parse_str = _settings.parse_str
+_parse_int = _settings.parse_int
+_parse_float = _settings.parse_float
+_parse_bool = _settings.parse_flag
+_parse_list = _settings.parse_list
+_parse_floats = _settings.parse_floats
+_parse_headers = _settings.parse_headers
+_split_header = _settings.parse_header
 
 
 # field name -> (environment variable, parser of its string value)
