@@ -37,6 +37,7 @@ from inferprof.collector.generation_attribution import (
     gap_causes,
     ttft_stage_order,
 )
+from inferprof.collector.labels import bounded
 from inferprof.collector.sketch import (
     KEY_BITS,
     KeyMapping,
@@ -50,6 +51,13 @@ from inferprof.collector.sketch import (
 
 #: (service, host, instance, engine id): one engine's timeline.
 EngineKey = tuple[str, ...]
+
+
+def engine_key(service: str, host: str, instance: str, engine: Any) -> EngineKey:
+    """An engine's key, its names cut like labels (``labels.bounded``): up to
+    ``DEFAULT_MAX_ENGINES`` are held, and 1 MB names would make that gigabytes."""
+    return (bounded(service), bounded(host), bounded(instance),
+            bounded(engine) if isinstance(engine, str) else sc.DEFAULT_ENGINE_ID)
 #: A span's wanted attributes, as trace assembly read them.
 Extra = dict[str, Any]
 #: (stage name, start ns, end ns) of a request's stage spans.
@@ -150,8 +158,7 @@ class StepIndex:
     ) -> None:
         """One engine step span (called by trace assembly)."""
         engine = extra.get(sc.ATTR_ENGINE_ID)
-        key = (*resource, engine if isinstance(engine, str) else sc.DEFAULT_ENGINE_ID)
-        tl = self._timeline(key, now)
+        tl = self._timeline(engine_key(*resource, engine), now)
         self.steps_received += 1
         if tl is None or not self._room(tl, now):
             self.dropped += 1
@@ -493,8 +500,8 @@ class GenerationFold:
         for row, extra in fin.gen:
             sid = series[row]
             engine = extra.get(sc.ATTR_ENGINE_ID)
-            ekey = (fin.service[row], *fin.instance[row],
-                    engine if isinstance(engine, str) else sc.DEFAULT_ENGINE_ID)
+            host, instance = fin.instance[row]
+            ekey = engine_key(fin.service[row], host, instance, engine)
             c = counts.get(sid)
             if c is None:
                 c = counts[sid] = np.zeros(3)
@@ -547,7 +554,8 @@ class GenerationFold:
             engine = extra.get(sc.ATTR_ENGINE_ID)
             if not isinstance(engine, str):
                 continue  # an engine's own request span (vLLM, SGLang): no step spans
-            steps = self.steps.steps((fin.service[row], *fin.instance[row], engine), now)
+            host, instance = fin.instance[row]
+            steps = self.steps.steps(engine_key(fin.service[row], host, instance, engine), now)
             if steps is None:
                 continue
             st, en, p, n, _ = steps
@@ -693,8 +701,8 @@ class GenerationFold:
                 if kv.key == sc.ATTR_ENGINE_ID:
                     engine = kv.value.string_value or engine
             v = dp.as_double if dp.WhichOneof("value") == "as_double" else float(dp.as_int)
-            if self.steps.add_kv((service, host, instance, engine), dp.time_unix_nano * _NS, v,
-                                 now):
+            if self.steps.add_kv(engine_key(service, host, instance, engine),
+                                 dp.time_unix_nano * _NS, v, now):
                 ok += 1
             else:
                 bad += 1

@@ -187,6 +187,19 @@ def test_steps_join_their_own_engine_only(scheduling):
     assert joined["verdict"]["bottleneck"] == sc.VERDICT_SCHEDULING
 
 
+def test_engine_keys_are_cut_like_labels_and_still_join(scheduling):
+    # Up to 4096 engines are held: their service names and engine ids are cut to
+    # MAX_LABEL_BYTES like the series' names (1 MB each would be gigabytes), and the
+    # requests still join their steps through the cut key.
+    service, engine_id = "s" * 1000, "7" * 100_000
+    engine = _fold(inferprof_exports(scheduling, service=service, engine_id=engine_id))
+    keys = list(engine._gen.steps.engines)
+    assert len(keys) == 1
+    assert all(len(part.encode()) <= sc.MAX_LABEL_BYTES for part in keys[0])
+    gen = engine.breakdown(engine.services()[0]["service"])["generation"]
+    assert gen["verdict"]["bottleneck"] == sc.VERDICT_SCHEDULING
+
+
 def _vllm_truth_ttft_shares(scen: Scenario) -> dict[str, float]:
     """vLLM's meaning: prefill runs from scheduling to the first token."""
     v, w = truth_ttft(scen)
