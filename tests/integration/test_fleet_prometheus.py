@@ -195,7 +195,9 @@ def test_three_collectors_summed_in_prometheus_match_one_fed_everything(promethe
         for st in ref["stages"]:
             got_st = by_stage[st["stage"]]
             if st["stage"] != sc.STAGE_UNATTRIBUTED:
-                assert got_st["p95"] == pytest.approx(st["p95"], rel=0.01), st["stage"]
+                # Not the reference's data (the main phase only, counts extrapolated: requests
+                # within 10% above), so a p95 may sit one sketch bucket (a factor 1.01) away.
+                assert got_st["p95"] == pytest.approx(st["p95"], rel=0.021), st["stage"]
             assert got_st["share_of_p95"] == pytest.approx(st["share_of_p95"], abs=0.01)
 
         # The dashboard's fleet panels read those series.
