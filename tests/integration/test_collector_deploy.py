@@ -7,8 +7,10 @@ import pathlib
 import re
 import urllib.parse
 
+import pytest
 import yaml
 
+from inferprof import semconv
 from inferprof.collector import examples, exemplars
 from inferprof.collector import settings as st
 from inferprof.collector.command import collect
@@ -57,20 +59,123 @@ def test_otelcol_pipelines_only_name_defined_components():
                     assert name in config[kind], (path, kind, name)
 
 
-def test_loadbalancing_example_routes_by_trace_to_the_k8s_headless_service():
-    (otelcol,) = _yaml_docs(DEPLOY / "otelcol" / "loadbalancing-to-inferprof.yaml")
-    lb = otelcol["exporters"]["loadbalancing/inferprof"]
-    assert lb["routing_key"] == "traceID"
+# The loadbalancing exporter's routing keys, per pipeline type, as its README lists them
+# (opentelemetry-collector-contrib, exporter/loadbalancingexporter): traces never by
+# resource or metric name, metrics never by trace ID.
+ROUTING_KEYS = {
+    "traces": {"traceID", "service"},
+    "metrics": {"service", "resource", "metric", "streamID"},
+}
+# The summaries a service in production mode sends (contract §15).
+SUMMARY_METRICS = (
+    "inferprof.summary.request.duration",
+    "inferprof.summary.stage.duration",
+    "inferprof.summary.stage.tail",
+)
+GPU_METRICS = tuple(
+    getattr(semconv, name) for name in dir(semconv)
+    if name.startswith(("METRIC_GPU_", "METRIC_DCGM_")) and name != "METRIC_DCGM_PREFIX"
+)
+LOADBALANCING = {
+    "loadbalancing-to-inferprof.yaml": "traceID",
+    "loadbalancing-by-service-to-inferprof.yaml": "service",
+}
+
+
+def _k8s_collector() -> tuple[dict, dict, dict]:
+    """The headless Service, the StatefulSet and its container, from the manifest."""
     manifests = _yaml_docs(DEPLOY / "k8s" / "inferprof-collector.yaml")
     headless = next(
         m for m in manifests if m["kind"] == "Service" and m["spec"].get("clusterIP") == "None"
     )
     statefulset = next(m for m in manifests if m["kind"] == "StatefulSet")
-    host = f"{headless['metadata']['name']}.{headless['metadata']['namespace']}.svc.cluster.local"
-    assert lb["resolver"]["dns"]["hostname"] == host
+    (container,) = statefulset["spec"]["template"]["spec"]["containers"]
+    return headless, statefulset, container
+
+
+def _keeps(processor: dict, metric_name: str) -> bool:
+    """Whether a filter processor lets a metric of this name through.
+
+    Reads the one kind of OTTL condition the shipped configs use, `[not ]IsMatch(name,
+    "regex")` in the metric context (the filter drops what any condition matches); any
+    other condition fails, so the check cannot silently pass over what it does not read.
+    """
+    for condition in processor["metrics"]["metric"]:
+        found = re.fullmatch(r'(not )?IsMatch\(name, "([^"\\]*)"\)', condition)
+        assert found, condition
+        negated, pattern = found.groups()
+        if bool(re.search(pattern, metric_name)) != bool(negated):
+            return False
+    return True
+
+
+def _metric_destinations(config: dict, metric_name: str) -> list[str]:
+    """The exporters a metric of this name reaches, once per pipeline that sends it there."""
+    out = []
+    for name, pipeline in config["service"]["pipelines"].items():
+        if name.split("/")[0] != "metrics":
+            continue
+        if all(_keeps(config["processors"][p], metric_name)
+               for p in pipeline.get("processors", ()) if p.split("/")[0] == "filter"):
+            out.extend(pipeline["exporters"])
+    return out
+
+
+@pytest.mark.parametrize("filename", sorted(LOADBALANCING))
+def test_loadbalancing_examples_route_to_every_pod_of_the_k8s_statefulset(filename):
+    (otelcol,) = _yaml_docs(DEPLOY / "otelcol" / filename)
+    headless, statefulset, container = _k8s_collector()
+    grpc_port = st.CollectorSettings().grpc_port
+    assert {p["name"]: p["containerPort"] for p in container["ports"]}["otlp-grpc"] == grpc_port
+    assert {p["name"]: p["port"] for p in headless["spec"]["ports"]}["otlp-grpc"] == grpc_port
     assert statefulset["spec"]["serviceName"] == headless["metadata"]["name"]
-    pod0 = f"{statefulset['metadata']['name']}-0.{host}:4317"
-    assert otelcol["exporters"]["otlp/inferprof-0"]["endpoint"] == pod0
+    host = f"{headless['metadata']['name']}.{headless['metadata']['namespace']}.svc.cluster.local"
+    balancers = {name: e for name, e in otelcol["exporters"].items()
+                 if name.split("/")[0] == "loadbalancing"}
+    assert balancers
+    for exporter in balancers.values():
+        # the headless Service's DNS name gives one address per ready pod, on its gRPC port
+        assert exporter["resolver"]["dns"] == {"hostname": host, "port": grpc_port}
+        assert "endpoint" not in exporter["protocol"]["otlp"]  # the resolver sets it
+    pipelines = otelcol["service"]["pipelines"]
+    for name, pipeline in pipelines.items():
+        signal = name.split("/")[0]
+        for exporter in pipeline["exporters"]:
+            if exporter in balancers:
+                assert balancers[exporter]["routing_key"] in ROUTING_KEYS[signal], (name, exporter)
+    (traces,) = (p for n, p in pipelines.items() if n.split("/")[0] == "traces")
+    (router,) = traces["exporters"]
+    assert balancers[router]["routing_key"] == LOADBALANCING[filename]
+    # one otlp exporter per pod of the StatefulSet (stable names <statefulset>-<ordinal>)
+    per_pod = {e["endpoint"] for name, e in otelcol["exporters"].items()
+               if name.split("/")[0] == "otlp"}
+    assert per_pod == {f"{statefulset['metadata']['name']}-{i}.{host}:{grpc_port}"
+                       for i in range(statefulset["spec"]["replicas"])}
+
+
+@pytest.mark.parametrize("filename", sorted(LOADBALANCING))
+def test_loadbalancing_examples_send_summaries_to_one_pod_and_gpu_samples_to_all(filename):
+    # Summaries are DELTA counts that the fleet tables sum across collectors: a copy on a
+    # second collector would count the same requests twice. GPU samples carry no trace
+    # ID: every collector joins those of the hosts its traces came from.
+    (otelcol,) = _yaml_docs(DEPLOY / "otelcol" / filename)
+    exporters = otelcol["exporters"]
+    per_pod = sorted(n for n in exporters if n.split("/")[0] == "otlp")
+    assert len(GPU_METRICS) >= 8
+    for metric in GPU_METRICS:
+        assert sorted(_metric_destinations(otelcol, metric)) == per_pod, metric
+    for metric in SUMMARY_METRICS:
+        (destination,) = _metric_destinations(otelcol, metric)
+        assert destination.split("/")[0] == "loadbalancing", metric
+        assert exporters[destination]["routing_key"] in ROUTING_KEYS["metrics"]
+    # a metric neither of them names (an application's own) still reaches the pods
+    assert sorted(_metric_destinations(otelcol, "http.server.request.duration")) == per_pod
+
+
+def test_agent_example_sends_summaries_and_gpu_samples_to_its_one_collector():
+    (otelcol,) = _yaml_docs(DEPLOY / "otelcol" / "agent-to-inferprof.yaml")
+    for metric in SUMMARY_METRICS + GPU_METRICS:
+        assert _metric_destinations(otelcol, metric) == ["otlp/inferprof"], metric
 
 
 def test_every_otelcol_exporter_to_inferprof_sends_the_bearer_token():
@@ -92,7 +197,7 @@ def test_every_otelcol_exporter_to_inferprof_sends_the_bearer_token():
             auth = exporter.get("headers", {}).get("authorization", "")
             assert auth.startswith("Bearer "), (path.name, name)
             checked += 1
-    assert checked >= 4  # agent: 1; load balancing: the router and one per instance
+    assert checked >= 9  # agent: 1; per load-balancing file: 2 routers and one per instance
 
 
 def test_k8s_manifests_validate_against_the_kubernetes_api_schema():
