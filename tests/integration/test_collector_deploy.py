@@ -244,6 +244,75 @@ def test_kubernetes_scrape_job_scrapes_each_collector_pod_of_the_manifest():
     assert f'job="{job["job_name"]}"' in down["expr"]
 
 
+def _mounts(workload: dict) -> dict[str, dict]:
+    """mount path -> the volume mounted there, for a Deployment's one container."""
+    spec = workload["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    return {m["mountPath"]: volumes[m["name"]] for m in container["volumeMounts"]}
+
+
+def test_kustomization_wires_otelcol_and_prometheus_to_the_collectors():
+    # `kubectl apply -k deploy/`: the ConfigMaps are the deploy files themselves, mounted
+    # where the programs read them, under the names the manifests ask for.
+    (kustomization,) = _yaml_docs(DEPLOY / "kustomization.yaml")
+    resources = {path: _yaml_docs(DEPLOY / path) for path in kustomization["resources"]}
+    assert set(resources) == {f"k8s/{p.name}" for p in (DEPLOY / "k8s").glob("*.yaml")}
+    by_kind_name = {(d["kind"], d["metadata"]["name"]): d for docs in resources.values()
+                    for d in docs}
+    generated = {}
+    for generator in kustomization["configMapGenerator"]:
+        files = dict(f.split("=", 1) for f in generator["files"])
+        assert all((DEPLOY / path).is_file() for path in files.values()), files
+        generated[generator["name"]] = files
+
+    otelcol = by_kind_name[("Deployment", "otel-collector")]
+    (container,) = otelcol["spec"]["template"]["spec"]["containers"]
+    (config_arg,) = container["args"]
+    config_path = pathlib.PurePosixPath(config_arg.removeprefix("--config="))
+    volume = _mounts(otelcol)[str(config_path.parent)]
+    files = generated[volume["configMap"]["name"]]
+    assert files[config_path.name] in {f"otelcol/{name}" for name in LOADBALANCING}
+    token = next(e for e in container["env"] if e["name"] == st.ENV_AUTH_TOKEN)
+    assert token["valueFrom"]["secretKeyRef"]["name"] in {
+        name for kind, name in by_kind_name if kind == "Secret"}
+    # the GPU samplers and the services export to this Service, on its OTLP/gRPC port
+    service = by_kind_name[("Service", "otel-collector")]
+    sampler = by_kind_name[("DaemonSet", "inferprof-gpu-sampler")]
+    env = {e["name"]: e.get("value") for c in sampler["spec"]["template"]["spec"]["containers"]
+           for e in c["env"]}
+    endpoint = urllib.parse.urlsplit(env["OTEL_EXPORTER_OTLP_ENDPOINT"])
+    assert endpoint.hostname == f"{service['metadata']['name']}.{service['metadata']['namespace']}"
+    assert endpoint.port in {p["port"] for p in service["spec"]["ports"]}
+
+    prometheus = by_kind_name[("Deployment", "prometheus")]
+    (container,) = prometheus["spec"]["template"]["spec"]["containers"]
+    config_path = pathlib.PurePosixPath(next(
+        a for a in container["args"] if a.startswith("--config.file=")).split("=", 1)[1])
+    mounts = _mounts(prometheus)
+    files = generated[mounts[str(config_path.parent)]["configMap"]["name"]]
+    assert files[config_path.name] == "prometheus/kubernetes-scrape.yml"
+    (scrape,) = _yaml_docs(DEPLOY / files[config_path.name])
+    for rule_file in scrape["rule_files"]:
+        path = pathlib.PurePosixPath(rule_file)
+        assert str(path.parent) == str(config_path.parent) and path.name in files, rule_file
+    assert {files[pathlib.PurePosixPath(r).name] for r in scrape["rule_files"]} >= {
+        "prometheus/alerts.yml", "prometheus/fleet.yml"}
+    for job in scrape["scrape_configs"]:
+        credentials = pathlib.PurePosixPath(job["authorization"]["credentials_file"])
+        assert mounts[str(credentials.parent)]["secret"]["secretName"] == token[
+            "valueFrom"]["secretKeyRef"]["name"]
+        assert credentials.name == token["valueFrom"]["secretKeyRef"]["key"]
+    # discovery of the collectors' endpoints in their namespace
+    role = by_kind_name[("Role", "prometheus-discovery")]
+    assert role["metadata"]["namespace"] in scrape["scrape_configs"][0][
+        "kubernetes_sd_configs"][0]["namespaces"]["names"]
+    assert any("endpoints" in r["resources"] and "list" in r["verbs"] for r in role["rules"])
+    binding = by_kind_name[("RoleBinding", "prometheus-discovery")]
+    assert binding["subjects"][0]["name"] == prometheus["spec"]["template"]["spec"][
+        "serviceAccountName"]
+
+
 def test_k8s_collector_memory_bounds_fit_its_limit():
     # Worst case by docs/collector.md's sizing: pending spans x 1 KiB, plus per transport
     # (gRPC, HTTP) max-concurrent-requests x max-body-bytes; with room for the process.
