@@ -392,6 +392,22 @@ DROP_REASON_QUEUE_FULL: Final = "queue_full"
 DROP_REASON_EXPORT_FAILED: Final = "export_failed"
 DROP_REASON_SHUTDOWN: Final = "shutdown"
 
+# --- In-process summaries (contract §15; extensions beyond the v1 contract) -------------
+
+#: Summaries of every timed request, OTLP exponential histograms with DELTA temporality.
+METRIC_SUMMARY_REQUEST_DURATION: Final = "inferprof.summary.request.duration"
+METRIC_SUMMARY_STAGE_DURATION: Final = "inferprof.summary.stage.duration"
+METRIC_SUMMARY_STAGE_TAIL: Final = "inferprof.summary.stage.tail"
+SUMMARY_METRICS: Final = (
+    METRIC_SUMMARY_REQUEST_DURATION,
+    METRIC_SUMMARY_STAGE_DURATION,
+    METRIC_SUMMARY_STAGE_TAIL,
+)
+#: Data points of requests that ended in error (on the request-duration metric).
+ATTR_REQUEST_ERROR: Final = "inferprof.request.error"
+#: On a kept request span: the request is counted by the summaries, not by its trace.
+ATTR_SUMMARY_COUNTED: Final = "inferprof.summary.counted"
+
 # --- Triton client wrapper (inferprof.triton; extensions beyond the v1 contract) --------
 
 #: Model name and version a Triton call's ``network`` stage asked Triton for (the request

@@ -9,7 +9,10 @@ import pathlib
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "inferprof"
 
 #: The base every package may import: names, versions and the settings toolkit.
-BASE = {"semconv", "_version", "_optional", "_shadowing", "environment_variables", "_settings"}
+BASE = {
+    "semconv", "_version", "_optional", "_shadowing", "environment_variables", "_settings",
+    "timing",
+}
 
 #: package (or top-level module) -> the inferprof packages it may import besides BASE.
 ALLOWED = {
@@ -19,6 +22,7 @@ ALLOWED = {
     "_shadowing": set(),
     "environment_variables": set(),
     "_settings": set(),
+    "timing": set(),
     "instrumentation": set(),
     "batching": {"instrumentation"},
     "fastapi": {"instrumentation"},

@@ -1,6 +1,7 @@
 """Where a request's end-to-end time went, and the tail-attribution sketch.
 
-Two per-request figures per stage (times in seconds):
+Two per-request figures per stage (times in seconds), computed by
+``inferprof.timing.partition`` (shared with the in-process summaries):
 
 * **stage time** — the summed duration of the stage's spans, each clipped to the
   request span's ``[start, end]``. This is what per-stage quantiles are computed over:
@@ -31,7 +32,7 @@ exact computation).
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -56,79 +57,6 @@ DEFAULT_MAX_STAGES = 64
 MIN_MAX_STAGES = len(sc.CANONICAL_STAGES) + 1
 #: The most the column bits allow (column 0 is "no stage").
 MAX_MAX_STAGES = MAX_STAGE_COLUMNS - 1
-
-_NS = 1e-9
-
-
-def partition(
-    req_start: int, req_end: int, spans: Iterable[tuple[str, int, int]]
-) -> tuple[dict[str, float], dict[str, float], float]:
-    """Stage times, exclusive times and unattributed time of one request (seconds).
-
-    ``spans`` are ``(stage, start_ns, end_ns)`` of the stage spans attributed to the
-    request, clipped to it. A stage whose spans all lie wholly outside the request is
-    absent (§6: "a request that never entered the stage counts as absent, not as zero"), a
-    span only touching its start or end included; a zero-length span inside it appears
-    with 0.
-    """
-    clipped: list[tuple[int, int, str]] = []
-    stage_ns: dict[str, int] = {}
-    for stage, start, end in spans:
-        s = max(start, req_start)
-        e = min(end, req_end)
-        d = e - s
-        if d > 0:
-            clipped.append((s, e, stage))
-            stage_ns[stage] = stage_ns.get(stage, 0) + d
-        elif start == end and req_start <= start <= req_end and stage not in stage_ns:
-            stage_ns[stage] = 0  # a zero-length stage inside the request: entered, 0 s
-    e2e_ns = req_end - req_start
-    stage_time = {k: v * _NS for k, v in stage_ns.items()}
-
-    clipped.sort()
-    overlap = False
-    last_end = req_start
-    for s, e, _ in clipped:
-        if s < last_end:
-            overlap = True
-            break
-        last_end = e
-    if not overlap:
-        covered = sum(stage_ns.values())
-        return stage_time, dict(stage_time), (e2e_ns - covered) * _NS
-
-    return stage_time, *_sweep(clipped, stage_ns, e2e_ns)
-
-
-def _sweep(
-    clipped: list[tuple[int, int, str]], stage_ns: dict[str, int], e2e_ns: int
-) -> tuple[dict[str, float], float]:
-    # Events: +1 at start, -1 at end; between consecutive boundaries the set of active
-    # stages (with multiplicity, so two spans of one stage count as one stage) is fixed.
-    events: list[tuple[int, int, str]] = []
-    for s, e, stage in clipped:
-        events.append((s, 1, stage))
-        events.append((e, -1, stage))
-    events.sort(key=lambda ev: (ev[0], ev[1]))
-    active: dict[str, int] = defaultdict(int)
-    exclusive = {k: 0.0 for k in stage_ns}
-    covered = 0
-    prev = events[0][0]
-    for t, delta, stage in events:
-        if t > prev and active:
-            seg = t - prev
-            share = seg / len(active)
-            for name in active:
-                exclusive[name] += share
-            covered += seg
-        prev = t
-        if delta > 0:
-            active[stage] += 1
-        else:
-            active[stage] -= 1
-            if active[stage] == 0:
-                del active[stage]
-    return {k: v * _NS for k, v in exclusive.items()}, (e2e_ns - covered) * _NS
 
 
 def tail_codes(series: np.ndarray, keys: np.ndarray, cols: np.ndarray) -> np.ndarray:
@@ -181,4 +109,4 @@ def exact_tail_shares(
     return {k: v / den for k, v in num.items()} if den > 0 else {}
 
 
-__all__ = ["exact_tail_shares", "partition", "series_range", "tail_codes", "tail_shares"]
+__all__ = ["exact_tail_shares", "series_range", "tail_codes", "tail_shares"]

@@ -15,7 +15,6 @@ from inferprof.collector.attribution import (
     COL_STAGE0,
     COL_TRACED,
     COL_WEIGHT,
-    partition,
     tail_codes,
 )
 from inferprof.collector.layout import (
@@ -40,6 +39,7 @@ from inferprof.collector.sketch import (
     TimeSlice,
     reduce_codes,
 )
+from inferprof.timing import partition
 
 
 class FoldPart:
@@ -49,7 +49,7 @@ class FoldPart:
     def _partition(
         self, fin: Finalised, stage: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """``attribution.partition`` of every request of ``fin`` at once, with numpy.
+        """``inferprof.timing.partition`` of every request of ``fin`` at once, with numpy.
 
         ``stage``: the column of each stage span. Returns per request ``e2e`` and
         ``unattributed`` (seconds), and per (request, stage) pair, request-major: request

@@ -30,7 +30,6 @@ import numpy as np
 
 from inferprof import semconv as sc
 from inferprof.collector import gen_spans as gs
-from inferprof.collector.attribution import partition
 from inferprof.collector.generation_attribution import (
     N_CAUSES,
     decide,
@@ -48,6 +47,7 @@ from inferprof.collector.sketch import (
     reduce_codes,
     split_groups,
 )
+from inferprof.timing import partition
 
 #: (service, host, instance, engine id): one engine's timeline.
 EngineKey = tuple[str, ...]

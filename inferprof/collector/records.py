@@ -66,7 +66,7 @@ class RequestRecord:
 
     ``stage_time`` is the summed (clipped) duration of each stage's spans; ``exclusive``
     partitions the request's end-to-end time between stages and ``unattributed`` so that
-    it sums to ``e2e`` exactly (see ``attribution.partition``).
+    it sums to ``e2e`` exactly (see ``inferprof.timing.partition``).
     """
 
     service: str

@@ -8,9 +8,10 @@ import math
 import numpy as np
 import pytest
 
-from inferprof.collector.attribution import exact_tail_shares, partition
+from inferprof.collector.attribution import exact_tail_shares
 from inferprof.collector.engine import Engine
 from inferprof.collector.sketch import exact_weighted_quantile
+from inferprof.timing import partition
 from tests.collector.synth import FakeClock, TraceBuilder
 
 MS = 1_000_000  # ns

@@ -12,9 +12,10 @@ import pytest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue
 
 from inferprof import semconv as sc
-from inferprof.collector.attribution import exact_tail_shares, partition
+from inferprof.collector.attribution import exact_tail_shares
 from inferprof.collector.engine import Engine
 from inferprof.collector.sketch import exact_weighted_quantile
+from inferprof.timing import partition
 from tests.collector.synth import FakeClock, TraceBuilder
 
 REL = 0.011  # sketch bound (1%) plus float slack
