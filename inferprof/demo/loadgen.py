@@ -32,7 +32,7 @@ import random
 import sys
 import time
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,24 +54,30 @@ _ERROR_BACKOFF_S = 0.05
 PROMPT_CLASSES = {"short": (1, 1), "medium": (2, 4), "long": (6, 12)}
 
 
-def parse_mix(spec: str) -> dict[str, float]:
-    """Parse ``short=0.6,medium=0.3,long=0.1`` into weights (ValueError when malformed)."""
+def parse_mix(spec: str, classes: Collection[str] = PROMPT_CLASSES, *,
+              what: str = "mix") -> dict[str, float]:
+    """Parse ``short=0.6,medium=0.3,long=0.1`` into weights, each name one of ``classes``
+    (ValueError when malformed, its message naming the mix as ``what``)."""
     mix: dict[str, float] = {}
     for part in spec.split(","):
         name, sep, weight = part.partition("=")
         name = name.strip()
-        if not sep or name not in PROMPT_CLASSES:
-            raise ValueError(f"bad mix entry {part!r}: expected NAME=WEIGHT with NAME one of "
-                             f"{', '.join(PROMPT_CLASSES)}")
+        if not sep or name not in classes:
+            raise ValueError(f"bad {what} entry {part!r}: expected NAME=WEIGHT with NAME one of "
+                             f"{', '.join(classes)}")
         mix[name] = float(weight)
-    _check_mix(mix)
+    _check_weights(mix, what)
     return mix
 
 
-def _check_mix(mix: dict[str, float]) -> None:
+def _check_weights(mix: dict[str, float], what: str) -> None:
     weights = list(mix.values())
     if not mix or any(w < 0 or not math.isfinite(w) for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"mix weights must be finite, >= 0 and not all 0; got {mix!r}")
+        raise ValueError(f"{what} weights must be finite, >= 0 and not all 0; got {mix!r}")
+
+
+def _check_mix(mix: dict[str, float]) -> None:
+    _check_weights(mix, "mix")
     unknown = set(mix) - set(PROMPT_CLASSES)
     if unknown:
         raise ValueError(f"unknown prompt classes {sorted(unknown)}")

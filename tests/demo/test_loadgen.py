@@ -39,6 +39,25 @@ def test_summary_reports_throughput_and_quantiles():
     assert "p95 -" in loadgen.format_summary(empty)
 
 
+def test_one_mix_parser_serves_the_prompt_and_the_output_classes():
+    from inferprof.demo.llm.loadgen import OUTPUT_CLASSES, parse_output_mix
+
+    assert parse_mix("a=2, b=1", {"a": (1, 1), "b": (2, 2)}) == {"a": 2.0, "b": 1.0}
+    assert parse_output_mix("long=1,short=3") == {"long": 1.0, "short": 3.0}
+    # each mix names itself and its own classes in what it refuses
+    with pytest.raises(ValueError, match=r"^bad output mix entry 'huge=1': .* short, medium, long$"):
+        parse_output_mix("huge=1")
+    with pytest.raises(ValueError, match=r"^output mix weights must be finite"):
+        parse_output_mix("short=0")
+    with pytest.raises(ValueError, match=r"^bad mix entry 'huge=1': .* short, medium, long$"):
+        parse_mix("huge=1")
+    with pytest.raises(ValueError, match=r"^mix weights must be finite"):
+        parse_mix("short=nan")
+    with pytest.raises(ValueError, match="bad mix entry 'c=1'"):
+        parse_mix("c=1", {"a": (1, 1)})
+    assert set(OUTPUT_CLASSES) == {"short", "medium", "long"}
+
+
 def test_mix_parsing_and_prompt_lengths_follow_the_weights():
     assert parse_mix("short=1,long=0.5") == {"short": 1.0, "long": 0.5}
     for bad in ("tiny=1", "short", "short=-1", "short=0"):

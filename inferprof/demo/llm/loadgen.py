@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import itertools
 import json
-import math
 import random
 import sys
 import time
@@ -44,19 +43,9 @@ MAX_OPEN_STREAMS = 256
 
 
 def parse_output_mix(spec: str) -> dict[str, float]:
-    """Parse ``short=0.5,medium=0.35,long=0.15`` (ValueError when malformed)."""
-    mix: dict[str, float] = {}
-    for part in spec.split(","):
-        name, sep, weight = part.partition("=")
-        name = name.strip()
-        if not sep or name not in OUTPUT_CLASSES:
-            raise ValueError(f"bad output mix entry {part!r}: expected NAME=WEIGHT with NAME "
-                             f"one of {', '.join(OUTPUT_CLASSES)}")
-        mix[name] = float(weight)
-    weights = list(mix.values())
-    if any(w < 0 or not math.isfinite(w) for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"output mix weights must be finite, >= 0 and not all 0; got {mix!r}")
-    return mix
+    """Parse ``short=0.5,medium=0.35,long=0.15`` over :data:`OUTPUT_CLASSES` (ValueError
+    when malformed)."""
+    return parse_mix(spec, OUTPUT_CLASSES, what="output mix")
 
 
 def build_requests(prompt_mix: dict[str, float] | None = None,
