@@ -55,6 +55,25 @@ gpu_hour_price_option = click.option(
 )
 
 
+def _trace_url(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    from inferprof.collector.examples import check_template
+
+    try:
+        return check_template(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+#: ``--trace-url TEMPLATE``, the same for the collector, ``inferprof report`` and the demo.
+trace_url_option = click.option(
+    "--trace-url",
+    metavar="TEMPLATE",
+    callback=_trace_url,
+    help="Link the slow traces listed: a URL with {trace_id}, e.g. "
+    "http://localhost:16686/trace/{trace_id} (Jaeger) or a Grafana Explore URL.",
+)
+
+
 @click.command("collect")
 @click.option(
     "--config", "config", type=click.Path(dir_okay=False), help="TOML or YAML settings file."
@@ -159,12 +178,7 @@ gpu_hour_price_option = click.option(
     "sums several collectors into one breakdown (about 1,400 series per service, model "
     "and stage; default off).",
 )
-@click.option(
-    "--trace-url",
-    metavar="TEMPLATE",
-    help="Link the breakdown's slow traces: a URL with {trace_id}, e.g. "
-    "http://localhost:16686/trace/{trace_id} (Jaeger) or a Grafana Explore URL.",
-)
+@trace_url_option
 @gpu_hour_price_option
 @log_level_option
 def collect(config: str | None, log_level: str, **options: Any) -> None:

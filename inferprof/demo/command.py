@@ -29,9 +29,9 @@ import click
 
 from inferprof import semconv
 from inferprof._optional import require
+from inferprof.collector.command import trace_url_option
+from inferprof.demo.breakdown import breakdown_lines, collect_breakdown
 from inferprof.demo.settings import (
-    INSTRUMENTATION_NONE,
-    INSTRUMENTATION_OTEL,
     INSTRUMENTATIONS,
     DemoSettings,
 )
@@ -48,8 +48,6 @@ LLM_SERVICE_NAME = "inferprof-demo-llm"
 LLM_MODEL_SIZE = "small"
 WORKLOAD_CLASSIFY = "classify"
 WORKLOAD_LLM = "llm"
-# How long to wait for the collector to have folded every request the client saw.
-_DRAIN_TIMEOUT_S = 10.0
 
 
 def _header(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> Any:
@@ -111,13 +109,14 @@ def _echo(message: str, quiet: bool) -> None:
               help="llm: prompt lengths, e.g. short=0.5,medium=0.3,long=0.2.")
 @click.option("--output-mix", default=None, metavar="MIX",
               help="llm: output lengths (max_tokens), e.g. short=0.5,medium=0.35,long=0.15.")
+@trace_url_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document instead of tables.")
 def demo(duration: float, concurrency: int | None, rate: float | None, burst: int, mode: str,
          model_size: str | None, max_batch_size: int, max_delay_ms: float, forward: tuple[str, ...],
          forward_headers: tuple[tuple[str, str], ...] | None, service_name: str | None,
          workload: str, kv_blocks: int | None, max_batched_tokens: int | None,
          max_running: int | None, prompt_mix: str | None, output_mix: str | None,
-         as_json: bool) -> None:
+         trace_url: str | None, as_json: bool) -> None:
     """Run the demo service under load and print where its requests' time goes."""
     if concurrency is not None and rate is not None:
         raise click.UsageError("choose --concurrency (closed loop) or --rate (open loop), not both")
@@ -132,7 +131,8 @@ def demo(duration: float, concurrency: int | None, rate: float | None, burst: in
                   forward_headers=forward_headers or (),
                   service_name=(service_name or LLM_SERVICE_NAME).strip(), kv_blocks=kv_blocks,
                   max_batched_tokens=max_batched_tokens, max_running=max_running,
-                  prompt_mix=prompt_mix, output_mix=output_mix, as_json=as_json)
+                  prompt_mix=prompt_mix, output_mix=output_mix, trace_url=trace_url,
+                  as_json=as_json)
         return
     if any(v is not None for v in llm_options):
         raise click.UsageError("--kv-blocks, --max-batched-tokens, --max-running, "
@@ -147,7 +147,8 @@ def demo(duration: float, concurrency: int | None, rate: float | None, burst: in
                           mode=mode, model_size=model_size, max_batch_size=max_batch_size,
                           max_delay_ms=max_delay_ms, forward=forward,
                           forward_headers=forward_headers or (),
-                          service_name=service_name.strip(), quiet=as_json)
+                          service_name=service_name.strip(), trace_url=trace_url,
+                          quiet=as_json)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--forward") from exc
     except (RuntimeError, OSError) as exc:  # a child failed to start, a port was refused...
@@ -162,7 +163,8 @@ def _demo_llm(*, duration: float, concurrency: int | None, rate: float | None, b
               mode: str, model_size: str, forward: tuple[str, ...],
               forward_headers: tuple[tuple[str, str], ...], service_name: str,
               kv_blocks: int | None, max_batched_tokens: int | None, max_running: int | None,
-              prompt_mix: str | None, output_mix: str | None, as_json: bool) -> None:
+              prompt_mix: str | None, output_mix: str | None, trace_url: str | None,
+              as_json: bool) -> None:
     from inferprof.demo.llm.command import DEFAULT_CONCURRENCY as LLM_CONCURRENCY
     from inferprof.demo.llm.command import render as render_llm
     from inferprof.demo.llm.command import run_llm_demo
@@ -196,7 +198,8 @@ def _demo_llm(*, duration: float, concurrency: int | None, rate: float | None, b
     try:
         result = run_llm_demo(settings=settings, duration_s=duration, concurrency=concurrency,
                               rate=rate, prompt_mix=prompt_mix, output_mix=output_mix,
-                              forward=forward, forward_headers=forward_headers, quiet=as_json)
+                              forward=forward, forward_headers=forward_headers,
+                              trace_url=trace_url, quiet=as_json)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--forward") from exc
     except (RuntimeError, OSError) as exc:
@@ -220,11 +223,13 @@ def run_demo(*, duration_s: float = DEFAULT_DURATION_S,
              model_size: str = "small", max_batch_size: int = 16, max_delay_ms: float = 5.0,
              forward: tuple[str, ...] = (),
              forward_headers: tuple[tuple[str, str], ...] = (),
-             service_name: str = SERVICE_NAME, quiet: bool = True) -> dict[str, Any]:
+             service_name: str = SERVICE_NAME, trace_url: str | None = None,
+             quiet: bool = True) -> dict[str, Any]:
     """Run the demo end to end; return ``{"settings", "client", "breakdown"}``.
 
     ``breakdown`` is the collector's contract §5 document (None for modes that emit no
-    inferprof stages — ``none``, ``off``, ``otel`` — or when the collector saw no request).
+    inferprof stages — ``none``, ``off``, ``otel`` — or when the collector saw no request);
+    with ``trace_url`` (a template with ``{trace_id}``) its slow traces carry their URL.
     """
     from inferprof.collector.app import CollectorApp
     from inferprof.collector.settings import CollectorSettings
@@ -260,7 +265,8 @@ def run_demo(*, duration_s: float = DEFAULT_DURATION_S,
             service.close()  # SIGTERM: the service flushes its spans on the way out
         breakdown = None
         if traced:
-            breakdown = _collect(collector, client["requests"], service_name)
+            breakdown = collect_breakdown(collector, client["requests"], service_name,
+                                          trace_url)
     finally:
         collector.stop()
     return {
@@ -272,44 +278,14 @@ def run_demo(*, duration_s: float = DEFAULT_DURATION_S,
     }
 
 
-def _collect(collector: Any, expected: int, service_name: str) -> dict[str, Any] | None:
-    """The collector's breakdown once it has folded every request it was sent.
-
-    The service has exited (and flushed) by now, so every span has been received; a
-    flush folds the traces still settling. In full mode the count reaches what the
-    client saw; in production mode it is a weighted estimate, so stop when it is stable.
-    """
-    deadline = time.monotonic() + _DRAIN_TIMEOUT_S
-    doc = previous = None
-    while time.monotonic() < deadline:
-        collector.engine.flush()
-        # model=None: every model of the service.
-        doc = collector.engine.breakdown(service_name, None, window_s=None)
-        count = None if doc is None else doc.get("requests")
-        if count is not None and (count >= expected or count == previous):
-            break
-        previous = count
-        time.sleep(0.25)
-    return doc
-
-
 def render(result: dict[str, Any]) -> str:
     from inferprof.demo.loadgen import format_summary
 
-    lines = [format_summary(result["client"]), ""]
     doc = result["breakdown"]
-    mode = result["settings"]["mode"]
-    if doc is None:
-        if mode == INSTRUMENTATION_OTEL:
-            lines.append("(instrumentation 'otel' exports one server span per request and no "
-                         "stages: there is nothing to attribute, which is what inferprof adds)")
-        elif mode in (INSTRUMENTATION_NONE, semconv.MODE_OFF):
-            lines.append(f"(instrumentation '{mode}' emits no spans: no breakdown)")
-        else:
-            lines.append("the collector received no complete request traces")
-        return "\n".join(lines)
-    lines.append(_format_table(doc))
-    lines += ["", *next_steps(command_name(sys.argv[0], shutil.which("inferprof")))]
+    lines = [format_summary(result["client"]), "",
+             *breakdown_lines(doc, result["settings"]["mode"])]
+    if doc is not None:
+        lines += ["", *next_steps(command_name(sys.argv[0], shutil.which("inferprof")))]
     return "\n".join(lines)
 
 
@@ -335,14 +311,6 @@ def next_steps(prog: str = "inferprof") -> tuple[str, ...]:
         f"  - see a slow request's trace: start Jaeger, then {prog} demo --forward"
         " otlp-grpc://127.0.0.1:4317 (docs/demo.md)",
     )
-
-
-def _format_table(doc: dict[str, Any]) -> str:
-    try:
-        from inferprof.report.render import format_table
-    except ImportError:  # the report package is optional at this point of the build
-        return json.dumps(doc, indent=2)
-    return format_table(doc)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -14,7 +14,7 @@ import sys
 import click
 
 from inferprof._optional import require
-from inferprof.collector.command import gpu_hour_price_option
+from inferprof.collector.command import gpu_hour_price_option, trace_url_option
 
 #: Offline engine settings: traces are finalised only at the end of input unless the
 #: pending-span cap forces an early flush (see ``_feed``).
@@ -143,12 +143,7 @@ def build_documents(
     type=click.Path(dir_okay=False, writable=True),
     help="Also write a self-contained HTML report with charts to this file.",
 )
-@click.option(
-    "--trace-url",
-    metavar="TEMPLATE",
-    help="Link each slow trace listed: a URL with {trace_id}, e.g. "
-    "http://localhost:16686/trace/{trace_id} (Jaeger) or a Grafana Explore URL.",
-)
+@trace_url_option
 @gpu_hour_price_option
 @click.option(
     "--progress/--no-progress",
@@ -171,12 +166,8 @@ def report(
         raise click.UsageError("give FILES to read, or --prometheus URL")
     if window_s is not None:
         raise click.UsageError("--window goes with --prometheus (FILES are read whole)")
-    from inferprof.collector.examples import check_template, with_links
+    from inferprof.collector.examples import with_links
 
-    try:
-        check_template(trace_url)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--trace-url") from None
     if progress is None:
         progress = sys.stderr.isatty()
     dropped: dict[str, int] = {}

@@ -1,6 +1,7 @@
 """``inferprof demo`` end to end: collector, service under uvicorn, load generator, table."""
 
 import json
+import re
 import sys
 
 import pytest
@@ -61,9 +62,13 @@ def test_next_steps_name_the_command_as_it_can_be_run_again(tmp_path):
     assert ".venv/bin/inferprof demo --forward otlp-grpc://" in steps
 
 
+JAEGER = "http://localhost:16686/trace/{trace_id}"
+
+
 def test_demo_json_matches_what_the_client_saw():
     result = CliRunner().invoke(main, ["demo", "--duration", "2", "--concurrency", "16",
-                                       "--model-size", "tiny", "--json"], catch_exceptions=False)
+                                       "--model-size", "tiny", "--json", "--trace-url", JAEGER],
+                                catch_exceptions=False)
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout[result.stdout.index("{"):])
     client, breakdown = doc["client"], doc["breakdown"]
@@ -79,6 +84,23 @@ def test_demo_json_matches_what_the_client_saw():
     assert sum(s["share_of_p95"] for s in breakdown["stages"]) == pytest.approx(1.0, abs=0.01)
     assert breakdown["padding"]["padded_tokens"] >= breakdown["padding"]["effective_tokens"] > 0
     assert breakdown["verdict"]["bottleneck"] in semconv.VERDICTS
+    # --trace-url: each slow trace listed carries its link, as the collector's API gives it
+    examples = breakdown["examples"]
+    assert examples
+    for ex in examples:
+        assert ex["url"] == f"http://localhost:16686/trace/{ex['trace_id']}"
+
+
+def test_demo_prints_its_slow_traces_as_links():
+    result = CliRunner().invoke(main, ["demo", "--duration", "1", "--concurrency", "8",
+                                       "--model-size", "tiny", "--trace-url", JAEGER],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    listed = result.output[result.output.index("slowest traces (ms):"):]
+    links = re.findall(r"http://localhost:16686/trace/([0-9a-f]{32})\b", listed)
+    assert links and "  trace " not in listed
+    bad = CliRunner().invoke(main, ["demo", "--trace-url", "http://localhost:16686/trace/"])
+    assert bad.exit_code == 2 and "{trace_id}" in bad.output
 
 
 def test_demo_rejects_both_loops():

@@ -1,6 +1,7 @@
 """``inferprof demo --workload llm`` end to end: collector, LLM service, streaming load."""
 
 import json
+import re
 
 import pytest
 from click.testing import CliRunner
@@ -54,9 +55,15 @@ def test_llm_demo_json_has_client_engine_and_collector_figures():
 
 
 def test_llm_demo_prints_client_figures_engine_counts_and_a_verdict():
-    result = CliRunner().invoke(main, SHORT, catch_exceptions=False)
+    result = CliRunner().invoke(
+        main, [*SHORT, "--trace-url", "http://jaeger:16686/trace/{trace_id}"],
+        catch_exceptions=False)
     assert result.exit_code == 0, result.output
     out = result.output
+    # --trace-url: the slow traces listed are links
+    listed = out[out.index("slowest traces (ms):"):]
+    assert re.search(r"http://jaeger:16686/trace/[0-9a-f]{32}\b", listed)
+    assert "  trace " not in listed
     assert "client:" in out and "tokens/s" in out
     for figure in ("ttft", "itl", "tpot"):
         assert f"        {figure} " in out
@@ -74,3 +81,6 @@ def test_llm_demo_options_are_checked():
     assert result.exit_code != 0 and "--model-size" in result.output
     result = runner.invoke(main, ["demo", "--workload", "llm", "--output-mix", "huge=1"])
     assert result.exit_code != 0 and "--output-mix" in result.output
+    assert "bad output mix entry 'huge=1'" in result.output
+    result = runner.invoke(main, ["demo", "--workload", "llm", "--trace-url", "http://j/"])
+    assert result.exit_code == 2 and "{trace_id}" in result.output

@@ -16,10 +16,10 @@ import urllib.request
 from typing import Any
 
 from inferprof import semconv
+from inferprof.demo.breakdown import breakdown_lines, collect_breakdown
 from inferprof.demo.llm.settings import LLMSettings
 
 DEFAULT_CONCURRENCY = 16
-_DRAIN_TIMEOUT_S = 10.0
 
 
 def _echo(message: str, quiet: bool) -> None:
@@ -34,12 +34,13 @@ def run_llm_demo(*, settings: LLMSettings, duration_s: float,
                  prompt_mix: str | None = None, output_mix: str | None = None,
                  forward: tuple[str, ...] = (),
                  forward_headers: tuple[tuple[str, str], ...] = (),
-                 quiet: bool = True) -> dict[str, Any]:
+                 trace_url: str | None = None, quiet: bool = True) -> dict[str, Any]:
     """Run the LLM demo; return ``{"settings", "client", "engine", "breakdown"}``.
 
     ``settings.endpoint`` is replaced by the in-process collector's. ``breakdown`` is the
     collector's contract §5 document (None when the service emits no spans, or the
-    collector saw no request).
+    collector saw no request); with ``trace_url`` (a template with ``{trace_id}``) its
+    slow traces carry their URL.
     """
     from dataclasses import asdict, replace
 
@@ -74,7 +75,8 @@ def run_llm_demo(*, settings: LLMSettings, duration_s: float,
             service.close()  # SIGTERM: the service flushes its spans on the way out
         breakdown = None
         if traced:
-            breakdown = _collect(collector, client["requests"], settings.service_name)
+            breakdown = collect_breakdown(collector, client["requests"],
+                                          settings.service_name, trace_url)
     finally:
         collector.stop()
     run_settings = {k: v for k, v in asdict(settings).items() if k != "endpoint"}
@@ -94,21 +96,6 @@ def _health(base_url: str) -> dict[str, Any]:
         return {}
 
 
-def _collect(collector: Any, expected: int, service_name: str) -> dict[str, Any] | None:
-    """The collector's breakdown once it has folded the run (see demo/command.py)."""
-    deadline = time.monotonic() + _DRAIN_TIMEOUT_S
-    doc = previous = None
-    while time.monotonic() < deadline:
-        collector.engine.flush()
-        doc = collector.engine.breakdown(service_name, None, window_s=None)
-        count = None if doc is None else doc.get("requests")
-        if count is not None and (count >= expected or count == previous):
-            break
-        previous = count
-        time.sleep(0.25)
-    return doc
-
-
 def render(result: dict[str, Any]) -> str:
     from inferprof.demo.llm.loadgen import format_summary
 
@@ -122,24 +109,9 @@ def render(result: dict[str, Any]) -> str:
             + (f" ({engine['prefill_tokens'] / total:.0%} of tokens computed were prefill)"
                if total else "")
             + f", {engine['evictions']} evictions (KV cache {engine['kv_blocks']} blocks)")
-    lines.append("")
-    doc = result["breakdown"]
-    mode = result["settings"]["instrumentation"]
-    if doc is None:
-        if mode in ("none", semconv.MODE_OFF):
-            lines.append(f"(instrumentation '{mode}' emits no spans: no breakdown)")
-        else:
-            lines.append("the collector received no complete request traces")
-        return "\n".join(lines)
     # The table ends with the generation section and its verdict (report/render.py).
-    lines.append(_format_table(doc))
+    lines += ["", *breakdown_lines(result["breakdown"], result["settings"]["instrumentation"])]
     return "\n".join(lines)
-
-
-def _format_table(doc: dict[str, Any]) -> str:
-    from inferprof.report.render import format_table
-
-    return format_table(doc)
 
 
 __all__ = ["DEFAULT_CONCURRENCY", "render", "run_llm_demo"]
