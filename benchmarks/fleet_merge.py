@@ -23,58 +23,16 @@ import argparse
 import statistics
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
 from inferprof import semconv as sc
-from inferprof.collector.engine import Engine
-from inferprof.collector.fleet import (
-    E2E,
-    Buckets,
-    FleetExposition,
-    document,
-    tables_from_sums,
-)
+from inferprof.collector.fleet import FleetExposition
 from inferprof.collector.metrics import EngineCollector
-from tests.collector.fleet_workload import exports
-from tests.collector.synth import FakeClock
-
-
-def _engine(parts) -> Engine:
-    engine = Engine(settle_s=0.0, clock=FakeClock())
-    for request in parts:
-        engine.ingest_traces(request)
-    engine.flush()
-    return engine
-
-
-def _fleet_document(engines) -> dict:
-    stage_cum: dict = defaultdict(lambda: defaultdict(float))
-    tail_stage: dict = defaultdict(lambda: defaultdict(float))
-    tail_e2e: dict = defaultdict(float)
-    tail_traced: dict = defaultdict(float)
-    for engine in engines:
-        for family in text_string_to_metric_families(FleetExposition(engine)().decode()):
-            for s in family.samples:
-                labels = s.labels
-                if s.name == sc.PROM_FLEET_STAGE_DURATION + "_bucket":
-                    stage_cum[labels["stage"]][labels["le"]] += s.value
-                elif s.name == sc.PROM_FLEET_REQUEST_DURATION + "_bucket":
-                    stage_cum[E2E][labels["le"]] += s.value
-                elif s.name == sc.PROM_FLEET_TAIL_STAGE:
-                    tail_stage[labels["stage"]][labels["le"]] += s.value
-                elif s.name == sc.PROM_FLEET_TAIL_REQUEST:
-                    tail_e2e[labels["le"]] += s.value
-                elif s.name == sc.PROM_FLEET_TAIL_TRACED:
-                    tail_traced[labels["le"]] += s.value
-    buckets = Buckets(engines[0].mapping)
-    tables = tables_from_sums(buckets, stage_cum, tail_stage, tail_e2e, tail_traced)
-    return document("fleet", "m", None, tables, buckets.mapping)
+from tests.collector.fleet_workload import engine_fed, exports, fleet_document
 
 
 def _errors(got: dict, ref: dict) -> tuple[float, float]:
@@ -100,15 +58,15 @@ def main() -> None:
     args = parser.parse_args()
     counts = [int(c) for c in args.collectors.split(",")]
 
-    everything = _engine([r for p in exports(args.requests, shares=1) for r in p])
+    everything = engine_fed([r for p in exports(args.requests, shares=1) for r in p])
     ref = everything.breakdown("fleet", "m", window_s=None)
     print(f"{args.requests} requests ({ref['requests']} weighted), verdict "
           f"{ref['verdict']['bottleneck']}\n")
     print("| collectors | max quantile error | max share error | verdict | requests |")
     print("|---:|---:|---:|---|---|")
     for n in counts:
-        engines = [_engine(p) for p in exports(args.requests, shares=n)]
-        got = _fleet_document(engines)
+        engines = [engine_fed(p) for p in exports(args.requests, shares=n)]
+        got = fleet_document(engines)
         q_err, share_err = _errors(got, ref)
         same = got["verdict"]["bottleneck"] == ref["verdict"]["bottleneck"]
         print(f"| {n} | {q_err:.2e} | {share_err * 100:.2e} pp | "

@@ -3,8 +3,6 @@ engine fed all the requests (quantiles, shares, counts and verdict)."""
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -17,47 +15,12 @@ from inferprof.collector.fleet import (
     FLEET_MIN_S,
     Buckets,
     FleetExposition,
-    document,
     tables_from_sums,
 )
 from inferprof.collector.sketch import KeyMapping
-from tests.collector.fleet_workload import exports
+from tests.collector.fleet_workload import engine_fed, exports, fleet_document, summed_scrapes
 from tests.collector.synth import FakeClock
 from tests.collector.test_server_fixtures import running_app
-
-
-def _engine(parts) -> Engine:
-    engine = Engine(settle_s=0.0, clock=FakeClock())
-    for request in parts:
-        engine.ingest_traces(request)
-    engine.flush()
-    return engine
-
-
-def _summed(engines, service: str, model: str):
-    """What ``sum by (stage, le)`` over the engines' scrapes gives, as text families."""
-    stage_cum: dict = defaultdict(lambda: defaultdict(float))
-    tail_stage: dict = defaultdict(lambda: defaultdict(float))
-    tail_e2e: dict = defaultdict(float)
-    tail_traced: dict = defaultdict(float)
-    for engine in engines:
-        text = FleetExposition(engine)().decode()
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                labels = s.labels
-                if labels.get("service") != service or labels.get("model") != model:
-                    continue
-                if s.name == sc.PROM_FLEET_STAGE_DURATION + "_bucket":
-                    stage_cum[labels["stage"]][labels["le"]] += s.value
-                elif s.name == sc.PROM_FLEET_REQUEST_DURATION + "_bucket":
-                    stage_cum[E2E][labels["le"]] += s.value
-                elif s.name == sc.PROM_FLEET_TAIL_STAGE:
-                    tail_stage[labels["stage"]][labels["le"]] += s.value
-                elif s.name == sc.PROM_FLEET_TAIL_REQUEST:
-                    tail_e2e[labels["le"]] += s.value
-                elif s.name == sc.PROM_FLEET_TAIL_TRACED:
-                    tail_traced[labels["le"]] += s.value
-    return stage_cum, tail_stage, tail_e2e, tail_traced
 
 
 def assert_same_breakdown(fleet: dict, one: dict) -> None:
@@ -82,16 +45,14 @@ def assert_same_breakdown(fleet: dict, one: dict) -> None:
 
 def test_three_engines_summed_by_le_give_the_breakdown_of_one():
     parts = exports(3000, shares=3)
-    engines = [_engine(p) for p in parts]
-    one = _engine([r for p in parts for r in p])
+    engines = [engine_fed(p) for p in parts]
+    one = engine_fed([r for p in parts for r in p])
     expected = one.breakdown("fleet", "m", window_s=None)
     assert expected["verdict"]["bottleneck"] == sc.VERDICT_BATCHING  # the workload's tail
 
-    buckets = Buckets(KeyMapping(0.005))
-    stage_cum, *tail = _summed(engines, "fleet", "m")
-    tables = tables_from_sums(buckets, stage_cum, *tail)
-    got = document("fleet", "m", None, tables, buckets.mapping)
+    got = fleet_document(engines, "fleet", "m")
     assert_same_breakdown(got, expected)
+    stage_cum, *_ = summed_scrapes(engines, "fleet", "m")
     # +Inf holds every request's weight (the histograms' _count)
     assert stage_cum[E2E]["+Inf"] == pytest.approx(expected["requests"], abs=0.5)
     # Inside the range the sums are the one engine's own tables: equal, not just close.
@@ -106,7 +67,7 @@ def test_every_collector_exposes_the_same_bucket_grid():
     parts = exports(300, shares=2)
     grids = []
     for p in parts:
-        text = FleetExposition(_engine(p))().decode()
+        text = FleetExposition(engine_fed(p))().decode()
         grids.append(sorted(
             (s.labels["stage"], s.labels["le"])
             for f in text_string_to_metric_families(text) for s in f.samples
@@ -121,7 +82,7 @@ def test_every_collector_exposes_the_same_bucket_grid():
 
 
 def test_the_exposition_parses_and_escapes_label_values():
-    engine = _engine(exports(20, service='we"ird\\svc')[0])
+    engine = engine_fed(exports(20, service='we"ird\\svc')[0])
     families = {
         f.name: f for f in text_string_to_metric_families(FleetExposition(engine)().decode())
     }
