@@ -70,6 +70,7 @@ DEFAULT_ADVANCE_BUDGET = 5_000
 # Attributes read from span attributes besides ``inferprof.stage`` (compared on its
 # own, first: most spans that carry anything carry it); all others are skipped without
 # decoding their value.
+_SUMMARY_COUNTED = "inferprof.summary.counted"  # TEMP until semconv has it
 _WANTED = frozenset(
     {
         sc.ATTR_REQUEST,
@@ -81,6 +82,7 @@ _WANTED = frozenset(
         sc.ATTR_GPU_ID,
         sc.ATTR_BATCH_SIZE,
         sc.ATTR_QUEUE_BEHIND_BATCHES_S,
+        _SUMMARY_COUNTED,
         *_gen.REQUEST_KEYS,
         *_gen.STEP_KEYS,
     }
@@ -226,11 +228,15 @@ class Finalised:
     (0: not given). ``device``: flat (request index, stage number, seconds, share) per work
     span (``h2d``, compute stages, ``d2h``) attributed to a request, every member of a batch
     included: the span's duration and the request's share of it (``cost.member_share``).
+    ``counted`` per request: 1 when its request span says ``inferprof.summary.counted``
+    (contract §15): its process's summaries count it, so its trace only adds what
+    summaries do not carry.
     """
 
     __slots__ = (
         "batches",
         "compute",
+        "counted",
         "device",
         "end",
         "error",
@@ -257,6 +263,7 @@ class Finalised:
         self.start = array("Q")
         self.end = array("Q")
         self.error = array("B")
+        self.counted = array("B")
         self.span_key = array("q")
         self.span_start = array("Q")
         self.span_end = array("Q")
@@ -1007,6 +1014,7 @@ class Assembler:
         out.start.append(start)
         out.end.append(end)
         out.error.append(1 if flags & _FLAG_ERROR else 0)
+        out.counted.append(1 if extra and extra.get(_SUMMARY_COUNTED) is True else 0)
         if extra and _gen.is_generating(extra):
             out.gen.append((row, extra))
         tokens = extra.get(_PROMPT_TOKENS) if extra else None

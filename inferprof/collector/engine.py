@@ -74,6 +74,7 @@ from inferprof.collector.sketch import (
     KeyMapping,
     TimeSlice,
 )
+from inferprof.collector.summaries import SummaryPart, read_metric, service_of, summary_kind
 from inferprof.collector.verdict import is_gpu_metric, normalize_gpu_id
 
 _log = logging.getLogger(__name__)
@@ -177,7 +178,7 @@ def _positive(name: str, value: float) -> float:
     return float(value)
 
 
-class Engine(SeriesPart, FoldPart, DocumentPart):
+class Engine(SeriesPart, FoldPart, SummaryPart, DocumentPart):
     """Assembles spans into requests and folds them into windowed sketches.
 
     Thread-safe: every public method takes the engine's lock.
@@ -321,10 +322,12 @@ class Engine(SeriesPart, FoldPart, DocumentPart):
         return IngestResult(accepted, rejected, tuple(errors))
 
     def ingest_metrics(self, request: Any) -> IngestResult:
-        """Keep the GPU samples (contract §4) of an OTLP metrics export.
+        """Keep the GPU samples (contract §4) of an OTLP metrics export, and fold its
+        summaries (contract §15, ``summaries.py``) into the current slice.
 
         The engines' KV-cache gauge (contract §14) goes to the generation store. Other
-        metrics are ignored (neither accepted nor rejected); GPU data points with a
+        metrics are ignored (neither accepted nor rejected); summary data points that do
+        not follow §15 are rejected with their reason, the rest kept; GPU data points with a
         non-finite value or without ``hw.id``, with a timestamp outside the retention or
         too far ahead, or past the caps on hosts, GPUs and their metrics are rejected and
         counted (``gpu_samples.py``). ``accepted_spans`` / ``rejected_spans`` count data
@@ -333,6 +336,7 @@ class Engine(SeriesPart, FoldPart, DocumentPart):
         """
         gpu_metrics = []
         kv_cache = []
+        summaries = []
         incoming = 0
         for rm in request.resource_metrics:
             host = ""
@@ -343,6 +347,9 @@ class Engine(SeriesPart, FoldPart, DocumentPart):
                 for metric in sm.metrics:
                     if metric.name == sc.METRIC_ENGINE_KV_CACHE_USAGE:
                         kv_cache.append((rm.resource, metric))
+                        continue
+                    if summary_kind(metric.name) is not None:
+                        summaries.append((rm.resource, metric))
                         continue
                     kind = metric.WhichOneof("data")
                     if kind not in ("gauge", "sum") or not is_gpu_metric(metric.name):
@@ -365,6 +372,14 @@ class Engine(SeriesPart, FoldPart, DocumentPart):
                 ok, bad = self._gen.ingest_kv(resource, metric, now)
                 accepted += ok
                 rejected += bad
+            points = []
+            for resource, metric in summaries:
+                valid, ok, bad = read_metric(service_of(resource), metric, self.mapping, errors)
+                points.extend(valid)
+                accepted += ok
+                rejected += bad
+            with _gc_paused():
+                self._fold_summaries(points, now)
             oldest = now - self.retention_s if finite else -math.inf
             for host, name, points in gpu_metrics:
                 for dp in points:

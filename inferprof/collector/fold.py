@@ -163,14 +163,20 @@ class FoldPart:
             np.asarray(pe, np.float64),
         )
 
-    def _fold(self, fin: Finalised, now: float) -> None:
-        n = len(fin)
-        if not n:
-            return
+    def _slice_at(self, now: float) -> TimeSlice:
+        """The time slice collector-clock time ``now`` falls in, created if new."""
         index = int(now // self.slice_s)
         slice_ = self._slices.get(index)
         if slice_ is None:
             slice_ = self._slices[index] = TimeSlice(index)
+        return slice_
+
+    def _fold(self, fin: Finalised, now: float) -> None:
+        n = len(fin)
+        if not n:
+            return
+        slice_ = self._slice_at(now)
+        index = slice_.index
         series = self._fold_requests(fin, slice_, now)
         self._finalised += n
 
@@ -200,7 +206,6 @@ class FoldPart:
         ps = np.concatenate([np.full(n, _UNATTRIBUTED, np.int64), pair_stage])
         pt = np.concatenate([unattributed, pair_time])
         pe = np.concatenate([unattributed, pair_excl])
-        mapping = self.mapping
         self._examples.add(index, req_series, fin.trace_id, req_e2e, pr, ps, pt, pe,
                            gpu_seconds)
 
@@ -209,7 +214,31 @@ class FoldPart:
         q_stage = np.concatenate([np.zeros(n, np.int64), ps])
         q_val = np.concatenate([req_e2e, pt])
         q_w = np.concatenate([req_w, req_w[pr]])
+        # Requests their process's summaries count (contract §15) stay out of the counts,
+        # the sketches and the histograms: their traces add only what summaries lack.
+        live = np.frombuffer(fin.counted, np.uint8) == 0
+        q_live = None if live.all() else np.concatenate([live, live[pr]])
+        self._fold_sketches(slice_, (q_series, q_stage, q_val, q_w), q_live, req_series,
+                            req_w, req_e2e, pr, ps, pe)
+        self._fold_histograms(fin, now, n, pr, q_series, q_stage, q_val, q_w, q_live)
+        if fin.gen:
+            self._gen.fold(fin, series, self._asm.stage_names, index, now)
+
+    def _fold_sketches(self, slice_: TimeSlice, q: tuple[np.ndarray, ...],
+                       q_live: np.ndarray | None, req_series: np.ndarray, req_w: np.ndarray,
+                       req_e2e: np.ndarray, pr: np.ndarray, ps: np.ndarray, pe: np.ndarray,
+                       ) -> None:
+        """Quantile codes ``q`` (series, stage, value, weight per entry: end to end, then
+        per (request, stage)) and the tail table into the slice and the fleet tables;
+        ``q_live``: the entries to count (None: all)."""
+        q_series, q_stage, q_val, q_w = q
+        mapping = self.mapping
+        n = req_series.size
         q_codes = (q_series << _Q_LOCAL) | (q_stage << KEY_BITS) | mapping.key(q_val)
+        sums = ((q_series << STAGE_BITS) | q_stage, q_w * q_val)
+        if q_live is not None:
+            q_codes, q_w = q_codes[q_live], q_w[q_live]
+            sums = (sums[0][q_live], sums[1][q_live])
         q_reduced = reduce_codes(q_codes, q_w)
         slice_.q_chunks.append(q_reduced)
 
@@ -226,18 +255,17 @@ class FoldPart:
             ]
         )
         t_vals = np.concatenate([np.ones(n), req_w, req_w * req_e2e, req_w[pr] * pe])
-        t_reduced = reduce_codes(tail_codes(t_series, t_key, t_cols), t_vals)
+        t_codes = tail_codes(t_series, t_key, t_cols)
+        if q_live is not None:
+            live = q_live[:n]
+            t_live = np.concatenate([live, live, live, live[pr]])
+            t_codes, t_vals = t_codes[t_live], t_vals[t_live]
+        t_reduced = reduce_codes(t_codes, t_vals)
         slice_.t_chunks.append(t_reduced)
-        self._fleet.add(
-            q_reduced, t_reduced, reduce_codes((q_series << STAGE_BITS) | q_stage, q_w * q_val)
-        )
+        self._fleet.add(q_reduced, t_reduced, reduce_codes(*sums))
         if len(slice_.q_chunks) > 16:
             slice_.quantile_store()
             slice_.tail_store()
-
-        self._fold_histograms(fin, now, n, pr, q_series, q_stage, q_val, q_w)
-        if fin.gen:
-            self._gen.fold(fin, series, self._asm.stage_names, index, now)
 
     def _fold_requests(self, fin: Finalised, slice_: TimeSlice, now: float) -> list[int]:
         """Each request's series id; its weight counted, its errors, batch padding and
@@ -262,12 +290,15 @@ class FoldPart:
             # new one further down the same fold.
             series_last[sid] = now
             series.append(sid)
-        for sid, w in zip(series, fin.weight, strict=False):
-            series_requests[sid] += w
+        # A request its summaries count (contract §15) is counted there, errors included.
+        counted = fin.counted
+        for sid, w, c in zip(series, fin.weight, counted, strict=False):
+            if not c:
+                series_requests[sid] += w
         if any(fin.error):
             errors = slice_.errors
-            for sid, w, err in zip(series, fin.weight, fin.error, strict=False):
-                if err:
+            for sid, w, err, c in zip(series, fin.weight, fin.error, counted, strict=False):
+                if err and not c:
                     errors[sid] += w
                     self._series_errors[sid] += w
         for row, eff, pad in fin.batches:
@@ -302,9 +333,10 @@ class FoldPart:
 
     def _fold_histograms(self, fin: Finalised, now: float, n: int, pr: np.ndarray,
                          q_series: np.ndarray, q_stage: np.ndarray, q_val: np.ndarray,
-                         q_w: np.ndarray) -> None:
+                         q_w: np.ndarray, q_live: np.ndarray | None = None) -> None:
         """Cumulative Prometheus histograms and their exemplars (no unattributed
-        pseudo-stage there)."""
+        pseudo-stage there). ``q_live``: the entries counted in the histograms (None:
+        all); exemplars come from every entry."""
         keep = q_stage != _UNATTRIBUTED
         hs, hst, hv, hw = q_series[keep], q_stage[keep], q_val[keep], q_w[keep]
         pair = (hs << STAGE_BITS) | hst
@@ -312,8 +344,17 @@ class FoldPart:
         h_codes = pair * _NB + bucket
         q_row = np.concatenate([np.arange(n), pr])[keep]
         self._exemplars.add(pair, bucket, hv, q_row, fin.trace_id, now, (STAGE_BITS, _STAGE_MASK))
-        uniq, sums = reduce_codes(h_codes, hw)
-        for code, w in zip(uniq.tolist(), sums.tolist(), strict=False):
+        if q_live is not None:
+            live = q_live[keep]
+            h_codes, hw, pair, hv = h_codes[live], hw[live], pair[live], hv[live]
+        self._add_histograms(h_codes, hw, pair, hw * hv)
+
+    def _add_histograms(self, h_codes: np.ndarray, hw: np.ndarray, pair: np.ndarray,
+                        sums: np.ndarray) -> None:
+        """Add weights ``hw`` to the histogram buckets ``h_codes`` (``(series <<
+        STAGE_BITS | stage) * _NB + bucket``) and ``sums`` to the sums of ``pair``."""
+        uniq, totals = reduce_codes(h_codes, hw)
+        for code, w in zip(uniq.tolist(), totals.tolist(), strict=False):
             p, bucket = divmod(code, _NB)
             key = (p >> STAGE_BITS, p & _STAGE_MASK)
             arr = self._hist.get(key)
@@ -321,8 +362,8 @@ class FoldPart:
                 arr = self._hist[key] = np.zeros(_NB)
                 self._hist_sum[key] = 0.0
             arr[bucket] += w
-        uniq, sums = reduce_codes(pair, hw * hv)
-        for p, s in zip(uniq.tolist(), sums.tolist(), strict=False):
+        uniq, totals = reduce_codes(pair, sums)
+        for p, s in zip(uniq.tolist(), totals.tolist(), strict=False):
             self._hist_sum[(p >> STAGE_BITS, p & _STAGE_MASK)] += s
 
     def _keep_queue_and_work(

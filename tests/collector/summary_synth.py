@@ -1,0 +1,127 @@
+"""Summary exports (contract §15) built with the real protobuf classes, for collector tests.
+
+    s = SummaryBuilder()
+    s.add(e2e_start_ns, e2e_end_ns, [("queue", s_ns, e_ns), ...], weight=2.0, model="m")
+    request = s.export(service="svc")   # an ExportMetricsServiceRequest, DELTA
+
+Each request is partitioned with the collector's own ``attribution.partition``, then
+bucketed at ``scale`` as §15 says: one count per request at its end-to-end latency, one
+count per (request, stage entered) at its stage time (``unattributed`` included), and per
+end-to-end bucket each stage's exclusive nanoseconds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+from opentelemetry.proto.metrics.v1 import metrics_pb2
+from opentelemetry.proto.resource.v1.resource_pb2 import Resource
+
+from inferprof import semconv as sc
+from inferprof.collector import summaries as sm
+from inferprof.collector.attribution import partition
+from tests.collector.synth import attributes
+
+DELTA = metrics_pb2.AggregationTemporality.AGGREGATION_TEMPORALITY_DELTA
+
+
+def exp_index(value: float, scale: int) -> int | None:
+    """The OTLP bucket index of a positive value: (base**i, base**(i+1)]; None for <= 0."""
+    if value <= 0:
+        return None
+    i = math.ceil(math.log2(value) * 2.0**scale) - 1
+    base = 2.0 ** (2.0**-scale)
+    # log2 rounding at a bucket edge: settle it on the exact comparison.
+    if value <= base**i:
+        i -= 1
+    elif value > base ** (i + 1):
+        i += 1
+    return i
+
+
+class _Hist:
+    __slots__ = ("buckets", "count", "sum", "zero")
+
+    def __init__(self) -> None:
+        self.buckets: dict[int, int] = defaultdict(int)
+        self.zero = 0
+        self.count = 0
+        self.sum = 0.0
+
+
+class SummaryBuilder:
+    """Requests summarised as a producer would (see the module docstring)."""
+
+    def __init__(self, scale: int = 7) -> None:
+        self.scale = scale
+        # (metric kind, model, weight, error, stage) -> histogram
+        self._h: dict[tuple, _Hist] = defaultdict(_Hist)
+
+    def add(self, start: int, end: int, spans: Iterable[tuple[str, int, int]], *,
+            weight: float = 1.0, model: str | None = None, error: bool = False) -> None:
+        stage_time, exclusive, unattributed = partition(start, end, list(spans))
+        e2e = (end - start) * 1e-9
+        e2e_i = exp_index(e2e, self.scale)
+        self._count(("r", model, weight, error, None), e2e_i, 1, e2e)
+        for stage, t in [*stage_time.items(), (sc.STAGE_UNATTRIBUTED, unattributed)]:
+            self._count(("s", model, weight, False, stage), exp_index(t, self.scale), 1, t)
+        for stage, x in [*exclusive.items(), (sc.STAGE_UNATTRIBUTED, unattributed)]:
+            ns = round(x * 1e9)
+            if ns:
+                self._count(("t", model, weight, False, stage), e2e_i, ns, 0.0)
+
+    def _count(self, key: tuple, index: int | None, n: int, value: float) -> None:
+        h = self._h[key]
+        if index is None:
+            h.zero += n
+        else:
+            h.buckets[index] += n
+        h.count += n
+        h.sum += value
+
+    def metrics(self) -> list[metrics_pb2.Metric]:
+        names = {"r": sm.METRIC_SUMMARY_REQUEST, "s": sm.METRIC_SUMMARY_STAGE,
+                 "t": sm.METRIC_SUMMARY_TAIL}
+        out = []
+        for kind, name in names.items():
+            metric = metrics_pb2.Metric(name=name, unit="ns" if kind == "t" else "s")
+            metric.exponential_histogram.aggregation_temporality = DELTA
+            for (k, model, weight, error, stage), h in sorted(
+                self._h.items(), key=lambda kv: repr(kv[0])
+            ):
+                if k == kind:
+                    metric.exponential_histogram.data_points.append(
+                        self._point(h, model, weight, error, stage, kind != "t"))
+            out.append(metric)
+        return out
+
+    def _point(self, h: _Hist, model: str | None, weight: float, error: bool,
+               stage: str | None, with_sum: bool) -> metrics_pb2.ExponentialHistogramDataPoint:
+        attrs: dict[str, Any] = {sc.ATTR_MODEL_NAME: model, sm.ATTR_REQUEST_ERROR: error or None,
+                                 sc.ATTR_STAGE: stage}
+        if weight != 1.0:
+            attrs[sc.ATTR_SAMPLE_WEIGHT] = float(weight)
+        dp = metrics_pb2.ExponentialHistogramDataPoint(
+            attributes=attributes(attrs), count=h.count, zero_count=h.zero, scale=self.scale,
+            start_time_unix_nano=1, time_unix_nano=2)
+        if with_sum:
+            dp.sum = h.sum
+        if h.buckets:
+            lo, hi = min(h.buckets), max(h.buckets)
+            dp.positive.offset = lo
+            dp.positive.bucket_counts.extend(h.buckets.get(i, 0) for i in range(lo, hi + 1))
+        return dp
+
+    def export(self, service: str = "svc", metrics: list | None = None
+               ) -> ExportMetricsServiceRequest:
+        req = ExportMetricsServiceRequest()
+        rm = req.resource_metrics.add()
+        rm.resource.CopyFrom(Resource(attributes=attributes({sc.RESOURCE_SERVICE_NAME: service})))
+        sm_ = rm.scope_metrics.add()
+        sm_.scope.name = sc.INSTRUMENTATION_SCOPE
+        sm_.metrics.extend(self.metrics() if metrics is None else metrics)
+        return req
