@@ -35,6 +35,7 @@ MIN_SUMMARY_SCALE: Final = -10
 MAX_SUMMARY_SCALE: Final = 20
 
 _NS = 1e-9
+_LN2 = math.log(2.0)
 
 
 def partition(
@@ -129,6 +130,18 @@ def exp_representative(
     i = np.asarray(index, dtype=np.float64)
     step = math.ldexp(1.0, -scale)
     out: npt.NDArray[np.float64] = 2.0 * np.exp2((i + 1) * step) / (1.0 + math.pow(2.0, step))
+    return out
+
+
+def exp_log_representative(
+    index: npt.ArrayLike, scale: int = DEFAULT_SUMMARY_SCALE
+) -> npt.NDArray[np.float64]:
+    """The natural logarithm of ``exp_representative``, finite at every scale from
+    ``MIN_SUMMARY_SCALE`` on (at scale -10 ``base`` is ``2**1024``, past a float): a reader
+    of data points from any producer clamps it before taking the exponential."""
+    i = np.asarray(index, dtype=np.float64)
+    ln_base = _LN2 * math.ldexp(1.0, -scale)
+    out: npt.NDArray[np.float64] = _LN2 + (i + 1) * ln_base - np.logaddexp(0.0, ln_base)
     return out
 
 

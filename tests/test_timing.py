@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from inferprof.timing import (
     DEFAULT_SUMMARY_SCALE,
     exp_index,
+    exp_log_representative,
     exp_relative_error,
     exp_representative,
 )
@@ -45,3 +46,14 @@ def test_the_representative_is_within_the_relative_error_of_its_values(scale):
     bound = exp_relative_error(scale)
     assert np.max(np.abs(rep / values - 1)) <= bound * (1 + 1e-9)
     assert exp_relative_error(DEFAULT_SUMMARY_SCALE) < 0.0028  # contract §15: 0.27%
+
+
+@pytest.mark.parametrize("scale", [-10, -3, 0, DEFAULT_SUMMARY_SCALE, 20])
+def test_the_log_representative_is_the_representative_in_logarithms(scale):
+    index = np.arange(-40, 40)
+    logs = exp_log_representative(index, scale)
+    assert np.isfinite(logs).all()
+    ln_base = math.log(2) * math.ldexp(1.0, -scale)
+    assert ((logs > index * ln_base) & (logs <= (index + 1) * ln_base)).all()
+    if scale >= 0:
+        assert np.allclose(np.exp(logs), exp_representative(index, scale), rtol=1e-12)

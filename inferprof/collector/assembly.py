@@ -70,7 +70,6 @@ DEFAULT_ADVANCE_BUDGET = 5_000
 # Attributes read from span attributes besides ``inferprof.stage`` (compared on its
 # own, first: most spans that carry anything carry it); all others are skipped without
 # decoding their value.
-_SUMMARY_COUNTED = "inferprof.summary.counted"  # TEMP until semconv has it
 _WANTED = frozenset(
     {
         sc.ATTR_REQUEST,
@@ -82,7 +81,7 @@ _WANTED = frozenset(
         sc.ATTR_GPU_ID,
         sc.ATTR_BATCH_SIZE,
         sc.ATTR_QUEUE_BEHIND_BATCHES_S,
-        _SUMMARY_COUNTED,
+        sc.ATTR_SUMMARY_COUNTED,
         *_gen.REQUEST_KEYS,
         *_gen.STEP_KEYS,
     }
@@ -1014,7 +1013,7 @@ class Assembler:
         out.start.append(start)
         out.end.append(end)
         out.error.append(1 if flags & _FLAG_ERROR else 0)
-        out.counted.append(1 if extra and extra.get(_SUMMARY_COUNTED) is True else 0)
+        out.counted.append(1 if extra and extra.get(sc.ATTR_SUMMARY_COUNTED) is True else 0)
         if extra and _gen.is_generating(extra):
             out.gen.append((row, extra))
         tokens = extra.get(_PROMPT_TOKENS) if extra else None

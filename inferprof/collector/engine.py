@@ -382,30 +382,40 @@ class Engine(SeriesPart, FoldPart, SummaryPart, DocumentPart):
                 self._fold_summaries(points, now)
             oldest = now - self.retention_s if finite else -math.inf
             for host, name, points in gpu_metrics:
-                for dp in points:
-                    hw_id = gpu_model = ""
-                    for kv in dp.attributes:
-                        if kv.key == sc.ATTR_HW_ID:
-                            hw_id = kv.value.string_value
-                        elif kv.key == sc.ATTR_HW_MODEL:
-                            gpu_model = kv.value.string_value
-                    v = dp.as_double if dp.WhichOneof("value") == "as_double" else float(dp.as_int)
-                    if not math.isfinite(v) or not hw_id:
-                        samples.reject(DROP_INVALID)
-                        why = "non-finite value" if hw_id else f"no {sc.ATTR_HW_ID}"
-                    else:
-                        why = samples.add(host, hw_id, name, dp.time_unix_nano * 1e-9, v,
-                                          now, oldest)
-                        if why is None:
-                            # a name past the bound could name no price: not kept
-                            if gpu_model and bounded(gpu_model) is gpu_model:
-                                self._cost.model_of(host, normalize_gpu_id(hw_id), gpu_model)
-                            accepted += 1
-                            continue
-                    rejected += 1
-                    if len(errors) < 5:
-                        errors.append(f"{name[:100]} data point: {why}")
+                ok, bad = self._keep_gpu_points(host, name, points, now, oldest, errors)
+                accepted += ok
+                rejected += bad
         return IngestResult(accepted, rejected, tuple(errors))
+
+    def _keep_gpu_points(self, host: str, name: str, points: Any, now: float, oldest: float,
+                         errors: list[str]) -> tuple[int, int]:
+        """Keep one GPU metric's data points: (accepted, rejected), the first reasons
+        appended to ``errors``."""
+        samples = self._gpu
+        accepted = rejected = 0
+        for dp in points:
+            hw_id = gpu_model = ""
+            for kv in dp.attributes:
+                if kv.key == sc.ATTR_HW_ID:
+                    hw_id = kv.value.string_value
+                elif kv.key == sc.ATTR_HW_MODEL:
+                    gpu_model = kv.value.string_value
+            v = dp.as_double if dp.WhichOneof("value") == "as_double" else float(dp.as_int)
+            if not math.isfinite(v) or not hw_id:
+                samples.reject(DROP_INVALID)
+                why = "non-finite value" if hw_id else f"no {sc.ATTR_HW_ID}"
+            else:
+                why = samples.add(host, hw_id, name, dp.time_unix_nano * 1e-9, v, now, oldest)
+                if why is None:
+                    # a name past the bound could name no price: not kept
+                    if gpu_model and bounded(gpu_model) is gpu_model:
+                        self._cost.model_of(host, normalize_gpu_id(hw_id), gpu_model)
+                    accepted += 1
+                    continue
+            rejected += 1
+            if len(errors) < 5:
+                errors.append(f"{name[:100]} data point: {why}")
+        return accepted, rejected
 
     # --- finalisation ----------------------------------------------------------------
     def advance(self, now: float | None = None) -> None:

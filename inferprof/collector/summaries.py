@@ -35,21 +35,16 @@ from inferprof import semconv as sc
 from inferprof.collector.attribution import COL_E2E, COL_STAGE0, COL_TRACED, COL_WEIGHT, tail_codes
 from inferprof.collector.layout import _BOUNDS, _E2E, _NB, _Q_LOCAL, _UNATTRIBUTED, STAGE_BITS
 from inferprof.collector.sketch import KEY_BITS, MAX_VALUE, MIN_VALUE, KeyMapping, reduce_codes
-
-METRIC_SUMMARY_REQUEST = "inferprof.summary.request.duration"
-METRIC_SUMMARY_STAGE = "inferprof.summary.stage.duration"
-METRIC_SUMMARY_TAIL = "inferprof.summary.stage.tail"
-ATTR_REQUEST_ERROR = "inferprof.request.error"
+from inferprof.timing import MAX_SUMMARY_SCALE, MIN_SUMMARY_SCALE, exp_log_representative
 
 #: What each data point of the three metrics is (a request's, a stage's, a tail row).
 KIND_REQUEST = 0
 KIND_STAGE = 1
 KIND_TAIL = 2
-_KINDS = {METRIC_SUMMARY_REQUEST: KIND_REQUEST, METRIC_SUMMARY_STAGE: KIND_STAGE,
-          METRIC_SUMMARY_TAIL: KIND_TAIL}
-#: The scales a data point may use (OTLP's range of useful exponential scales).
-MIN_SCALE = -10
-MAX_SCALE = 20
+_KINDS = {sc.METRIC_SUMMARY_REQUEST_DURATION: KIND_REQUEST,
+          sc.METRIC_SUMMARY_STAGE_DURATION: KIND_STAGE, sc.METRIC_SUMMARY_STAGE_TAIL: KIND_TAIL}
+MIN_SCALE = MIN_SUMMARY_SCALE
+MAX_SCALE = MAX_SUMMARY_SCALE
 #: Positive (and negative) buckets one data point may carry. The sketch range
 #: [1 ns, 1e6 s] takes about 6,400 buckets at scale 7, 12,800 at scale 8.
 MAX_BUCKETS = 16_384
@@ -91,11 +86,9 @@ class SummaryPoint:
 
 def representatives(scale: int, index: np.ndarray) -> np.ndarray:
     """The representative value ``2 * base**(i+1) / (1 + base)`` of exponential buckets
-    ``index`` at ``scale``, computed in logarithms (``base**i`` overflows a float at
-    coarse scales), clamped to the sketch's range."""
-    ln_base = _LN2 * 2.0 ** -scale
-    log_rep = _LN2 + (index + 1) * ln_base - np.logaddexp(0.0, ln_base)
-    return np.exp(np.clip(log_rep, _LN_MIN, _LN_MAX))
+    ``index`` at ``scale`` (``timing.exp_representative``), clamped to the sketch's range
+    in logarithms: ``base**i`` overflows a float at coarse scales."""
+    return np.exp(np.clip(exp_log_representative(index, scale), _LN_MIN, _LN_MAX))
 
 
 def _attributes(kind: int, attributes: Iterable[Any]) -> tuple[str, str, bool, float] | str:
@@ -120,9 +113,9 @@ def _attributes(kind: int, attributes: Iterable[Any]) -> tuple[str, str, bool, f
             stage = value.string_value if which == "string_value" else ""
             if not sc.STAGE_NAME_PATTERN.match(stage):
                 return f"invalid {sc.ATTR_STAGE} value {stage[:100]!r}"
-        elif key == ATTR_REQUEST_ERROR:
+        elif key == sc.ATTR_REQUEST_ERROR:
             if which != "bool_value":
-                return f"{ATTR_REQUEST_ERROR} is not a bool"
+                return f"{sc.ATTR_REQUEST_ERROR} is not a bool"
             error = value.bool_value
     if kind != KIND_REQUEST and not stage:
         return f"no {sc.ATTR_STAGE} attribute"
@@ -312,8 +305,7 @@ class SummaryPart:
 
 
 __all__ = [
-    "ATTR_REQUEST_ERROR", "KIND_REQUEST", "KIND_STAGE", "KIND_TAIL", "MAX_BUCKETS", "MAX_SCALE",
-    "METRIC_SUMMARY_REQUEST", "METRIC_SUMMARY_STAGE", "METRIC_SUMMARY_TAIL", "MIN_SCALE",
+    "KIND_REQUEST", "KIND_STAGE", "KIND_TAIL", "MAX_BUCKETS", "MAX_SCALE", "MIN_SCALE",
     "SummaryPart", "SummaryPoint", "read_metric", "read_point", "representatives", "service_of",
     "summary_kind",
 ]

@@ -12,7 +12,6 @@ end-to-end bucket each stage's exclusive nanoseconds.
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
@@ -22,25 +21,15 @@ from opentelemetry.proto.metrics.v1 import metrics_pb2
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 
 from inferprof import semconv as sc
-from inferprof.collector import summaries as sm
-from inferprof.collector.attribution import partition
+from inferprof.timing import exp_index, partition
 from tests.collector.synth import attributes
 
 DELTA = metrics_pb2.AggregationTemporality.AGGREGATION_TEMPORALITY_DELTA
 
 
-def exp_index(value: float, scale: int) -> int | None:
-    """The OTLP bucket index of a positive value: (base**i, base**(i+1)]; None for <= 0."""
-    if value <= 0:
-        return None
-    i = math.ceil(math.log2(value) * 2.0**scale) - 1
-    base = 2.0 ** (2.0**-scale)
-    # log2 rounding at a bucket edge: settle it on the exact comparison.
-    if value <= base**i:
-        i -= 1
-    elif value > base ** (i + 1):
-        i += 1
-    return i
+def _index(value: float, scale: int) -> int | None:
+    """The OTLP bucket index of a value (``timing.exp_index``); None for <= 0."""
+    return int(exp_index([value], scale)[0]) if value > 0 else None
 
 
 class _Hist:
@@ -65,10 +54,10 @@ class SummaryBuilder:
             weight: float = 1.0, model: str | None = None, error: bool = False) -> None:
         stage_time, exclusive, unattributed = partition(start, end, list(spans))
         e2e = (end - start) * 1e-9
-        e2e_i = exp_index(e2e, self.scale)
+        e2e_i = _index(e2e, self.scale)
         self._count(("r", model, weight, error, None), e2e_i, 1, e2e)
         for stage, t in [*stage_time.items(), (sc.STAGE_UNATTRIBUTED, unattributed)]:
-            self._count(("s", model, weight, False, stage), exp_index(t, self.scale), 1, t)
+            self._count(("s", model, weight, False, stage), _index(t, self.scale), 1, t)
         for stage, x in [*exclusive.items(), (sc.STAGE_UNATTRIBUTED, unattributed)]:
             ns = round(x * 1e9)
             if ns:
@@ -84,8 +73,8 @@ class SummaryBuilder:
         h.sum += value
 
     def metrics(self) -> list[metrics_pb2.Metric]:
-        names = {"r": sm.METRIC_SUMMARY_REQUEST, "s": sm.METRIC_SUMMARY_STAGE,
-                 "t": sm.METRIC_SUMMARY_TAIL}
+        names = {"r": sc.METRIC_SUMMARY_REQUEST_DURATION, "s": sc.METRIC_SUMMARY_STAGE_DURATION,
+                 "t": sc.METRIC_SUMMARY_STAGE_TAIL}
         out = []
         for kind, name in names.items():
             metric = metrics_pb2.Metric(name=name, unit="ns" if kind == "t" else "s")
@@ -101,7 +90,7 @@ class SummaryBuilder:
 
     def _point(self, h: _Hist, model: str | None, weight: float, error: bool,
                stage: str | None, with_sum: bool) -> metrics_pb2.ExponentialHistogramDataPoint:
-        attrs: dict[str, Any] = {sc.ATTR_MODEL_NAME: model, sm.ATTR_REQUEST_ERROR: error or None,
+        attrs: dict[str, Any] = {sc.ATTR_MODEL_NAME: model, sc.ATTR_REQUEST_ERROR: error or None,
                                  sc.ATTR_STAGE: stage}
         if weight != 1.0:
             attrs[sc.ATTR_SAMPLE_WEIGHT] = float(weight)

@@ -15,9 +15,10 @@ from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2
 
 from inferprof import semconv as sc
 from inferprof.collector import summaries as sm
-from inferprof.collector.attribution import exact_tail_shares, partition
+from inferprof.collector.attribution import exact_tail_shares
 from inferprof.collector.engine import Engine
 from inferprof.collector.sketch import MAX_VALUE, exact_weighted_quantile
+from inferprof.timing import partition
 from tests.collector.summary_synth import SummaryBuilder
 from tests.collector.synth import BASE_UNIX, FakeClock, TraceBuilder, gpu_metrics
 from tests.collector.test_server_fixtures import breakdown, running_app
@@ -65,7 +66,7 @@ def _traces(reqs: list[dict], *, counted: bool = False, gpu: bool = False,
             service: str = "svc", factor: float = 1.0) -> TraceBuilder:
     """Traces of ``reqs``, weighted ``factor`` times their weight (a sample of them)."""
     b = TraceBuilder(service=service)
-    extra = {sm_counted(): True} if counted else {}
+    extra = {sc.ATTR_SUMMARY_COUNTED: True} if counted else {}
     for k, r in enumerate(reqs):
         ref = b.request(r["start"] * 1e-9, r["end"] * 1e-9, model=r["model"],
                         weight=r["weight"] * factor, status=2 if r["error"] else 0, **extra)
@@ -73,10 +74,6 @@ def _traces(reqs: list[dict], *, counted: bool = False, gpu: bool = False,
             attrs = {"gpu_id": "GPU-0", "batch_id": f"b{k}"} if gpu and stage == "compute" else {}
             b.stage(ref, stage, s * 1e-9, e * 1e-9, **attrs)
     return b
-
-
-def sm_counted() -> str:
-    return getattr(sc, "ATTR_SUMMARY_COUNTED", "inferprof.summary.counted")
 
 
 def _engine(**kw) -> Engine:
@@ -276,7 +273,7 @@ def _bad_metrics(metrics) -> list[tuple[object, str]]:
     cumulative = type(request)()
     cumulative.CopyFrom(request)
     cumulative.exponential_histogram.aggregation_temporality = 2
-    gauge = type(request)(name=sm.METRIC_SUMMARY_REQUEST)
+    gauge = type(request)(name=sc.METRIC_SUMMARY_REQUEST_DURATION)
     gauge.gauge.data_points.add().as_double = 1.0
     return [
         (_point(request, scale=21), "scale 21"),
@@ -289,7 +286,7 @@ def _bad_metrics(metrics) -> list[tuple[object, str]]:
         (_point(request, attrs=attributes({sc.ATTR_SAMPLE_WEIGHT: 0.5})), "weight"),
         (_point(request, attrs=attributes({sc.ATTR_SAMPLE_WEIGHT: float("nan")})), "weight"),
         (_point(request, attrs=attributes({sc.ATTR_MODEL_NAME: 3})), "not a string"),
-        (_point(request, attrs=attributes({sm.ATTR_REQUEST_ERROR: "yes"})), "not a bool"),
+        (_point(request, attrs=attributes({sc.ATTR_REQUEST_ERROR: "yes"})), "not a bool"),
         (_point(stage, attrs=attributes({sc.ATTR_MODEL_NAME: "m"})), "no inferprof.stage"),
         (_point(stage, attrs=attributes({sc.ATTR_STAGE: "Bad Stage"})), "invalid"),
         (cumulative, "DELTA"),
