@@ -47,3 +47,19 @@ def test_end_to_end_quantiles_are_unbiased(result):
     got = result.sampled[sampling_error.DEFAULT_SETTING]
     for q in ("p50", "p95"):
         assert got.latency[q] == pytest.approx(truth.latency[q], rel=LATENCY_BOUND), q
+
+
+def test_summaries_count_every_timed_request_of_a_window_exactly():
+    # The default production pipeline with every request timed: summaries of all of them
+    # plus the sampled traces, marked counted. Requests exact, stage p95s within 2%
+    # (bucket + sketch: under 1%), shares within a point, the verdict of the exact shares;
+    # the same traces alone are further off.
+    runs = sampling_error.production_run(
+        sampling_error.SCENARIOS["compute-bound"], seed=2, window_s=10.0, rate=None)
+    both, traces = runs["summaries + traces"], runs["traces only"]
+    assert both.timed == 1.0 and 0.05 < both.errors.kept < 0.4
+    assert both.requests == 0.0
+    assert both.errors.stage_p95 <= 0.02, both.errors
+    assert max(both.errors.e2e) <= 0.02, both.errors
+    assert both.errors.share_pp <= 1.0 and both.errors.verdict_ok
+    assert traces.errors.stage_p95 > both.errors.stage_p95
