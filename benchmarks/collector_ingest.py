@@ -14,8 +14,11 @@ them, pins the process to one core and measures, all in the same run:
 * ``engine reads`` — decode + every protobuf read the engine's contract needs and nothing
   else (ids, times, kind, the values of the eight ``inferprof.*`` attributes, links of
   stage spans): the floor of a Python engine, before it does anything with the values;
-* ``engine``       — decode + ``Engine.ingest_traces`` + finalisation (``flush``): what
-  the collector does per export, sketches included.
+* ``engine``       — decode + ``Engine.ingest_traces`` handed the decoded message and its
+  bytes, as the receivers do (spans read off the bytes, ``wire.SpanReader``) +
+  finalisation (``flush``): what the collector does per export, sketches included;
+* ``engine, message only`` — the same, handed the message alone (spans read off the
+  message: OTLP/JSON bodies, ``inferprof report`` on files).
 
 Rounds are interleaved (each path once per round) and the table gives medians over
 rounds; ratios are medians of the per-round ratios, so load from other processes on a
@@ -166,12 +169,12 @@ def bench_engine_reads(blobs: list[bytes]) -> tuple[int, float]:
     return n, time.perf_counter() - t0
 
 
-def bench_engine(blobs: list[bytes]) -> tuple[int, float]:
+def bench_engine(blobs: list[bytes], *, with_payload: bool = True) -> tuple[int, float]:
     engine = Engine(settle_s=0.0, max_pending_spans=10_000_000)
     t0 = time.perf_counter()
     for blob in blobs:
         req = ExportTraceServiceRequest.FromString(blob)
-        engine.ingest_traces(req)
+        engine.ingest_traces(req, payload=blob if with_payload else None)
     engine.flush()
     elapsed = time.perf_counter() - t0
     stats = engine.stats
@@ -184,6 +187,7 @@ PATHS = (
     ("minimal pass", bench_minimal),
     ("engine reads", bench_engine_reads),
     ("engine", bench_engine),
+    ("engine, message only", lambda blobs: bench_engine(blobs, with_payload=False)),
 )
 
 

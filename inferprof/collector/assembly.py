@@ -43,6 +43,7 @@ from inferprof.collector import gen_spans as _gen
 from inferprof.collector import triton_spans as _triton
 from inferprof.collector.cost import member_share
 from inferprof.collector.verdict import normalize_gpu_id
+from inferprof.collector.wire import EMPTY, SpanReader, SpanRecord, records_of
 
 _DAY_NS = 86_400 * 1_000_000_000
 _ZERO_TRACE = bytes(16)
@@ -67,28 +68,6 @@ _BATCH_MEMORY_S = 120.0
 #: dropped plus entries forgotten (see ``advance``).
 DEFAULT_ADVANCE_BUDGET = 5_000
 
-# Attributes read from span attributes besides ``inferprof.stage`` (compared on its
-# own, first: most spans that carry anything carry it); all others are skipped without
-# decoding their value.
-_WANTED = frozenset(
-    {
-        sc.ATTR_REQUEST,
-        sc.ATTR_SAMPLE_WEIGHT,
-        sc.ATTR_MODEL_NAME,
-        sc.ATTR_BATCH_ID,
-        sc.ATTR_TOKENS_EFFECTIVE,
-        sc.ATTR_TOKENS_PADDED,
-        sc.ATTR_GPU_ID,
-        sc.ATTR_BATCH_SIZE,
-        sc.ATTR_QUEUE_BEHIND_BATCHES_S,
-        sc.ATTR_SUMMARY_COUNTED,
-        *_gen.REQUEST_KEYS,
-        *_gen.STEP_KEYS,
-    }
-)
-_STRING_KEYS = frozenset({sc.ATTR_MODEL_NAME, sc.ATTR_BATCH_ID, sc.ATTR_GPU_ID, sc.ATTR_ENGINE_ID})
-_ARRAY_KEYS = _gen.ARRAY_KEYS
-_INT_KEYS = frozenset({sc.ATTR_TOKENS_EFFECTIVE, sc.ATTR_TOKENS_PADDED, sc.ATTR_BATCH_SIZE})
 _PADDING_STAGES = frozenset({sc.STAGE_BATCH_ASSEMBLY, sc.STAGE_COMPUTE})
 _COMPUTE_STAGES = frozenset(sc.COMPUTE_STAGES)
 #: A batch's work: what the worker is busy with while later requests queue behind it.
@@ -103,20 +82,6 @@ _BEHIND_S = sc.ATTR_QUEUE_BEHIND_BATCHES_S
 _PROMPT_TOKENS = sc.ATTR_TOKENS_PROMPT
 _GEN_AI_PROMPT_TOKENS = sc.ATTR_GEN_AI_USAGE_PROMPT_TOKENS
 _QUEUE = sc.STAGE_QUEUE
-
-
-def _any_value(v: Any) -> Any:
-    kind = v.WhichOneof("value")
-    return getattr(v, kind) if kind else None
-
-
-#: Stage attribute present with no value (AnyValue unset).
-_EMPTY = object()
-
-
-def _stage_value(v: Any) -> Any:
-    kind = v.WhichOneof("value")
-    return getattr(v, kind) if kind else _EMPTY
 
 
 def _pop_older(d: OrderedDict, horizon: float) -> Iterator:
@@ -383,36 +348,6 @@ def _resource_of(rs: Any) -> tuple[str, str, str]:
     return service, host, instance
 
 
-def _read_attributes(attributes: Any) -> tuple[Any, dict[str, Any] | None]:
-    """A span's stage (None: none; ``_EMPTY``: present without a value) and the values of
-    the attributes the engine reads (None: none of them)."""
-    stage = None
-    extra = None
-    attr_stage = sc.ATTR_STAGE
-    for kv in attributes:
-        k = kv.key
-        if k == attr_stage:
-            v = kv.value
-            # Typed read first (the contract's type); the generic decode only when the
-            # sender used another type (_EMPTY: no value).
-            stage = v.string_value or _stage_value(v)
-        elif k in _WANTED:
-            v = kv.value
-            if k in _STRING_KEYS:
-                value = v.string_value or _any_value(v)
-            elif k in _ARRAY_KEYS:
-                value = _gen.array_value(v)
-            elif k in _INT_KEYS:
-                value = v.int_value or _any_value(v)
-            else:
-                value = _any_value(v)
-            if extra is None:
-                extra = {k: value}
-            else:
-                extra[k] = value
-    return stage, extra
-
-
 def _triton_span(trace: _Trace, span: Any, sid: bytes) -> bool:
     """Keep what a span of Triton's scope says; whether it is Triton's request span."""
     trec = _triton.read_span(span)
@@ -483,26 +418,35 @@ class Assembler:
         self.incomplete = 0
         #: Triton requests counted with fewer than the four stages derived.
         self.triton_partial = 0
+        self._reader = SpanReader()
 
     # --- ingest ---------------------------------------------------------------------
     def _drop(self, reason: str, n: int = 1) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + n
 
-    def ingest(self, request: Any) -> tuple[int, int, list[str]]:
+    def ingest(self, request: Any, payload: bytes | None = None) -> tuple[int, int, list[str]]:
         """Take an OTLP traces export: (spans accepted, spans rejected, the first few
-        reasons). Spans are kept pending in their traces until those are due."""
+        reasons). Spans are kept pending in their traces until those are due.
+
+        ``payload``: the serialized export ``request`` was parsed from, if at hand: the
+        spans are then read off it (``wire.SpanReader``), which costs less than reading
+        them off ``request``."""
         ex = _Export(self, self.clock())
         triton_on = self.triton_spans
+        scanned = self._reader.scan(request, payload) if payload is not None else None
+        n = 0
         for rs in request.resource_spans:
             resource = _resource_of(rs)
             for ss in rs.scope_spans:
                 spans = ss.spans
+                records = records_of(spans) if scanned is None else scanned[n]
+                n += 1
                 # Every span is accepted unless rejected (and counted) in _ingest_spans.
-                ex.seen += len(spans)
+                ex.seen += len(records)
                 # Triton's spans are told by their scope: other scopes' spans are never
                 # asked for their name or events.
                 triton = triton_on and ss.scope.name == _triton.SCOPE
-                self._ingest_spans(ex, spans, resource, triton)
+                self._ingest_spans(ex, records, spans, resource, triton)
         accepted = ex.seen - ex.rejected
         self._created.add(ex.now, ex.created)
         self._due.add(ex.due, ex.made_due)
@@ -511,10 +455,10 @@ class Assembler:
         self.pending += accepted - ex.unpending + ex.link_pending
         return accepted, ex.rejected, ex.errors
 
-    def _ingest_spans(self, ex: _Export, spans: Any, resource: tuple, triton: bool) -> None:
-        # The hot path: every protobuf field read creates a Python object (upb), so each
-        # span's fields are read once into locals, attribute values are decoded only for
-        # the handful of keys we use, and links are looked at only on stage spans.
+    def _ingest_spans(self, ex: _Export, records: list[SpanRecord], spans: Any,
+                      resource: tuple, triton: bool) -> None:
+        """``records``: those of ``spans``, the ``Span`` messages, read only for links,
+        Triton's spans and what a record leaves out."""
         now = ex.now
         traces = self.traces
         stage_index = self.stage_index
@@ -522,9 +466,8 @@ class Assembler:
         recent_done = self.recent_done
         step_sink = self.steps
         reject = ex.reject
-        for span in spans:
-            tid = span.trace_id
-            sid = span.span_id
+        for (tid, sid, parent, start, end, kind, span_flags, status, trace_state, stage,
+             extra, n_links, k) in records:
             # A trace already open has a valid id: only a new one is checked.
             trace = traces.get(tid)
             if (
@@ -535,8 +478,6 @@ class Assembler:
                 reject(sc.DROP_INVALID_ID,
                        f"span {sid.hex()!r} in trace {tid.hex()!r}: invalid trace or span id")
                 continue
-            start = span.start_time_unix_nano
-            end = span.end_time_unix_nano
             if not 0 <= end - start <= _DAY_NS:
                 if end < start:
                     reject(sc.DROP_NEGATIVE_DURATION,
@@ -544,11 +485,10 @@ class Assembler:
                 else:
                     reject(sc.DROP_ABSURD_DURATION, f"span {sid.hex()}: duration over one day")
                 continue
-            stage, extra = _read_attributes(span.attributes)
             if (
                 extra is not None
                 and step_sink is not None
-                and _gen.is_step_span(extra, stage, span.parent_span_id)
+                and _gen.is_step_span(extra, stage, parent)
             ):
                 self._step_span(ex, tid, trace, resource, extra, stage, start, end)
                 continue
@@ -560,7 +500,7 @@ class Assembler:
                 except TypeError:  # an array or map value: no stage name
                     sidx = None
                 if sidx is None:
-                    if stage is _EMPTY:
+                    if stage is EMPTY:
                         # Present but empty: no stage span, though the span still
                         # "carries an inferprof attribute" (see _finalise_trace).
                         extra = {} if extra is None else extra
@@ -571,9 +511,9 @@ class Assembler:
                             continue
                 # Links matter on stage spans only: batch encoding (b), attributed
                 # through its links only.
-                if sidx is not None and span.links:
-                    self._link_span(ex, span.links, tid, sid, (sidx, start, end, resource,
-                                                               extra, (tid, sid)))
+                if sidx is not None and n_links:
+                    self._link_span(ex, spans[k].links, tid, sid, (sidx, start, end, resource,
+                                                                   extra, (tid, sid)))
                     continue
             if trace is None:
                 trace = traces[tid] = _Trace(now)
@@ -590,9 +530,9 @@ class Assembler:
                     reject(sc.DROP_TRACE_TOO_LARGE,
                            f"trace {tid.hex()}: more than {max_spans} spans")
                     continue
-            triton_request = triton and sidx is None and _triton_span(trace, span, sid)
+            triton_request = triton and sidx is None and _triton_span(trace, spans[k], sid)
             if (
-                span.kind in _CANDIDATE_KINDS
+                kind in _CANDIDATE_KINDS
                 or (extra is not None and extra.get(sc.ATTR_REQUEST) is True)
                 or (extra is not None and _gen.is_engine_request(extra))
                 or triton_request
@@ -603,13 +543,17 @@ class Assembler:
                     ex.made_due.append(tid)
                 # Only request spans need the trace state, the is-remote bits and the
                 # status.
-                flags = span.flags & _OTLP_FLAGS
-                if span.status.code == _STATUS_ERROR:
+                if status is None:  # a record of the message: read there
+                    span = spans[k]
+                    span_flags, status, trace_state = (
+                        span.flags, span.status.code, span.trace_state)
+                flags = span_flags & _OTLP_FLAGS
+                if status == _STATUS_ERROR:
                     flags |= _FLAG_ERROR
-                trace.spans[sid] = (span.parent_span_id, start, end, sidx, resource, extra,
-                                    True, flags, span.trace_state)
+                trace.spans[sid] = (parent, start, end, sidx, resource, extra,
+                                    True, flags, trace_state)
             else:
-                trace.spans[sid] = (span.parent_span_id, start, end, sidx, resource, extra,
+                trace.spans[sid] = (parent, start, end, sidx, resource, extra,
                                     False, 0, None)
 
     def _step_span(self, ex: _Export, tid: bytes, trace: _Trace | None, resource: tuple,

@@ -143,7 +143,7 @@ class Intake:
         holds several resources when the cap is shared out (admission.py)."""
         try:
             if signal == semconv.SIGNAL_TRACES:
-                result = self._engine.ingest_traces(message, peer)
+                result = self._engine.ingest_traces(message, peer, payload)
             elif signal == semconv.SIGNAL_METRICS:
                 result = self._engine.ingest_metrics(message)
             else:  # logs carry nothing inferprof folds: received only to be forwarded

@@ -122,11 +122,11 @@ class _HeldEngine(Engine):
         self.entered = threading.Event()
         self.release = threading.Event()
 
-    def ingest_traces(self, request, peer=None):
+    def ingest_traces(self, request, peer=None, payload=None):
         if not self.entered.is_set():
             self.entered.set()
             self.release.wait(30)
-        return super().ingest_traces(request, peer)
+        return super().ingest_traces(request, peer, payload)
 
 
 def test_http_concurrency_bound_answers_429_while_the_intake_is_full():

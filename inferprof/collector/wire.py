@@ -1,0 +1,401 @@
+"""Reading the fields trace assembly uses off OTLP spans, at the least cost per span.
+
+With the upb runtime every field read through a message allocates a Python object, and
+an attribute costs three of them (the ``KeyValue``, its ``AnyValue``, the key) before its
+value is read: the attribute reads were most of the engine's cost per span.
+
+So, when the export's serialized bytes are at hand (the receivers have them), they are
+parsed a second time, in C, with a *lean* schema (:func:`lean_export`): the OTLP messages
+down to ``Span``, each declaring only the fields assembly reads, under their OTLP names
+and numbers, so a lean span reads like a ``Span``. Attributes, links and events stay
+unparsed: a lean span's ``attributes`` are the serialized ``KeyValue`` entries, as
+``bytes``; everything not declared (names, events, resources, scopes) is skipped. The
+lean parse only ever runs on bytes protobuf has parsed already with the full schema: the
+receivers reject malformed bodies, with their reason, before anything is read, and the
+same bytes parse under the lean schema (same field numbers and wire types; a field of
+another wire type is an unknown field under both), with the values the full parse reads.
+
+:class:`AttributeReader` decodes those entries with protobuf itself (``KeyValue`` parsed
+from the entry's bytes: what the full message holds) and remembers what an entry gives by
+its bytes: an export repeats the same few entries (stage names, model, batch size), so
+most cost one dict lookup. That memory is bounded (:data:`_CACHE_MAX` entries of at most
+:data:`_CACHE_ENTRY_BYTES` bytes) and shares no mutable value between spans.
+
+:func:`read_attributes` reads the ``KeyValue`` messages of a full ``Span``, for exports
+whose bytes are not at hand (OTLP/JSON, files); both give the same result.
+"""
+
+from __future__ import annotations
+
+import struct
+from struct import Struct
+from typing import Any
+
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf.message import DecodeError
+from opentelemetry.proto.common.v1.common_pb2 import KeyValue
+
+from inferprof import semconv as sc
+from inferprof.collector import gen_spans as _gen
+
+#: Attributes read from span attributes besides ``inferprof.stage`` (compared on its
+#: own, first: most spans that carry anything carry it); all others are skipped without
+#: decoding their value.
+WANTED = frozenset(
+    {
+        sc.ATTR_REQUEST,
+        sc.ATTR_SAMPLE_WEIGHT,
+        sc.ATTR_MODEL_NAME,
+        sc.ATTR_BATCH_ID,
+        sc.ATTR_TOKENS_EFFECTIVE,
+        sc.ATTR_TOKENS_PADDED,
+        sc.ATTR_GPU_ID,
+        sc.ATTR_BATCH_SIZE,
+        sc.ATTR_QUEUE_BEHIND_BATCHES_S,
+        sc.ATTR_SUMMARY_COUNTED,
+        *_gen.REQUEST_KEYS,
+        *_gen.STEP_KEYS,
+    }
+)
+_STRING_KEYS = frozenset({sc.ATTR_MODEL_NAME, sc.ATTR_BATCH_ID, sc.ATTR_GPU_ID, sc.ATTR_ENGINE_ID})
+_ARRAY_KEYS = _gen.ARRAY_KEYS
+_INT_KEYS = frozenset({sc.ATTR_TOKENS_EFFECTIVE, sc.ATTR_TOKENS_PADDED, sc.ATTR_BATCH_SIZE})
+
+#: Stage attribute present with no value (AnyValue unset).
+EMPTY = object()
+
+#: What assembly reads of a span: (trace id, span id, parent span id, start ns, end ns,
+#: kind, flags (the OTLP field, unmasked), status code, trace state, stage (None: no
+#: ``inferprof.stage``; :data:`EMPTY`: present without a value; else its value as sent),
+#: the wanted attributes' values (None: none of them), number of links (0 where there is
+#: no stage), position in its ``ScopeSpans``). Flags, status code and trace state may be
+#: None: read them off the ``Span`` message.
+SpanRecord = tuple[
+    bytes, bytes, bytes, int, int, int, "int | None", "int | None", "str | None", Any,
+    "dict[str, Any] | None", int, int,
+]
+
+
+def _any_value(v: Any) -> Any:
+    kind = v.WhichOneof("value")
+    return getattr(v, kind) if kind else None
+
+
+def _stage_value(v: Any) -> Any:
+    kind = v.WhichOneof("value")
+    return getattr(v, kind) if kind else EMPTY
+
+
+def _wanted_value(k: str, v: Any) -> Any:
+    """The value of wanted attribute ``k``: the contract's type read first, the generic
+    decode only when the sender used another type."""
+    if k in _STRING_KEYS:
+        return v.string_value or _any_value(v)
+    if k in _ARRAY_KEYS:
+        return _gen.array_value(v)
+    if k in _INT_KEYS:
+        return v.int_value or _any_value(v)
+    return _any_value(v)
+
+
+def read_attributes(attributes: Any) -> tuple[Any, dict[str, Any] | None]:
+    """A span's stage (None: none; :data:`EMPTY`: present without a value) and the
+    values of the attributes the engine reads (None: none of them), from its
+    ``KeyValue`` messages."""
+    stage = None
+    extra = None
+    attr_stage = sc.ATTR_STAGE
+    for kv in attributes:
+        k = kv.key
+        if k == attr_stage:
+            v = kv.value
+            stage = v.string_value or _stage_value(v)
+        elif k in WANTED:
+            value = _wanted_value(k, kv.value)
+            if extra is None:
+                extra = {k: value}
+            else:
+                extra[k] = value
+    return stage, extra
+
+
+# What one attribute entry is.
+_SKIP = 0
+_STAGE = 1
+_VALUE = 2
+
+_CACHE_MAX = 4096
+_CACHE_ENTRY_BYTES = 256
+#: Value types an entry may share between spans (immutable); EMPTY's type included.
+_SHAREABLE = frozenset({str, int, float, bool, bytes, type(None), type(EMPTY)})
+
+
+class AttributeReader:
+    """Decodes a lean span's serialized attribute entries, as :func:`read_attributes`
+    does its messages. One per engine; not thread-safe (the engine serialises calls)."""
+
+    def __init__(self) -> None:
+        self._known: dict[bytes, tuple[int, str, Any]] = {}
+
+    def read(self, entries: Any) -> tuple[Any, dict[str, Any] | None]:
+        stage = None
+        extra = None
+        known = self._known.get
+        for kvb in entries:
+            what, k, value = known(kvb) or self._entry(kvb)
+            if what == _STAGE:
+                stage = value
+            elif what:
+                if extra is None:
+                    extra = {k: value}
+                else:
+                    extra[k] = value
+        return stage, extra
+
+    def _entry(self, kvb: bytes) -> tuple[int, str, Any]:
+        """What one entry gives, decoded; remembered when small and immutable."""
+        kv = KeyValue.FromString(kvb)
+        k = kv.key
+        if k == sc.ATTR_STAGE:
+            v = kv.value
+            entry: tuple[int, str, Any] = (_STAGE, k, v.string_value or _stage_value(v))
+        elif k in WANTED:
+            entry = (_VALUE, k, _wanted_value(k, kv.value))
+        else:
+            entry = (_SKIP, k, None)
+        if len(kvb) <= _CACHE_ENTRY_BYTES and type(entry[2]) in _SHAREABLE:
+            known = self._known
+            if len(known) >= _CACHE_MAX:
+                known.clear()
+            known[kvb] = entry
+        return entry
+
+
+def records_of(spans: Any) -> list[SpanRecord]:
+    """The records of decoded ``Span`` messages. Flags, status code and trace state,
+    which only request spans need, are left None (read them off the message)."""
+    out: list[SpanRecord] = []
+    for k, span in enumerate(spans):
+        stage, extra = read_attributes(span.attributes)
+        out.append((
+            span.trace_id, span.span_id, span.parent_span_id, span.start_time_unix_nano,
+            span.end_time_unix_nano, span.kind, None, None, None, stage, extra,
+            len(span.links) if stage is not None else 0, k,
+        ))
+    return out
+
+
+# --- reading the serialized export ---------------------------------------------------
+
+_F = descriptor_pb2.FieldDescriptorProto
+_PACKAGE = "inferprof.collector.wire"
+_B, _S, _I32, _F64, _F32, _MSG = (
+    _F.TYPE_BYTES, _F.TYPE_STRING, _F.TYPE_INT32, _F.TYPE_FIXED64, _F.TYPE_FIXED32,
+    _F.TYPE_MESSAGE,
+)
+#: What assembly reads of a span, with OTLP's names and numbers (the kind, an open enum
+#: in proto3, is an int32 on the wire and as read); attributes and links unparsed.
+_SPAN_FIELDS = [
+    ("trace_id", 1, _B, False, None),
+    ("span_id", 2, _B, False, None),
+    ("trace_state", 3, _S, False, None),
+    ("parent_span_id", 4, _B, False, None),
+    ("kind", 6, _I32, False, None),
+    ("start_time_unix_nano", 7, _F64, False, None),
+    ("end_time_unix_nano", 8, _F64, False, None),
+    ("attributes", 9, _B, True, None),
+    ("links", 13, _B, True, None),
+    ("status", 15, _MSG, False, "Status"),
+    ("flags", 16, _F32, False, None),
+]
+_LEAN = (
+    ("Status", [("code", 3, _I32, False, None)]),
+    ("Span", _SPAN_FIELDS),
+    # The export down to each span's bytes.
+    ("ScopeSpans", [("spans", 2, _B, True, None)]),
+    ("ResourceSpans", [("scope_spans", 2, _MSG, True, "ScopeSpans")]),
+    ("ExportTraceServiceRequest", [("resource_spans", 1, _MSG, True, "ResourceSpans")]),
+)
+#: The same span fields with presence (proto2), to parse the part of a span after its
+#: times: the fields read before them must not be there again (the last would win).
+_TAIL = (("Status", [("code", 3, _I32, False, None)]), ("Span", _SPAN_FIELDS))
+_HEAD_FIELDS = ("trace_id", "span_id", "trace_state", "parent_span_id", "kind",
+                "start_time_unix_nano", "end_time_unix_nano")
+
+
+def _message_classes(package: str, syntax: str, messages: Any) -> dict[str, Any]:
+    proto = descriptor_pb2.FileDescriptorProto(
+        name=f"{package.replace('.', '/')}.proto", package=package, syntax=syntax
+    )
+    for message, fields in messages:
+        m = proto.message_type.add(name=message)
+        for name, number, ftype, repeated, type_name in fields:
+            f = m.field.add(
+                name=name,
+                number=number,
+                type=ftype,
+                label=_F.LABEL_REPEATED if repeated else _F.LABEL_OPTIONAL,
+            )
+            if type_name:
+                f.type_name = f".{package}.{type_name}"
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(proto)
+    return {
+        message: message_factory.GetMessageClass(pool.FindMessageTypeByName(f"{package}.{message}"))
+        for message, _ in messages
+    }
+
+
+_lean = _message_classes(_PACKAGE, "proto3", _LEAN)
+_LeanExport = _lean["ExportTraceServiceRequest"]
+_LeanSpan = _lean["Span"]
+_TailSpan = _message_classes(f"{_PACKAGE}.tail", "proto2", _TAIL)["Span"]
+
+_TIMES = Struct("<QxQ").unpack_from  # start, the end's tag, end
+_TAIL_CACHE_MAX = 4096
+_TAIL_CACHE_ENTRY_BYTES = 512
+
+
+class SpanReader:
+    """Span records off the serialized export (see the module docstring). One per
+    engine; not thread-safe (the engine serialises calls)."""
+
+    def __init__(self) -> None:
+        self.attributes = AttributeReader()
+        # A span's bytes after its times -> (stage, wanted values, links, status code,
+        # flags), or None where fields read before the times come again.
+        self._tails: dict[bytes, tuple | None] = {}
+
+    def scan(self, request: Any, payload: bytes) -> list[list[SpanRecord]] | None:
+        """The records of each ``ScopeSpans`` of ``request``, in order, read off
+        ``payload``, the bytes ``request`` was parsed from. None when ``payload`` does not
+        parse, or does not hold as many resources, scopes and spans as ``request`` (it
+        was not what ``request`` was parsed from): then read ``request``."""
+        try:
+            lean = _LeanExport.FromString(payload)
+        except DecodeError:
+            return None
+        out = []
+        lean_rs = lean.resource_spans
+        if len(lean_rs) != len(request.resource_spans):
+            return None
+        for lrs, rs in zip(lean_rs, request.resource_spans, strict=True):
+            lean_ss = lrs.scope_spans
+            if len(lean_ss) != len(rs.scope_spans):
+                return None
+            for lss, ss in zip(lean_ss, rs.scope_spans, strict=True):
+                spans = lss.spans
+                if len(spans) != len(ss.spans):
+                    return None
+                out.append(self._records(spans))
+        return out
+
+    def _records(self, spans: Any) -> list[SpanRecord]:
+        # The hot loop. A span as every OTLP exporter writes it starts with its ids, trace
+        # state, parent, name and kind, then its times (fields 1 to 8, in order, each
+        # once, short): read here with a few byte compares. What follows (attributes,
+        # events, links, status, flags) repeats from span to span, so it is decoded once
+        # per distinct value (``_tail``). Any other layout: the span is parsed (``_span``).
+        out: list[SpanRecord] = []
+        tails = self._tails.get
+        tail_of = self._tail
+        for k, sb in enumerate(spans):
+            try:
+                if sb[0] != 0x0A or sb[1] != 16 or sb[18] != 0x12 or sb[19] != 8:
+                    raise _Other
+                p = 28
+                c = sb[p]
+                trace_state = ""
+                if c == 0x1A:  # trace state
+                    n = sb[p + 1]
+                    if n > 0x7F:
+                        raise _Other
+                    trace_state = sb[p + 2:p + 2 + n].decode()
+                    p += 2 + n
+                    c = sb[p]
+                parent = b""
+                if c == 0x22:  # parent span id
+                    n = sb[p + 1]
+                    if n > 0x7F:
+                        raise _Other
+                    parent = sb[p + 2:p + 2 + n]
+                    p += 2 + n
+                    c = sb[p]
+                if c == 0x2A:  # name: skipped
+                    n = sb[p + 1]
+                    if n < 0x80:
+                        p += 2 + n
+                    else:
+                        m = sb[p + 2]
+                        if m > 0x7F:
+                            raise _Other
+                        p += 3 + ((n & 0x7F) | m << 7)
+                    c = sb[p]
+                kind = 0
+                if c == 0x30:  # kind
+                    kind = sb[p + 1]
+                    if kind > 0x7F:
+                        raise _Other
+                    p += 2
+                    c = sb[p]
+                if c != 0x39 or sb[p + 9] != 0x41:
+                    raise _Other
+                start, end = _TIMES(sb, p + 1)
+                tail = sb[p + 18:]
+                t: Any = tails(tail, _NO_TAIL)
+                if t is _NO_TAIL:
+                    t = tail_of(tail)
+                if t is None:
+                    raise _Other
+                stage, extra, n_links, code, flags = t
+                if extra is not None:
+                    extra = dict(extra)
+                out.append((sb[2:18], sb[20:28], parent, start, end, kind, flags, code,
+                            trace_state, stage, extra, n_links, k))
+            except (_Other, IndexError, ValueError, struct.error):
+                out.append(self._span(sb, k))
+        return out
+
+    def _tail(self, tail: bytes) -> tuple | None:
+        """What the part of a span after its times gives; None when it holds a field
+        read before them."""
+        try:
+            m = _TailSpan.FromString(tail)
+        except DecodeError:
+            return None
+        if any(m.HasField(f) for f in _HEAD_FIELDS):
+            entry = None
+        else:
+            stage, extra = self.attributes.read(m.attributes)
+            entry = (stage, extra, len(m.links), m.status.code, m.flags)
+            if type(stage) not in _SHAREABLE or (
+                extra is not None and any(type(v) not in _SHAREABLE for v in extra.values())
+            ):
+                return entry  # not remembered: a mutable value is decoded for each span
+        if len(tail) <= _TAIL_CACHE_ENTRY_BYTES:
+            tails = self._tails
+            if len(tails) >= _TAIL_CACHE_MAX:
+                tails.clear()
+            tails[tail] = entry
+        return entry
+
+    def _span(self, sb: bytes, k: int) -> SpanRecord:
+        """The record of a span in any other layout, parsed."""
+        m = _LeanSpan.FromString(sb)
+        stage, extra = self.attributes.read(m.attributes)
+        return (m.trace_id, m.span_id, m.parent_span_id, m.start_time_unix_nano,
+                m.end_time_unix_nano, m.kind, m.flags, m.status.code, m.trace_state, stage,
+                extra, len(m.links), k)
+
+
+class _Other(Exception):
+    """A span not in the layout the fast path reads."""
+
+
+_NO_TAIL = object()
+
+
+__all__ = [
+    "EMPTY", "WANTED", "AttributeReader", "SpanReader", "SpanRecord", "read_attributes",
+    "records_of",
+]

@@ -1,0 +1,47 @@
+"""Assembly tests run twice: with the engine reading each export's decoded message, and
+with it reading the export's protobuf bytes (``wire.SpanReader``), as the receivers have
+it do. Both must give the same figures."""
+
+from __future__ import annotations
+
+import pytest
+
+from inferprof.collector.engine import Engine
+
+#: Test modules whose engine tests run on both paths.
+_BOTH_PATHS = frozenset(
+    {
+        "test_attribution",
+        "test_engine",
+        "test_engine_batched_fold",
+        "test_engine_expiry",
+        "test_engine_links",
+        "test_generation",
+        "test_triton_spans",
+    }
+)
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if (
+        metafunc.module.__name__.rsplit(".", 1)[-1] in _BOTH_PATHS
+        and "ingest_path" in metafunc.fixturenames
+    ):
+        metafunc.parametrize("ingest_path", ["message", "bytes"], indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def ingest_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """``bytes``: ``Engine.ingest_traces`` is handed the export's serialized bytes with
+    it, as the receivers hand what they received."""
+    path = getattr(request, "param", "message")
+    if path == "bytes":
+        ingest = Engine.ingest_traces
+
+        def with_bytes(self, request, peer=None, payload=None):  # type: ignore[no-untyped-def]
+            if payload is None:
+                payload = request.SerializeToString()
+            return ingest(self, request, peer, payload)
+
+        monkeypatch.setattr(Engine, "ingest_traces", with_bytes)
+    return path
