@@ -17,6 +17,7 @@ _BOTH_PATHS = frozenset(
         "test_engine_expiry",
         "test_engine_links",
         "test_generation",
+        "test_summaries",
         "test_triton_spans",
     }
 )
