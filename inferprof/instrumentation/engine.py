@@ -26,7 +26,8 @@ Cost: per token, a few attribute updates and one list append (no span, no lock);
 one span built like the request spans (runtime module docstring), less than the
 OpenTelemetry SDK's ``start_span()``/``end()``. ``benchmarks/generation_cost.py`` measures
 both. In ``production`` mode a step none of whose members is timed records nothing; with
-inferprof off (or not configured) every call returns at once.
+inferprof off (or not configured) every call returns at once; ``production`` sends a step's
+span without its stages, which the collector does not read.
 """
 
 from __future__ import annotations
@@ -306,8 +307,11 @@ class Step:
     # --- the step's span -------------------------------------------------------------------
     def _emit(self) -> None:
         rt = self.rt
-        if self.stages:
-            _resolve_device(self.stages)
+        # The collector reads a step's span, never its stages (contract §14): production
+        # mode sends the step span alone, full mode its stages too (for a trace viewer).
+        stages = () if rt.production else self.stages
+        if stages:
+            _resolve_device(stages)
         trace_id = new_trace_id()
         attrs: dict[str, Any] = {
             semconv.ATTR_ENGINE_ID: self.engine_id,
@@ -325,7 +329,7 @@ class Step:
         root = new_span_id()
         specs = [SpanSpec(semconv.ENGINE_STEP_SPAN_NAME, root, None, _INTERNAL, self.start,
                           self.end, attrs, error, ())]
-        for st in self.stages:
+        for st in stages:
             # the engine id marks them as step stages to the collector (contract §14)
             st_attrs = {semconv.ATTR_STAGE: st.name, semconv.ATTR_ENGINE_ID: self.engine_id}
             st_attrs.update(st.attrs)

@@ -375,6 +375,31 @@ def test_production_keeps_a_step_with_a_timed_member_and_its_untimed_tokens():
     assert len(cap.requests()) == 1
 
 
+def test_production_sends_a_step_span_without_its_stages_full_mode_with_them():
+    # The collector reads a step's span only (§14): production mode spares the export
+    # (and the collector's decoding) of the step's stages; full mode keeps them.
+    for mode, expected in (("production", set()), ("full", {"compute"})):
+        with captured(mode=mode, sample_rate=1.0) as cap:
+            engine = inferprof.Engine("e1")
+            gen = engine.request(prompt_tokens=3)
+            for _ in range(3):
+                with engine.step(kv_cache_usage=0.25) as step:
+                    step.prefill(gen, 1)
+                    with inferprof.stage("compute"):
+                        pass
+            gen.finish()
+        steps = _steps(cap)
+        assert len(steps) == 3, mode
+        for s in steps:
+            assert s.attributes[semconv.ATTR_STEP_PREFILL_TOKENS] == 1
+            assert s.attributes[semconv.ATTR_STEP_KV_CACHE_USAGE] == 0.25
+            below = {c.attributes[semconv.ATTR_STAGE] for c in children_of(cap.spans(), s)}
+            assert below == expected, mode
+        # the request's own stages are there either way
+        (req,) = cap.requests()
+        assert set(_request_of(cap, req)) == {"queue", "prefill"}, mode
+
+
 def test_bad_arguments_raise():
     with pytest.raises(ValueError):
         inferprof.Engine("")
