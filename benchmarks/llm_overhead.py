@@ -6,7 +6,9 @@
 The LLM demo service (docs/demo.md, "The LLM demo") under uvicorn on 127.0.0.1, driven by
 the streaming load generator (closed loop, httpx, the default prompt and output mixes).
 Each round starts a fresh service process per configuration, in a rotated order, warms
-it, and runs the load for ``--duration`` seconds. inferprof's configurations export
+it with at least ``--warmup-requests`` requests (128: past the 64 during which
+``production``'s tail sampler keeps every trace, so that the figures are its steady
+state), and runs the load for ``--duration`` seconds. inferprof's configurations export
 OTLP/gRPC to an inferprof collector in the benchmark process (which folds what it
 receives, as a deployment's would); ``off`` configures inferprof with ``mode="off"``
 (the middleware, the step API and the stages all present and returning at once).
@@ -17,7 +19,8 @@ demo's default, eviction-bound set-up). Per configuration: output tokens per sec
 requests per second (client side), client TTFT p50/p99 and ITL p50/p99, and the service
 process's CPU time per output token (``/proc/<pid>/stat``, all threads: the model, the
 event loop, the exporter), which other load on the machine moves less than throughput;
-ratios to ``off`` are medians of per-round ratios. Targets (issue 22): throughput >= 0.97x,
+ratios to ``off`` are medians of per-round ratios; and the spans the collector received
+per request (step spans included). Targets (issue 22): throughput >= 0.97x,
 client p99 ITL <= 1.05x.
 """
 
@@ -39,6 +42,10 @@ from inferprof.demo.llm.settings import LLMSettings  # noqa: E402
 
 CONFIGS = ("off", "production", "full")
 BASELINE = "off"
+#: Warm-up load runs per process at most (each ``--warmup`` seconds).
+_MAX_WARMUP_RUNS = 8
+#: Longer than the span exporter's schedule delay (1 s).
+_EXPORT_DRAIN_S = 1.5
 
 
 def _cpu_s(pid: int) -> float:
@@ -48,26 +55,44 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _measure(mode: str, endpoint: str, args: argparse.Namespace, seed: int) -> dict:
-    settings = LLMSettings(instrumentation=mode, endpoint=endpoint, kv_blocks=args.kv_blocks,
-                           model_size=args.model_size)
+def _measure(mode: str, collector: CollectorApp, args: argparse.Namespace, seed: int) -> dict:
+    settings = LLMSettings(instrumentation=mode, endpoint=collector.otlp_grpc_endpoint,
+                           kv_blocks=args.kv_blocks, model_size=args.model_size)
     with LLMServiceProcess(settings) as svc:
-        if args.warmup > 0:
-            run_llm_loadgen(svc.url, duration_s=args.warmup, concurrency=args.concurrency,
-                            seed=seed + 1000)
+        warm = 0
+        for i in range(_MAX_WARMUP_RUNS):
+            if warm >= args.warmup_requests and i:
+                break
+            warm += run_llm_loadgen(svc.url, duration_s=args.warmup,
+                                    concurrency=args.concurrency,
+                                    seed=seed + 1000 * (i + 1))["requests"]
+        time.sleep(_EXPORT_DRAIN_S)  # the warm-up's spans leave before the count starts
+        spans = _spans_received(collector)
         cpu = _cpu_s(svc.pid)
         summary = run_llm_loadgen(svc.url, duration_s=args.duration,
                                   concurrency=args.concurrency, seed=seed)
         cpu = _cpu_s(svc.pid) - cpu
+    # the service has flushed its spans on the way out
+    summary["spans_per_request"] = (
+        (_spans_received(collector) - spans) / max(summary["requests"], 1))
     summary["cpu_ms_per_token"] = 1e3 * cpu / max(summary["output_tokens"], 1)
+    summary["warmup_requests"] = warm
     return summary
+
+
+def _spans_received(collector: CollectorApp) -> int:
+    collector.engine.flush()
+    return collector.engine.stats.spans_received
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--duration", type=float, default=10.0, help="seconds of load")
-    parser.add_argument("--warmup", type=float, default=2.0, help="seconds, per process")
+    parser.add_argument("--warmup", type=float, default=2.0,
+                        help="seconds per warm-up run (repeated up to --warmup-requests)")
+    parser.add_argument("--warmup-requests", type=int, default=128,
+                        help="requests served before the measured load, per process")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--kv-blocks", type=int, default=1024)
     parser.add_argument("--model-size", default="small")
@@ -84,12 +109,13 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.rounds):
             order = configs[r % len(configs):] + configs[:r % len(configs)]
             for mode in order:
-                summary = _measure(mode, collector.otlp_grpc_endpoint, args, seed=r)
+                summary = _measure(mode, collector, args, seed=r)
                 results[mode].append(summary)
                 print(f"round {r + 1}/{args.rounds} {mode:<10} "
                       f"{summary['tokens_per_s']:7.1f} tokens/s  "
                       f"cpu {summary['cpu_ms_per_token']:.3f} ms/token  "
                       f"itl p99 {summary['itl_s']['p99'] * 1e3:7.1f} ms  "
+                      f"spans/request {summary['spans_per_request']:5.1f}  "
                       f"errors {summary['errors']}", file=sys.stderr, flush=True)
     finally:
         collector.stop()
@@ -125,8 +151,9 @@ def _table(results: dict[str, list[dict]], configs: list[str], args: argparse.Na
          "medians of per-round ratios"),
         "",
         ("| mode | tokens/s | x off | req/s | ttft p50 ms | ttft p99 ms | itl p50 ms "
-         "| itl p99 ms | itl p99 x off | service CPU ms/token | x off | errors |"),
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+         "| itl p99 ms | itl p99 x off | service CPU ms/token | x off | spans/request "
+         "| errors |"),
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for mode in configs:
         lines.append(
@@ -137,6 +164,7 @@ def _table(results: dict[str, list[dict]], configs: list[str], args: argparse.Na
             f"| {med(mode, lambda s: s['itl_s']['p50']) * 1e3:.2f} "
             f"| {med(mode, itl99) * 1e3:.2f} | {_ratio(results, mode, itl99):.3f} "
             f"| {med(mode, cpu):.3f} | {_ratio(results, mode, cpu):.3f} "
+            f"| {med(mode, lambda s: s['spans_per_request']):.1f} "
             f"| {sum(s['errors'] for s in results[mode])} |")
     return "\n".join(lines)
 
