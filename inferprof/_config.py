@@ -53,6 +53,7 @@ from inferprof.instrumentation.config import (
 from inferprof.instrumentation.exporters import grpc_span_exporter, http_span_exporter
 from inferprof.instrumentation.processor import BatchSpanProcessor
 from inferprof.instrumentation.runtime import Runtime
+from inferprof.semconv import MODE_PRODUCTION
 
 _logger = logging.getLogger(__name__)
 
@@ -99,11 +100,14 @@ def configure(
     record_content: bool | None = None,
     content_max_bytes: int | None = None,
     excluded_paths: Any = None,
+    summaries: bool | None = None,
+    summary_interval_s: float | None = None,
     tracer_provider: Any = None,
     meter_provider: Any = None,
     resource_attributes: Mapping[str, Any] | None = None,
     span_exporter: Any = None,
     metric_readers: Any = None,
+    summary_exporter: Any = None,
     set_global: bool = True,
 ) -> Config:
     """Set inferprof up; returns the settled :class:`Config`.
@@ -115,6 +119,13 @@ def configure(
     them global when ``set_global`` is true. ``span_exporter`` / ``metric_readers`` replace
     the OTLP exporters (tests, custom backends). Calling ``configure()`` again replaces the
     previous configuration (shutting down what the previous call created).
+
+    In ``production`` mode, ``summaries`` (default on) exports every timed request's
+    figures as OTLP metrics every ``summary_interval_s`` (contract §15), through
+    ``summary_exporter`` (an SDK ``MetricExporter``) or, when inferprof builds the OTLP
+    pipeline (no ``span_exporter``, no providers of the application's), an OTLP metric
+    exporter to the metrics endpoint. Otherwise only a ``summary_exporter`` given here
+    sends them.
     """
     _check_arguments(resource_attributes, tracer_provider)
     adopted = _adoptable_global() if tracer_provider is None else None
@@ -123,7 +134,8 @@ def configure(
         mode=mode, service_name=service_name, endpoint=endpoint, protocol=protocol,
         sample_rate=sample_rate, tail_quantile=tail_quantile, max_timed_rate=max_timed_rate,
         batch_encoding=batch_encoding, record_content=record_content,
-        content_max_bytes=content_max_bytes, excluded_paths=excluded_paths, owns=owns,
+        content_max_bytes=content_max_bytes, excluded_paths=excluded_paths,
+        summaries=summaries, summary_interval_s=summary_interval_s, owns=owns,
     )
     shutdown()
     if not config.enabled:
@@ -136,10 +148,10 @@ def configure(
                      span_exporter=span_exporter, metric_readers=metric_readers)
         tp = tracer_provider if tracer_provider is not None else adopted
         mp = meter_provider if meter_provider is not None else metrics_api.get_meter_provider()
-        active.install(Runtime(config, tp, mp))
+        active.install(Runtime(config, tp, mp, summary_exporter=summary_exporter))
         return config
     active.install(_own_runtime(config, resource_attributes, span_exporter, meter_provider,
-                                metric_readers, set_global))
+                                metric_readers, summary_exporter, set_global))
     return config
 
 
@@ -173,7 +185,7 @@ def _warn_unused(given: bool, **settings: Any) -> None:
 
 def _own_runtime(config: Config, resource_attributes: Mapping[str, Any] | None,
                  span_exporter: Any, meter_provider: Any, metric_readers: Any,
-                 set_global: bool) -> Runtime:
+                 summary_exporter: Any, set_global: bool) -> Runtime:
     """Providers of inferprof's own, exporting to ``config``'s endpoint, and their runtime."""
     from opentelemetry.sdk.trace import TracerProvider
 
@@ -187,7 +199,24 @@ def _own_runtime(config: Config, resource_attributes: Mapping[str, Any] | None,
     active.mark_installed(tp)
     if set_global:
         _set_global(tp, mp)
-    return Runtime(config, tp, mp, stats=stats, deferred=processor, owned_processor=processor)
+    # The OTLP pipeline: summaries go where the traces go. A span_exporter of the
+    # caller's (a test, a custom backend) takes traces only, unless summary_exporter is
+    # given too: kept traces then count as before (no summary mark).
+    if (summary_exporter is None and span_exporter is None and config.summaries
+            and config.mode == MODE_PRODUCTION):
+        summary_exporter = _summary_exporter(config)
+    return Runtime(config, tp, mp, stats=stats, deferred=processor, owned_processor=processor,
+                   summary_exporter=summary_exporter)
+
+
+def _summary_exporter(config: Config) -> Any:
+    """The OTLP metric exporter the summaries go through; None (logged) if it cannot be
+    built: the service then runs with traces only."""
+    try:
+        return metric_exporter(config)
+    except Exception:
+        _logger.exception("inferprof could not build its summary exporter; traces only")
+        return None
 
 
 def _span_processor(config: Config, span_exporter: Any, stats: Stats) -> BatchSpanProcessor:

@@ -23,6 +23,12 @@ INFERPROF_TAIL_QUANTILE = "INFERPROF_TAIL_QUANTILE"
 INFERPROF_MAX_TIMED_RATE = "INFERPROF_MAX_TIMED_RATE"
 """Production mode: requests timed per second, per route and process (0: every one)."""
 
+INFERPROF_SUMMARIES = "INFERPROF_SUMMARIES"
+"""Production mode: export summaries of every timed request (contract §15); on by default."""
+
+INFERPROF_SUMMARY_INTERVAL = "INFERPROF_SUMMARY_INTERVAL"
+"""Production mode: seconds between two summary exports (default 5)."""
+
 INFERPROF_BATCH_ENCODING = "INFERPROF_BATCH_ENCODING"
 """How batch stages are encoded: ``children`` (default) or ``links``."""
 

@@ -210,6 +210,17 @@ class _HttpRequest(RequestRecord):
                 counts = self.chunk_tokens = [1] * len(times)
             self.chunk_merged += merge_pairs(times, counts)
 
+    def _summary_parts(self) -> tuple[tuple[tuple[str, int, int], ...], bool]:
+        # What _complete() makes, for a request with no engine stages (the runtime does
+        # not summarise those): receive and serialize, and an error for a 5xx answer.
+        parts: tuple[tuple[str, int, int], ...] = ()
+        if self.recv_start and self.received:
+            parts = ((_STAGE_RECEIVE, self.recv_start, self.recv_end),)
+        if self.ser_start:
+            parts += ((_STAGE_SERIALIZE, self.ser_start, self.ser_end),)
+        status = self.status
+        return parts, self.error is not None or (status is not None and status >= 500)
+
     def _complete(self) -> None:
         # A body-less request (GET; or a streaming response listening for disconnects)
         # has nothing to time: no `receive` stage for it.

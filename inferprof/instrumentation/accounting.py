@@ -111,6 +111,14 @@ class StatsSnapshot:
     requests_untimed: int = 0
     #: spans still queued when ``inferprof.shutdown()``'s time ran out
     spans_dropped_shutdown: int = 0
+    #: timed requests handed to the summaries (contract §15)
+    requests_summarised: int = 0
+    #: summarised requests that never reached the exporter's backend: the buffer was full,
+    #: their export failed, or shutdown's time ran out
+    summaries_dropped: int = 0
+    #: summary exports that succeeded / failed
+    summary_exports: int = 0
+    summary_exports_failed: int = 0
 
     @property
     def spans_dropped(self) -> int:
@@ -132,6 +140,10 @@ class Stats:
         "kept",
         "queue_full",
         "shutdown",
+        "summarised",
+        "summary_dropped",
+        "summary_export_failed",
+        "summary_exports",
         "untimed",
     )
 
@@ -144,6 +156,10 @@ class Stats:
         self.discarded = 0
         self.untimed = 0
         self.shutdown = 0
+        self.summarised = 0
+        self.summary_dropped = 0
+        self.summary_exports = 0
+        self.summary_export_failed = 0
         self._lock = threading.Lock()
 
     def snapshot(self) -> StatsSnapshot:
@@ -156,6 +172,10 @@ class Stats:
             traces_discarded=self.discarded,
             requests_untimed=self.untimed,
             spans_dropped_shutdown=self.shutdown,
+            requests_summarised=self.summarised,
+            summaries_dropped=self.summary_dropped,
+            summary_exports=self.summary_exports,
+            summary_exports_failed=self.summary_export_failed,
         )
 
 

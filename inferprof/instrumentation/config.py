@@ -27,6 +27,10 @@ DEFAULT_TAIL_QUANTILE = 0.9
 #: Requests per second, per route (HTTP path) and process, that production mode times;
 #: above it a random share is timed (sampling.TimingBudget). 0: every request.
 DEFAULT_MAX_TIMED_RATE = 100.0
+#: Production mode: every timed request counted through summaries (contract §15).
+DEFAULT_SUMMARIES = True
+#: Seconds between two summary exports.
+DEFAULT_SUMMARY_INTERVAL_S = 5.0
 DEFAULT_BATCH_ENCODING = semconv.BATCH_ENCODING_CHILDREN
 DEFAULT_CONTENT_MAX_BYTES = 1024
 #: Health checks, scrapes and FastAPI's interactive documentation: not model requests.
@@ -67,6 +71,10 @@ class Config:
     metrics_protocol: str | None = None
     #: production mode: requests timed per second per route and process (0: every one)
     max_timed_rate: float = DEFAULT_MAX_TIMED_RATE
+    #: production mode: export summaries of every timed request (ignored in other modes)
+    summaries: bool = DEFAULT_SUMMARIES
+    #: seconds between two summary exports
+    summary_interval_s: float = DEFAULT_SUMMARY_INTERVAL_S
 
     @property
     def enabled(self) -> bool:
@@ -123,6 +131,8 @@ def resolve(
     record_content: Any = None,
     content_max_bytes: Any = None,
     excluded_paths: Any = None,
+    summaries: Any = None,
+    summary_interval_s: Any = None,
     owns: bool,
 ) -> Config:
     """Settings from arguments, then ``INFERPROF_*``/``OTEL_*`` variables, then defaults
@@ -160,7 +170,18 @@ def resolve(
         max_timed_rate=_settings.rate(
             max_timed_rate, ev.INFERPROF_MAX_TIMED_RATE, DEFAULT_MAX_TIMED_RATE, "max_timed_rate"
         ),
+        summaries=_summaries(summaries),
+        summary_interval_s=_settings.positive_seconds(
+            summary_interval_s, ev.INFERPROF_SUMMARY_INTERVAL, DEFAULT_SUMMARY_INTERVAL_S,
+            "summary_interval_s",
+        ),
     )
+
+
+def _summaries(arg: Any) -> bool:
+    if arg is not None and not isinstance(arg, bool):
+        raise ValueError(f"summaries must be a bool, got {arg!r}")
+    return _settings.flag(arg, ev.INFERPROF_SUMMARIES, DEFAULT_SUMMARIES)
 
 
 def mode_setting(arg: Any = None) -> str:

@@ -172,6 +172,12 @@ class RequestRecord:
     def __repr__(self) -> str:
         return f"<inferprof request {self.name!r} trace_id={self.trace_id:032x}>"
 
+    def _summary_parts(self) -> tuple[tuple[tuple[str, int, int], ...], bool]:
+        """For the summaries (contract §15): the stage spans its trace would add at
+        :meth:`_complete` as ``(stage, start_ns, end_ns)``, and whether its request span
+        would end in error. Called once, by the runtime, when the request ends."""
+        return (), self.error is not None
+
     def _complete(self) -> None:
         """The request is kept: add what only its trace needs (a subclass's deferred
         stages and attributes). Called once, by the runtime, before the spans are built."""

@@ -64,6 +64,7 @@ from inferprof.instrumentation.spans import (
     new_trace_id,
     stage_spec,
 )
+from inferprof.instrumentation.summaries import Summaries
 
 _logger = logging.getLogger(__name__)
 
@@ -72,8 +73,12 @@ _NOT_SAMPLED = trace_api.TraceFlags(trace_api.TraceFlags.DEFAULT)
 _getrandbits = random.getrandbits
 _random = random.random
 _MODEL_NAME = semconv.ATTR_MODEL_NAME
+_SUMMARY_COUNTED = semconv.ATTR_SUMMARY_COUNTED
+_CHILDREN = semconv.BATCH_ENCODING_CHILDREN
 _INTERNAL = SpanKind.INTERNAL
 _span_name = semconv.span_name
+#: Share of shutdown's time the summaries' last export may take (spans get the rest).
+_SUMMARY_CLOSE_SHARE = 0.3
 
 
 def _sampler_ratio(sampler: Any, parent: trace_api.SpanContext | None) -> float:
@@ -131,6 +136,7 @@ class Runtime:
         stats: Stats | None = None,
         deferred: Any = None,
         owned_processor: Any = None,
+        summary_exporter: Any = None,
     ) -> None:
         self.config = config
         self.enabled = config.enabled and tracer_provider is not None
@@ -168,6 +174,8 @@ class Runtime:
         self._resource = None
         self._sampler: Any = None
         self.tracer: Any = None
+        #: production mode's summaries of every timed request (contract §15), or None
+        self.summaries: Summaries | None = None
         if not self.enabled:
             return
         self.tracer = tracer_provider.get_tracer(semconv.INSTRUMENTATION_SCOPE, __version__)
@@ -178,6 +186,12 @@ class Runtime:
             self._root_weight = 1.0 / _sampler_ratio(self._sampler, None)
             # The SDK's default sampler keeps every root span: skip the call for those.
             self._roots_always_on = _roots_always_on(self._sampler)
+        if (summary_exporter is not None and self.production and config.summaries
+                and self._resource is not None):
+            self.summaries = Summaries(
+                summary_exporter, self._resource, self._scope, self.stats,
+                interval_s=config.summary_interval_s,
+            )
         self._register_metrics()
 
     # --- self metrics ----------------------------------------------------------------
@@ -289,6 +303,11 @@ class Runtime:
             if _device._used:  # (read here: saves a call per request until a device stage exists)
                 resolve_stages(rec.stages)
             if rec.live_span is None and self.tail_sampler is not None:
+                # Before the tail decision: a discarded request leaves its batches.
+                counted = (
+                    self.summaries is not None and rec.generation is None
+                    and self._summarise(rec)
+                )
                 model = rec.attrs.get(_MODEL_NAME)
                 weight = self.tail_sampler.decide(
                     rec.end - rec.start, rec.head, rec.name if model is None else (rec.name, model)
@@ -302,11 +321,42 @@ class Runtime:
                 kept = True
                 # 1 / the probability it was timed at all (TimingBudget): part of its weight
                 weight *= rec.weight_hint
+                if counted:  # the collector counts it from the summaries, not the trace
+                    rec.attrs[_SUMMARY_COUNTED] = True
             else:
                 kept, weight = rec.head, rec.weight_hint
             self._finish(rec, kept, weight)
         except Exception:
             _logger.exception("inferprof failed to emit the spans of a request")
+
+    def _summarise(self, rec: RequestRecord) -> bool:
+        """Hand the request to the summaries: its times and references to its stage
+        records, read on the summaries' thread. The stage spans its trace would hold:
+        its own, each batch's (``children``: those ended by now, as the kept trace
+        copies; ``links``: all, clipped to the request by the collector), and those the
+        record makes at the end. A request with none is left to its trace: the collector
+        counts a request with no stage span by its attributes alone."""
+        extra, error = rec._summary_parts()
+        own = tuple(rec.stages)
+        batches = rec.batches
+        parts: tuple = ()
+        model = rec.attrs.get(_MODEL_NAME)
+        if batches:
+            parts = tuple(
+                tuple(st for st in b.stages if st.end is not None)
+                if b.encoding == _CHILDREN else tuple(b.stages)
+                for b in batches
+            )
+            if model is None:  # the collector takes a batch stage's model then
+                model = next((b.attrs[_MODEL_NAME] for b in batches
+                              if _MODEL_NAME in b.attrs), None)
+        if not own and not extra and not any(parts):
+            return False
+        summaries = self.summaries
+        assert summaries is not None
+        return summaries.add(
+            (rec.start, rec.end, error, model, rec.weight_hint, own, parts, extra)
+        )
 
     def _leave_batches(self, rec: RequestRecord) -> None:
         """The request has ended: report it to its ``links`` batches. Atomic against a
@@ -633,8 +683,12 @@ class Runtime:
         tp, mp = self.tracer_provider, self.meter_provider
         if tp is None:
             return
+        deadline = time.monotonic() + timeout_millis / 1000
+        summaries = self.summaries
+        if summaries is not None:  # the last interval's summaries; a share of the time
+            summaries.close(timeout_millis * _SUMMARY_CLOSE_SHARE / 1000)
+            timeout_millis = int(max(0.0, deadline - time.monotonic()) * 1000)
         if self.config.owns_providers:
-            deadline = time.monotonic() + timeout_millis / 1000
             processor = self.owned_processor
             if processor is not None:  # first, bounded; the provider's call is then a no-op
                 # spans get most of the time; the final metrics collection the rest

@@ -36,6 +36,7 @@ every trace is kept (weight 1).
 from __future__ import annotations
 
 import array
+import math
 import random
 import threading
 import time
@@ -171,14 +172,22 @@ _BUDGET_MAX_KEYS = 64
 _RARE_KEY = ("<rare>",)
 
 
+def _power_of_two_below(share: float) -> float:
+    """The largest power of two at most ``share`` (0 < share < 1)."""
+    _, exponent = math.frexp(share)
+    return math.ldexp(1.0, exponent - 1)
+
+
 class TimingBudget:
     """Caps the requests ``production`` mode times at ``rate`` per second per key (the
     HTTP path, or an ``inferprof.request()``'s name and model): above it, each request is
-    timed with probability ``rate / (the key's requests per second)``, counted over the
-    previous tenth of a second. A request not timed costs about what ``off`` costs; a
-    timed one carries the inverse of that probability in its weight, so weighted figures
-    stay unbiased. The probability comes from earlier requests only, so it is exact for the
-    request it is drawn for, whatever the counts' races between threads.
+    timed with probability ``rate / (the key's requests per second)`` rounded down to a
+    power of two, counted over the previous tenth of a second. (Powers of two: the
+    weights ``1 / probability`` then take few distinct values, and the summaries split
+    their data points by weight, contract §15.) A request not timed costs about what
+    ``off`` costs; a timed one carries the inverse of that probability in its weight, so
+    weighted figures stay unbiased. The probability comes from earlier requests only, so it
+    is exact for the request it is drawn for, whatever the counts' races between threads.
 
     Keys seen once in a period (a path with an id in it makes a key per request; a route
     at a few requests a second) share one budget, as do keys beyond the first
@@ -245,13 +254,13 @@ class TimingBudget:
                     own[key] = n
                 else:
                     rare += 1
-            default = budget / rare if rare > budget else 1.0
+            default = _power_of_two_below(budget / rare) if rare > budget else 1.0
             # Keys over their budget get their share; under it, 1 (stored only when the
             # default, for the keys absent, is less).
             shares = {}
             for key, n in own.items():
                 if n > budget:
-                    shares[key] = budget / n
+                    shares[key] = _power_of_two_below(budget / n)
                 elif default < 1.0:
                     shares[key] = 1.0
             self._default = default

@@ -4,6 +4,7 @@ weights include the share so that weighted figures stay unbiased."""
 
 import asyncio
 import logging
+import math
 import random
 
 import httpx
@@ -69,9 +70,10 @@ def test_keys_beyond_the_cap_are_counted_with_the_rare_ones_and_memory_stays_bou
         budget.share(f"/items/{i}")
     assert len(budget._counts) <= 9
     clock.now += 1.0
-    # 1 000 paths seen once (8 counted on their own, 992 past the cap): one budget of 10
-    assert budget.share("/items/5000") == pytest.approx(10 / 1000)
-    assert budget.share("/items/3") == pytest.approx(10 / 1000)
+    # 1 000 paths seen once (8 counted on their own, 992 past the cap): one budget of 10,
+    # a share of 10/1000 rounded down to a power of two
+    assert budget.share("/items/5000") == 2.0**-7
+    assert budget.share("/items/3") == 2.0**-7
 
 
 def test_paths_with_ids_are_capped_like_one_route():
@@ -86,10 +88,11 @@ def test_paths_with_ids_are_capped_like_one_route():
             clock.now = start + i / rate
             n += random.random() < budget.share(f"/v1/jobs/{rate}-{i}")
         timed[rate] = n / 2
-    # every request timed in the first tenth of a second of each rate, then ~100 a second
+    # every request timed in the first tenth of a second of each rate, then 50 to 100 a
+    # second (the share rounded down to a power of two)
     assert timed[300] <= 0.7 * 300
-    assert 80 <= timed[1000] <= 160
-    assert 80 <= timed[5000] <= 400
+    assert 40 <= timed[1000] <= 160
+    assert 40 <= timed[5000] <= 400
     # a route seen more than once per period keeps a budget of its own beside them
     clock.now += 1.0
     budget.share("/v1/warm")  # a fresh period starts here
@@ -97,8 +100,24 @@ def test_paths_with_ids_are_capped_like_one_route():
         budget.share(f"/v1/jobs/x-{i}")
         budget.share("/v1/generate")
         clock.now += 0.001
-    assert budget.share("/v1/generate") == pytest.approx(0.1, rel=0.02)
-    assert budget.share("/v1/jobs/new") == pytest.approx(0.1 / 1.01, rel=0.02)
+    # 0.1 and 0.1/1.01, rounded down to a power of two
+    assert budget.share("/v1/generate") == 2.0**-4
+    assert budget.share("/v1/jobs/new") == 2.0**-4
+
+
+def test_shares_are_powers_of_two_at_most_the_budget_over_the_rate():
+    clock = Clock()
+    budget = TimingBudget(100, clock=clock)
+    for n in (101, 150, 199, 200, 201, 399, 400, 401, 1000, 12345):
+        for _ in range(n):
+            budget.share("/a")
+        clock.now += 1.0
+        share = budget.share("/a")
+        assert share <= 100 / n < 2 * share  # the largest power of two under the share
+        assert math.log2(share) == int(math.log2(share))
+        clock.now += 1.0
+        budget.share("/a")  # a quiet second: back to every request
+        clock.now += 1.0
 
 
 @pytest.mark.parametrize("bad", [-1, float("inf"), "100", True])

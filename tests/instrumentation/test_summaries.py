@@ -1,0 +1,513 @@
+"""Production mode's summaries (contract §15): every timed request folded into three
+exponential histograms, exported as OTLP metrics.
+
+The figures are checked against exact computation from the requests' own timings: with
+``sample_rate=1`` every timed request is also kept as a trace, and the trace's spans are
+what the collector would fold, so stage times, exclusive times and end-to-end latencies
+computed from them (``inferprof.timing.partition``, the collector's own function) must
+give exactly the summaries' counts, bucket by bucket."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import Counter, defaultdict
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from opentelemetry.sdk.metrics.export import (
+    AggregationTemporality,
+    MetricExporter,
+    MetricExportResult,
+)
+from opentelemetry.trace import SpanKind, StatusCode
+
+import inferprof
+import inferprof.fastapi
+from inferprof import semconv
+from inferprof.batching import hooks
+from inferprof.fastapi import middleware
+from inferprof.instrumentation import stage as stage_module
+from inferprof.instrumentation.accounting import Stats
+from inferprof.instrumentation.sampling import TimingBudget
+from inferprof.instrumentation.summaries import Summaries
+from inferprof.timing import DEFAULT_SUMMARY_SCALE, exp_index, partition
+from tests.instrumentation.helpers import captured
+
+MS = 1_000_000
+
+
+class MemoryExporter(MetricExporter):
+    """Keeps every export; ``block`` makes export wait on it (a hanging backend);
+    ``fail`` makes it raise."""
+
+    def __init__(self, *, block: threading.Event | None = None, fail: bool = False) -> None:
+        super().__init__()
+        self.exports: list = []
+        self.called = threading.Event()
+        self.block = block
+        self.fail = fail
+        self.shut = False
+
+    def export(self, metrics_data, timeout_millis: float = 10_000, **kwargs):
+        self.called.set()
+        if self.block is not None:
+            self.block.wait(30)
+        if self.fail:
+            raise ConnectionError("backend down")
+        self.exports.append(metrics_data)
+        return MetricExportResult.SUCCESS
+
+    def force_flush(self, timeout_millis: float = 10_000) -> bool:
+        return True
+
+    def shutdown(self, timeout_millis: float = 30_000, **kwargs) -> None:
+        self.shut = True
+
+
+class FakeClock:
+    """The instrumentation's clock, moved by the test: stage timings are known."""
+
+    def __init__(self) -> None:
+        self.now = 1_700_000_000 * 10**9
+
+    def __call__(self) -> int:
+        return self.now
+
+    def tick(self, ns: int) -> None:
+        self.now += ns
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    c = FakeClock()
+    monkeypatch.setattr(stage_module, "_time_ns", c)
+    monkeypatch.setattr(hooks, "_time_ns", c)
+    monkeypatch.setattr(middleware, "_time_ns", c)
+    return c
+
+
+# --- decoding and exact computation --------------------------------------------------------
+
+
+def _key(attrs) -> tuple:
+    return tuple(sorted(attrs.items()))
+
+
+def decode(exports) -> dict:
+    """metric name -> data point attributes -> {"zero", "buckets" {(scale, index): n},
+    "count"}, summed over the (DELTA) exports."""
+    out: dict = defaultdict(lambda: defaultdict(
+        lambda: {"zero": 0, "buckets": Counter(), "count": 0}))
+    for data in exports:
+        for rm in data.resource_metrics:
+            for sm in rm.scope_metrics:
+                assert sm.scope.name == semconv.INSTRUMENTATION_SCOPE
+                for metric in sm.metrics:
+                    assert metric.data.aggregation_temporality is AggregationTemporality.DELTA
+                    for p in metric.data.data_points:
+                        d = out[metric.name][_key(p.attributes)]
+                        d["zero"] += p.zero_count
+                        d["count"] += p.count
+                        assert p.count == p.zero_count + sum(p.positive.bucket_counts)
+                        for j, n in enumerate(p.positive.bucket_counts):
+                            if n:
+                                d["buckets"][(p.scale, p.positive.offset + j)] += n
+    return {name: dict(points) for name, points in out.items()}
+
+
+def _is_request(span) -> bool:
+    return span.kind in (SpanKind.SERVER, SpanKind.CONSUMER) or bool(
+        (span.attributes or {}).get(semconv.ATTR_REQUEST))
+
+
+def exact(spans) -> dict:
+    """What the summaries must hold, computed from the traces as the collector reads them
+    (§6): each request's stage spans (own, children copies, linked batch spans)."""
+    requests = {(s.context.trace_id, s.context.span_id): s for s in spans if _is_request(s)}
+    by_id = {(s.context.trace_id, s.context.span_id): s for s in spans}
+    stages_of: dict = defaultdict(list)
+    model_of: dict = {}
+    for s in spans:
+        attrs = s.attributes or {}
+        if semconv.ATTR_STAGE not in attrs:
+            continue
+        if s.links:  # links encoding: the batch span counts for every member it names
+            owners = [(ln.context.trace_id, ln.context.span_id) for ln in s.links]
+        else:
+            cur = s
+            while (cur.context.trace_id, cur.context.span_id) not in requests:
+                cur = by_id[(cur.context.trace_id, cur.parent.span_id)]
+            owners = [(cur.context.trace_id, cur.context.span_id)]
+        for owner in owners:
+            if owner in requests:
+                stages_of[owner].append((attrs[semconv.ATTR_STAGE], s.start_time, s.end_time))
+                if semconv.ATTR_MODEL_NAME in attrs:
+                    model_of.setdefault(owner, attrs[semconv.ATTR_MODEL_NAME])
+    out: dict = defaultdict(lambda: defaultdict(
+        lambda: {"zero": 0, "buckets": Counter(), "count": 0}))
+    scale = DEFAULT_SUMMARY_SCALE
+
+    def add(metric, attrs, value, amount=1):
+        d = out[metric][_key(attrs)]
+        d["count"] += amount
+        if value > 0:
+            d["buckets"][(scale, int(exp_index([value], scale)[0]))] += amount
+        else:
+            d["zero"] += amount
+
+    for rid, r in requests.items():
+        if not stages_of[rid]:
+            continue
+        attrs = r.attributes or {}
+        base = {}
+        model = attrs.get(semconv.ATTR_MODEL_NAME, model_of.get(rid))
+        if model is not None:
+            base[semconv.ATTR_MODEL_NAME] = model
+        weight = attrs.get(semconv.ATTR_SAMPLE_WEIGHT, 1.0)
+        if weight != 1.0:
+            base[semconv.ATTR_SAMPLE_WEIGHT] = weight
+        e2e = (r.end_time - r.start_time) * 1e-9
+        error = r.status.status_code is StatusCode.ERROR
+        add(semconv.METRIC_SUMMARY_REQUEST_DURATION,
+            {**base, **({semconv.ATTR_REQUEST_ERROR: True} if error else {})}, e2e)
+        stage_time, exclusive, unattributed = partition(r.start_time, r.end_time,
+                                                        stages_of[rid])
+        stage_time[semconv.STAGE_UNATTRIBUTED] = unattributed
+        exclusive[semconv.STAGE_UNATTRIBUTED] = unattributed
+        for stage, value in stage_time.items():
+            add(semconv.METRIC_SUMMARY_STAGE_DURATION, {**base, semconv.ATTR_STAGE: stage},
+                value)
+        for stage, value in exclusive.items():
+            ns = round(value * 1e9)
+            if ns:
+                add(semconv.METRIC_SUMMARY_STAGE_TAIL, {**base, semconv.ATTR_STAGE: stage},
+                    e2e, ns)
+    return {name: dict(points) for name, points in out.items()}
+
+
+def assert_summaries_match(exporter, spans):
+    got, want = decode(exporter.exports), exact(spans)
+    assert set(got) == set(want)
+    for metric in want:
+        assert set(got[metric]) == set(want[metric]), metric
+        for key, w in want[metric].items():
+            assert got[metric][key] == w, (metric, key)
+
+
+# --- a service -----------------------------------------------------------------------------
+
+
+async def _service(clock: FakeClock, n: int, errors: set[int]) -> None:
+    """``n`` requests of known stage timings: tokenize, a zero-length stage on some, a
+    queue, a batch of up to three (batch_assembly, compute), postprocess with a nested
+    detokenize (overlapping stages), some ending in an error."""
+    loop = asyncio.get_running_loop()
+    queue: list = []
+
+    async def one(i: int) -> None:
+        try:
+            async with inferprof.request(model="m" if i % 3 else "n"):
+                with inferprof.stage("tokenize"):
+                    clock.tick(MS + 37_000 * i)
+                if i % 4 == 0:
+                    with inferprof.stage("lookup"):
+                        pass  # the clock does not move: a zero-length stage
+                handle = inferprof.enqueue(depth=len(queue))
+                fut = loop.create_future()
+                queue.append((handle, fut))
+                await fut
+                with inferprof.stage("postprocess"):
+                    clock.tick(MS // 2 + 11_000 * i)
+                    with inferprof.stage("detokenize"):
+                        clock.tick(MS // 5 + 7_000 * i)
+                    clock.tick(13_000)
+                if i in errors:
+                    raise RuntimeError("boom")
+        except RuntimeError:
+            pass
+
+    tasks = [asyncio.create_task(one(i)) for i in range(n)]
+    while not all(t.done() for t in tasks):
+        for _ in range(3):
+            await asyncio.sleep(0)
+        if not queue:
+            continue
+        group, queue[:] = queue[:3], queue[3:]
+        clock.tick(300_000)
+        with inferprof.batch([h for h, _ in group], max_size=4) as b:
+            with b.stage("batch_assembly"):
+                clock.tick(100_000 + 1_000 * len(group))
+            with inferprof.stage("compute"):
+                clock.tick(2 * MS + 50_000 * len(queue))
+        for _, fut in group:
+            fut.set_result(None)
+    await asyncio.gather(*tasks)
+
+
+@pytest.mark.parametrize("encoding", ["children", "links"])
+def test_summaries_equal_exact_figures_from_every_requests_timings(clock, encoding):
+    exporter = MemoryExporter()
+    with captured(mode="production", sample_rate=1.0, batch_encoding=encoding,
+                  summary_exporter=exporter, summary_interval_s=3600) as cap:
+        asyncio.run(_service(clock, 40, errors={5, 11, 30}))
+        inferprof.shutdown()  # flushes the last interval's summaries
+        spans = cap.spans()
+        snap = inferprof.instrumentation.stats()
+    assert snap.requests_summarised == 40 and snap.summaries_dropped == 0
+    assert snap.summary_exports == 1 and exporter.shut
+    requests = [s for s in spans if _is_request(s)]
+    assert len(requests) == 40
+    assert all(r.attributes[semconv.ATTR_SUMMARY_COUNTED] is True for r in requests)
+    got = decode(exporter.exports)
+    # counts: every request once, its errors apart, every stage it entered once
+    req = got[semconv.METRIC_SUMMARY_REQUEST_DURATION]
+    assert sum(d["count"] for d in req.values()) == 40
+    errors = [d["count"] for k, d in req.items() if (semconv.ATTR_REQUEST_ERROR, True) in k]
+    assert sum(errors) == 3
+    stage_counts = Counter()
+    for k, d in got[semconv.METRIC_SUMMARY_STAGE_DURATION].items():
+        stage_counts[dict(k)[semconv.ATTR_STAGE]] += d["count"]
+    assert stage_counts == {
+        "tokenize": 40, "queue": 40, "batch_assembly": 40, "compute": 40, "postprocess": 40,
+        "detokenize": 40, "lookup": 10, "unattributed": 40,
+    }
+    zero = sum(d["zero"] for k, d in got[semconv.METRIC_SUMMARY_STAGE_DURATION].items()
+               if dict(k)[semconv.ATTR_STAGE] == "lookup")
+    assert zero == 10  # entered, for 0 s
+    # per bucket, everything equals exact computation from the traces
+    assert_summaries_match(exporter, spans)
+    # the tail metric: per end-to-end bucket, the stages' exclusive ns sum to the bucket's
+    # end-to-end ns (the partition is exact), rounding aside
+    tail = got[semconv.METRIC_SUMMARY_STAGE_TAIL]
+    per_bucket = Counter()
+    for d in tail.values():
+        per_bucket.update(d["buckets"])
+    e2e_ns = Counter()
+    for r in requests:
+        idx = int(exp_index([(r.end_time - r.start_time) * 1e-9])[0])
+        e2e_ns[(DEFAULT_SUMMARY_SCALE, idx)] += r.end_time - r.start_time
+    assert set(per_bucket) == set(e2e_ns)
+    for b, ns in e2e_ns.items():
+        assert abs(per_bucket[b] - ns) <= 8 * 40  # at most 0.5 ns per (request, stage)
+    # the resource is the runtime's
+    (data,) = exporter.exports
+    assert data.resource_metrics[0].resource is cap.provider.resource
+
+
+def test_weights_of_the_timing_budget_split_the_data_points(clock):
+    exporter = MemoryExporter()
+    budget_clock = [100.0]
+    with captured(mode="production", sample_rate=1.0, summary_exporter=exporter,
+                  summary_interval_s=3600) as cap:
+        rt = inferprof._config.active_runtime()
+        rt.timing_budget = TimingBudget(100, clock=lambda: budget_clock[0])
+        for _ in range(300):  # 300 a second: a share of 1/3, rounded down to 1/4
+            rt.timing_budget.share((semconv.REQUEST_SPAN_NAME, "m"))
+        budget_clock[0] += 1.0
+        timed = 0
+        for i in range(400):
+            with inferprof.request(model="m") as req:
+                timed += req is not None
+                with inferprof.stage("compute"):
+                    clock.tick(MS + 1000 * (i % 50))
+        inferprof.shutdown()
+        spans = cap.spans()
+        snap = inferprof.instrumentation.stats()
+    assert 60 <= timed <= 140 and snap.requests_summarised == timed
+    got = decode(exporter.exports)
+    (key,) = got[semconv.METRIC_SUMMARY_REQUEST_DURATION]
+    assert dict(key) == {semconv.ATTR_MODEL_NAME: "m", semconv.ATTR_SAMPLE_WEIGHT: 4.0}
+    assert got[semconv.METRIC_SUMMARY_REQUEST_DURATION][key]["count"] == timed
+    assert_summaries_match(exporter, spans)
+
+
+def test_requests_not_kept_are_counted_and_kept_ones_carry_the_mark(clock):
+    exporter = MemoryExporter()
+    with captured(mode="production", sample_rate=0.05, tail_quantile=0.9,
+                  summary_exporter=exporter, summary_interval_s=3600) as cap:
+        for i in range(500):
+            with inferprof.request(model="m"):
+                with inferprof.stage("compute"):
+                    clock.tick(MS + 10_000 * ((i * 7919) % 97))
+        inferprof.shutdown()
+        requests = [s for s in cap.spans() if _is_request(s)]
+        snap = inferprof.instrumentation.stats()
+    assert snap.requests_summarised == 500
+    assert snap.traces_kept == len(requests) < 250  # the tail and 5%: most are not kept
+    assert all(r.attributes[semconv.ATTR_SUMMARY_COUNTED] is True for r in requests)
+    got = decode(exporter.exports)
+    assert sum(d["count"] for d in got[semconv.METRIC_SUMMARY_REQUEST_DURATION].values()) == 500
+    compute = [d for k, d in got[semconv.METRIC_SUMMARY_STAGE_DURATION].items()
+               if dict(k)[semconv.ATTR_STAGE] == "compute"]
+    want = Counter(int(exp_index([(MS + 10_000 * ((i * 7919) % 97)) * 1e-9])[0])
+                   for i in range(500))
+    assert sum((d["buckets"] for d in compute), Counter()) == Counter(
+        {(DEFAULT_SUMMARY_SCALE, i): n for i, n in want.items()})
+
+
+def test_http_requests_get_receive_serialize_and_5xx_errors(clock):
+    app = FastAPI()
+
+    @app.post("/v1/run")
+    async def run(body: dict):
+        with inferprof.stage("compute"):
+            clock.tick(2 * MS)
+        if body["i"] % 5 == 0:
+            from fastapi.responses import JSONResponse
+
+            return JSONResponse({"error": "x"}, status_code=503)
+        return {"ok": body["i"]}
+
+    inferprof.fastapi.instrument(app, model_name="m")
+
+    async def post() -> None:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            for i in range(20):
+                await c.post("/v1/run", json={"i": i})
+
+    exporter = MemoryExporter()
+    with captured(mode="production", sample_rate=1.0, summary_exporter=exporter,
+                  summary_interval_s=3600) as cap:
+        asyncio.run(post())
+        inferprof.shutdown()
+        spans = cap.spans()
+    got = decode(exporter.exports)
+    req = got[semconv.METRIC_SUMMARY_REQUEST_DURATION]
+    errors = sum(d["count"] for k, d in req.items() if (semconv.ATTR_REQUEST_ERROR, True) in k)
+    assert errors == 4
+    stages = {dict(k)[semconv.ATTR_STAGE] for k in got[semconv.METRIC_SUMMARY_STAGE_DURATION]}
+    assert stages == {"receive", "compute", "serialize", "unattributed"}
+    assert_summaries_match(exporter, spans)
+
+
+def test_requests_the_collector_reads_otherwise_are_not_summarised(clock):
+    exporter = MemoryExporter()
+    with captured(mode="production", sample_rate=1.0, summary_exporter=exporter,
+                  summary_interval_s=3600) as cap:
+        tracer = cap.provider.get_tracer("another-instrumentation")
+        # under another instrumentation's request span (inferprof enriches it)
+        with tracer.start_as_current_span("GET /x", kind=SpanKind.SERVER):
+            with inferprof.request(model="m"):
+                with inferprof.stage("compute"):
+                    clock.tick(MS)
+        # the step API: stages from the engine's steps (§14)
+        engine = inferprof.Engine("e1")
+        gen = engine.request(prompt_tokens=3)
+        with engine.step() as step:
+            step.prefill(gen, 3)
+            clock.tick(MS)
+        gen.finish()
+        # no stage span at all: the collector counts it by its attributes
+        with inferprof.request(model="m"):
+            clock.tick(MS)
+        # and one summarised, for contrast
+        with inferprof.request(model="m"):
+            with inferprof.stage("compute"):
+                clock.tick(MS)
+        inferprof.shutdown()
+        spans = cap.spans()
+        snap = inferprof.instrumentation.stats()
+    assert snap.requests_summarised == 1
+    got = decode(exporter.exports)
+    assert sum(d["count"] for d in got[semconv.METRIC_SUMMARY_REQUEST_DURATION].values()) == 1
+    marked = [s for s in spans if (s.attributes or {}).get(semconv.ATTR_SUMMARY_COUNTED)]
+    assert len(marked) == 1
+    assert len([s for s in spans if _is_request(s)]) == 4  # the other three: traces only
+
+
+def _entry(i: int) -> tuple:
+    start = 10**18 + i * MS
+    return (start, start + MS, False, "m", 1.0, (), (), (("compute", start, start + MS),))
+
+
+def test_a_full_buffer_drops_and_counts_and_never_blocks():
+    release = threading.Event()
+    exporter = MemoryExporter(block=release)
+    stats = Stats()
+    s = Summaries(exporter, None, None, stats, interval_s=0.01, max_pending=50)
+    try:
+        assert s.add(_entry(0))
+        assert exporter.called.wait(10)  # the export thread is now stuck in export()
+        t0 = time.perf_counter()
+        added = sum(s.add(_entry(i)) for i in range(1, 201))
+        elapsed = time.perf_counter() - t0
+        assert added == 50 and stats.summary_dropped == 150
+        assert elapsed < 1.0  # 200 calls; none waited for the exporter
+    finally:
+        release.set()
+        s.close(10)
+    assert stats.summarised == 51
+    assert stats.summary_exports == 2 and stats.summary_dropped == 150
+    total = sum(p.count for data in exporter.exports for rm in data.resource_metrics
+                for sm in rm.scope_metrics for m in sm.metrics
+                if m.name == semconv.METRIC_SUMMARY_REQUEST_DURATION for p in m.data.data_points)
+    assert total == 51
+
+
+def test_a_failing_exporter_is_counted_and_the_service_runs_on(clock):
+    exporter = MemoryExporter(fail=True)
+    with captured(mode="production", sample_rate=0.05, summary_exporter=exporter,
+                  summary_interval_s=3600):
+        for _ in range(30):
+            with inferprof.request(model="m"):
+                with inferprof.stage("compute"):
+                    clock.tick(MS)
+        inferprof.shutdown()
+        snap = inferprof.instrumentation.stats()
+    assert snap.requests_summarised == 30
+    assert snap.summary_exports == 0 and snap.summary_exports_failed == 1
+    assert snap.summaries_dropped == 30
+
+
+def test_a_hanging_exporter_costs_shutdown_its_timeout_only(clock):
+    release = threading.Event()
+    exporter = MemoryExporter(block=release)
+    try:
+        with captured(mode="production", summary_exporter=exporter, summary_interval_s=0.05):
+            with inferprof.request(model="m"):
+                with inferprof.stage("compute"):
+                    clock.tick(MS)
+            assert exporter.called.wait(10)  # stuck in export from now on
+            t0 = time.perf_counter()
+            for _ in range(200):
+                with inferprof.request(model="m"):
+                    with inferprof.stage("compute"):
+                        clock.tick(MS)
+            assert time.perf_counter() - t0 < 2.0
+            t0 = time.perf_counter()
+            inferprof.shutdown(timeout_millis=1000)
+            assert time.perf_counter() - t0 < 2.0
+            snap = inferprof.instrumentation.stats()
+    finally:
+        release.set()
+    assert snap.requests_summarised == 201
+    assert snap.summaries_dropped >= 200  # still waiting when shutdown gave up
+
+
+def test_settings_and_environment(monkeypatch, caplog):
+    exporter = MemoryExporter()
+    with captured(mode="production", summary_exporter=exporter):
+        rt = inferprof._config.active_runtime()
+        assert rt.summaries is not None and rt.summaries.interval_s == 5.0
+    with captured(mode="production", summaries=False, summary_exporter=exporter):
+        assert inferprof._config.active_runtime().summaries is None
+    with captured(mode="full", summary_exporter=exporter):  # production mode only
+        assert inferprof._config.active_runtime().summaries is None
+    monkeypatch.setenv("INFERPROF_SUMMARY_INTERVAL", "0.5")
+    with captured(mode="production", summary_exporter=exporter):
+        assert inferprof._config.active_runtime().summaries.interval_s == 0.5
+    monkeypatch.setenv("INFERPROF_SUMMARIES", "false")
+    with captured(mode="production", summary_exporter=exporter):
+        assert inferprof._config.active_runtime().summaries is None
+    monkeypatch.setenv("INFERPROF_SUMMARIES", "maybe")
+    monkeypatch.setenv("INFERPROF_SUMMARY_INTERVAL", "-3")
+    with captured(mode="production", summary_exporter=exporter):
+        assert inferprof._config.active_runtime().summaries.interval_s == 5.0
+    assert "INFERPROF_SUMMARIES" in caplog.text and "INFERPROF_SUMMARY_INTERVAL" in caplog.text
+    for bad in ({"summaries": "yes"}, {"summary_interval_s": 0}, {"summary_interval_s": -1.0}):
+        with pytest.raises(ValueError):
+            inferprof.configure(mode="production", **bad)
