@@ -11,7 +11,9 @@ it with at least ``--warmup-requests`` requests (128: past the 64 during which
 state), and runs the load for ``--duration`` seconds. inferprof's configurations export
 OTLP/gRPC to an inferprof collector in the benchmark process (which folds what it
 receives, as a deployment's would); ``off`` configures inferprof with ``mode="off"``
-(the middleware, the step API and the stages all present and returning at once).
+(the middleware, the step API and the stages all present and returning at once). The
+service processes run the inferprof of this checkout (``PYTHONPATH``), not whichever one
+is installed.
 
 The KV cache defaults to 1024 blocks so the engine does not evict: evictions depend on
 timing and would add their own variance to the figures (``--kv-blocks 96`` runs the
@@ -33,7 +35,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(_ROOT))
 
 from inferprof.collector.app import CollectorApp  # noqa: E402
 from inferprof.collector.settings import CollectorSettings  # noqa: E402
@@ -58,7 +61,8 @@ def _cpu_s(pid: int) -> float:
 def _measure(mode: str, collector: CollectorApp, args: argparse.Namespace, seed: int) -> dict:
     settings = LLMSettings(instrumentation=mode, endpoint=collector.otlp_grpc_endpoint,
                            kv_blocks=args.kv_blocks, model_size=args.model_size)
-    with LLMServiceProcess(settings) as svc:
+    # the service runs this checkout's inferprof, as this process does
+    with LLMServiceProcess(settings, extra_env={"PYTHONPATH": _code_path()}) as svc:
         warm = 0
         for i in range(_MAX_WARMUP_RUNS):
             if warm >= args.warmup_requests and i:
@@ -78,6 +82,11 @@ def _measure(mode: str, collector: CollectorApp, args: argparse.Namespace, seed:
     summary["cpu_ms_per_token"] = 1e3 * cpu / max(summary["output_tokens"], 1)
     summary["warmup_requests"] = warm
     return summary
+
+
+def _code_path() -> str:
+    path = os.environ.get("PYTHONPATH")
+    return str(_ROOT) + (os.pathsep + path if path else "")
 
 
 def _spans_received(collector: CollectorApp) -> int:
