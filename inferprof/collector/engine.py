@@ -10,9 +10,15 @@ Receivers hand decoded OTLP exports to ``Engine.ingest_traces`` /
 * cumulative Prometheus histograms, padding totals and compute-span windows for the GPU
   join (``verdict``).
 
+In ``production`` mode services also send summaries of every request they timed (contract
+§15): ``ingest_metrics`` folds them into the current slice where the same requests' traces
+would go (``summaries``), and a trace marked ``inferprof.summary.counted`` adds only what
+traces alone carry.
+
 The engine is in parts: ``series`` (series ids and stage columns), ``fold`` (finalised
-requests into a slice) and ``document`` (a breakdown from the slices), mixins of
-:class:`Engine`; ``layout`` holds the bounds and code layouts they share.
+requests into a slice), ``summaries`` (summary data points into a slice) and ``document``
+(a breakdown from the slices), mixins of :class:`Engine`; ``layout`` holds the bounds and
+code layouts they share.
 
 Readers (``breakdown``, ``services``, ``EngineCollector``) merge the slices inside the
 window they ask for. A request lands in the slice of the collector-clock time it was
@@ -274,6 +280,9 @@ class Engine(SeriesPart, FoldPart, SummaryPart, DocumentPart):
         #: price per GPU-hour by hw.model ("": any other GPU)
         self.gpu_hour_prices = _checked_prices(gpu_hour_prices)
         self._finalised = 0
+        #: requests counted from summaries (unweighted) and summary data points rejected
+        self._summary_requests = 0
+        self._summary_rejected = 0
         self._overflow = 0
         self._next_advance = 0.0
         self._next_gpu_prune = -math.inf
@@ -363,6 +372,14 @@ class Engine(SeriesPart, FoldPart, SummaryPart, DocumentPart):
                     incoming += len(points)
         accepted = rejected = 0
         errors: list[str] = []
+        # Summaries are read and checked outside the lock (the mapping never changes).
+        summary_points = []
+        for resource, metric in summaries:
+            valid, ok, bad = read_metric(service_of(resource), metric, self.mapping, errors)
+            summary_points.extend(valid)
+            accepted += ok
+            rejected += bad
+        summary_rejected = rejected
         with self._lock:
             samples = self._gpu
             now = self.clock()
@@ -376,14 +393,9 @@ class Engine(SeriesPart, FoldPart, SummaryPart, DocumentPart):
                 ok, bad = self._gen.ingest_kv(resource, metric, now)
                 accepted += ok
                 rejected += bad
-            points = []
-            for resource, metric in summaries:
-                valid, ok, bad = read_metric(service_of(resource), metric, self.mapping, errors)
-                points.extend(valid)
-                accepted += ok
-                rejected += bad
+            self._summary_rejected += summary_rejected
             with _gc_paused():
-                self._fold_summaries(points, now)
+                self._fold_summaries(summary_points, now)
             oldest = now - self.retention_s if finite else -math.inf
             for host, name, points in gpu_metrics:
                 ok, bad = self._keep_gpu_points(host, name, points, now, oldest, errors)
@@ -500,6 +512,8 @@ class Engine(SeriesPart, FoldPart, SummaryPart, DocumentPart):
                 gpu_samples_dropped=dict(self._gpu.dropped),
                 gpu_samples=self._gpu.total,
                 labels_truncated=dict(self._truncated),
+                summary_requests=self._summary_requests,
+                summary_points_rejected=self._summary_rejected,
                 engine_steps_received=self._gen.steps.steps_received,
                 engine_steps_dropped=self._gen.steps.dropped,
                 pending_spans=asm.pending,

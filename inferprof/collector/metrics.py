@@ -132,6 +132,22 @@ _ENGINE_COUNTERS = (
         "gpu_samples_received",
     ),
     (
+        sc.PROM_SUMMARY_REQUESTS,
+        (
+            "Requests counted from summaries (contract section 15), unweighted: every "
+            "request a production-mode process timed, whether its trace was kept or not."
+        ),
+        "summary_requests",
+    ),
+    (
+        sc.PROM_SUMMARY_POINTS_REJECTED,
+        (
+            "Summary data points (contract section 15) rejected as malformed; each is named "
+            "in its OTLP answer's partial success."
+        ),
+        "summary_points_rejected",
+    ),
+    (
         sc.PROM_ENGINE_STEPS_RECEIVED,
         (
             "Engine step spans (contract section 14) received, joined to generating "

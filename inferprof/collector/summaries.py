@@ -263,6 +263,7 @@ class SummaryPart:
                 rows.tail(sid, p, COL_WEIGHT, w)
                 rows.histogram(sid, _E2E, p, w)
                 self._series_requests[sid] += p.count * p.weight
+                self._summary_requests += p.count
                 if p.error:
                     slice_.errors[sid] += p.count * p.weight
                     self._series_errors[sid] += p.count * p.weight

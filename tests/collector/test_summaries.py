@@ -11,6 +11,8 @@ import httpx
 import numpy as np
 import pytest
 from google.protobuf import json_format
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2
 
 from inferprof import semconv as sc
@@ -140,6 +142,18 @@ def test_summaries_give_the_exact_weighted_breakdown(dist, scale):
     _assert_matches_exact(engine.breakdown("svc", window_s=None), _exact(reqs), bound)
     _assert_matches_exact(engine.breakdown("svc", "m", window_s=None), _exact(reqs, "m"), bound)
     assert engine.stats.requests_finalised == 0  # no trace was folded
+    # The Prometheus histograms: every request's weight once, the exact weighted sums.
+    hist = {(m, st): (c, t) for _, m, st, c, t in engine.histograms()}
+    for model in ("m", "n"):
+        mine = [r for r in reqs if r["model"] == model]
+        counts, total = hist[(model, None)]
+        assert counts.sum() == pytest.approx(sum(r["weight"] for r in mine))
+        assert total == pytest.approx(sum(r["weight"] * (r["end"] - r["start"]) * 1e-9
+                                          for r in mine), rel=1e-9)
+        counts, total = hist[(model, "queue")]
+        assert counts.sum() == pytest.approx(sum(r["weight"] for r in mine))
+    assert (engine.request_errors() and sum(e for *_, e in engine.request_errors())
+            == pytest.approx(_exact(reqs)["errors"]))
 
 
 @pytest.mark.parametrize("dist", ["lognormal", "bimodal"])
@@ -307,6 +321,8 @@ def test_a_bad_summary_data_point_is_rejected_with_its_reason_the_rest_kept(case
     assert result.accepted_spans == sum(
         len(m.exponential_histogram.data_points) for m in metrics)
     assert any(reason in e for e in result.errors), result.errors
+    assert engine.stats.summary_points_rejected == n_bad
+    assert engine.stats.summary_requests == len(reqs)
     _assert_matches_exact(engine.breakdown("svc", window_s=None), _exact(reqs))
 
 
@@ -357,11 +373,66 @@ def test_summaries_sent_as_otlp_json_over_http_are_folded():
         _assert_matches_exact(doc, _exact(reqs))
         # A bad data point answers a partial success naming it.
         bad = _summaries(reqs[:5]).export(service="json-svc")
-        bad.resource_metrics[0].scope_metrics[0].metrics[0].exponential_histogram.data_points[
-            0].scale = 99
+        metric = bad.resource_metrics[0].scope_metrics[0].metrics[0]
+        point = metric.exponential_histogram.data_points[0]
+        point.scale = 99
         pb = httpx.post(f"{app.otlp_http_endpoint}/v1/metrics", content=bad.SerializeToString(),
                         headers={"content-type": "application/x-protobuf"})
         answer = metrics_service_pb2.ExportMetricsServiceResponse.FromString(pb.content)
         assert answer.partial_success.rejected_data_points == 1
         assert "scale 99" in answer.partial_success.error_message
+        # What arrived, on the self-metrics: the requests counted, the point rejected.
+        text = httpx.get(f"{app.api_url}/metrics").text
+        assert f"{sc.PROM_SUMMARY_REQUESTS} {len(reqs) + 5 - point.count}.0" in text
+        assert f"{sc.PROM_SUMMARY_POINTS_REJECTED} 1.0" in text
 
+
+
+_points = st.builds(
+    dict,
+    scale=st.integers(-40, 40),
+    offset=st.integers(-(2**31), 2**31 - 1),
+    buckets=st.lists(st.integers(0, 2**64 - 1), max_size=40),
+    negative=st.lists(st.integers(0, 3), max_size=3),
+    zero=st.integers(0, 2**64 - 1),
+    count=st.one_of(st.none(), st.integers(0, 2**64 - 1)),
+    total=st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True)),
+    weight=st.one_of(st.none(), st.floats(allow_nan=True), st.integers(-5, 10**6),
+                     st.booleans(), st.text(max_size=3)),
+    stage=st.one_of(st.none(), st.sampled_from(["queue", "unattributed", "Bad", ""]),
+                    st.integers(-5, 5)),
+    kind=st.sampled_from(sorted(sc.SUMMARY_METRICS)),
+    temporality=st.sampled_from([0, 1, 2]),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_points, min_size=1, max_size=4))
+def test_any_summary_data_point_is_folded_or_rejected_never_raises(points):
+    from tests.collector.synth import attributes
+
+    request = metrics_service_pb2.ExportMetricsServiceRequest()
+    scope = request.resource_metrics.add().scope_metrics.add()
+    for p in points:
+        metric = scope.metrics.add(name=p["kind"])
+        metric.exponential_histogram.aggregation_temporality = p["temporality"]
+        dp = metric.exponential_histogram.data_points.add(scale=p["scale"], zero_count=p["zero"])
+        dp.positive.offset = p["offset"]
+        dp.positive.bucket_counts.extend(p["buckets"])
+        dp.negative.bucket_counts.extend(p["negative"])
+        consistent = p["zero"] + sum(p["buckets"]) + sum(p["negative"])
+        if p["count"] is not None:
+            dp.count = p["count"]
+        elif consistent < 2**64:  # else a count that cannot be right
+            dp.count = consistent
+        if p["total"] is not None:
+            dp.sum = p["total"]
+        dp.attributes.extend(attributes({sc.ATTR_SAMPLE_WEIGHT: p["weight"],
+                                         sc.ATTR_STAGE: p["stage"]}))
+    engine = _engine()
+    result = engine.ingest_metrics(request)
+    assert result.accepted_spans + result.rejected_spans == len(points)
+    assert len(result.errors) == min(result.rejected_spans, 5)
+    doc = engine.breakdown("unknown_service", window_s=None)
+    if doc is not None:  # what was folded reads back as a document
+        assert doc["requests"] >= 0
