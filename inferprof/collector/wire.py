@@ -251,6 +251,12 @@ _LeanExport = _lean["ExportTraceServiceRequest"]
 _LeanSpan = _lean["Span"]
 _TailSpan = _message_classes(f"{_PACKAGE}.tail", "proto2", _TAIL)["Span"]
 
+#: The first 30 bytes of a span as exporters write them: trace id's tag and length,
+#: trace id, span id's tag and length, span id, the next field's tag and length byte.
+_IDS = Struct("<H16sH8sBB").unpack_from
+_TRACE_ID_16 = 0x100A  # field 1, length-delimited; 16 bytes (little-endian pair)
+_SPAN_ID_8 = 0x0812  # field 2, length-delimited; 8 bytes
+_PARENT = Struct("<8sBB").unpack_from  # a parent span id, the next tag and length byte
 _TIMES = Struct("<QxQ").unpack_from  # start, the end's tag, end
 _TAIL_CACHE_MAX = 4096
 _TAIL_CACHE_ENTRY_BYTES = 512
@@ -301,28 +307,31 @@ class SpanReader:
         tail_of = self._tail
         for k, sb in enumerate(spans):
             try:
-                if sb[0] != 0x0A or sb[1] != 16 or sb[18] != 0x12 or sb[19] != 8:
+                h1, tid, h2, sid, c, n = _IDS(sb)
+                if h1 != _TRACE_ID_16 or h2 != _SPAN_ID_8:
                     raise _Other
                 p = 28
-                c = sb[p]
                 trace_state = ""
                 if c == 0x1A:  # trace state
-                    n = sb[p + 1]
                     if n > 0x7F:
                         raise _Other
-                    trace_state = sb[p + 2:p + 2 + n].decode()
-                    p += 2 + n
+                    trace_state = sb[30:30 + n].decode()
+                    p = 30 + n
                     c = sb[p]
+                    n = sb[p + 1]
                 parent = b""
                 if c == 0x22:  # parent span id
-                    n = sb[p + 1]
-                    if n > 0x7F:
-                        raise _Other
-                    parent = sb[p + 2:p + 2 + n]
-                    p += 2 + n
-                    c = sb[p]
+                    if n == 8:
+                        parent, c, n = _PARENT(sb, p + 2)
+                        p += 10
+                    else:
+                        if n > 0x7F:
+                            raise _Other
+                        parent = sb[p + 2:p + 2 + n]
+                        p += 2 + n
+                        c = sb[p]
+                        n = sb[p + 1]
                 if c == 0x2A:  # name: skipped
-                    n = sb[p + 1]
                     if n < 0x80:
                         p += 2 + n
                     else:
@@ -350,7 +359,7 @@ class SpanReader:
                 stage, extra, n_links, code, flags = t
                 if extra is not None:
                     extra = dict(extra)
-                out.append((sb[2:18], sb[20:28], parent, start, end, kind, flags, code,
+                out.append((tid, sid, parent, start, end, kind, flags, code,
                             trace_state, stage, extra, n_links, k))
             except (_Other, IndexError, ValueError, struct.error):
                 out.append(self._span(sb, k))
