@@ -201,8 +201,8 @@ def memory(per_export: int) -> list[tuple[str, float]]:
     gc.collect()
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
-    for req in requests:
-        engine.ingest_traces(req)
+    for req, blob in zip(requests, blobs, strict=True):
+        engine.ingest_traces(req, payload=blob)  # as the receivers do
     gc.collect()
     held = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()
@@ -218,8 +218,8 @@ def memory(per_export: int) -> list[tuple[str, float]]:
     gc.collect()
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
-    for req in requests:
-        engine.ingest_traces(req)
+    for req, blob in zip(requests, blobs, strict=True):
+        engine.ingest_traces(req, payload=blob)
     engine.flush()
     engine.breakdown("bench-0")  # compacts the slice's chunks, as the first read does
     gc.collect()

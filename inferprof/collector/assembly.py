@@ -503,8 +503,7 @@ class Assembler:
                     if stage is EMPTY:
                         # Present but empty: no stage span, though the span still
                         # "carries an inferprof attribute" (see _finalise_trace).
-                        extra = {} if extra is None else extra
-                        extra[sc.ATTR_STAGE] = None
+                        extra = {**(extra or {}), sc.ATTR_STAGE: None}
                     else:
                         sidx = self._new_stage(ex, stage, sid)
                         if sidx is None:

@@ -69,7 +69,8 @@ EMPTY = object()
 #: ``inferprof.stage``; :data:`EMPTY`: present without a value; else its value as sent),
 #: the wanted attributes' values (None: none of them), number of links (0 where there is
 #: no stage), position in its ``ScopeSpans``). Flags, status code and trace state may be
-#: None: read them off the ``Span`` message.
+#: None: read them off the ``Span`` message. The dict of wanted values may be shared by
+#: the spans that sent the same attributes: never changed in place.
 SpanRecord = tuple[
     bytes, bytes, bytes, int, int, int, "int | None", "int | None", "str | None", Any,
     "dict[str, Any] | None", int, int,
@@ -357,8 +358,6 @@ class SpanReader:
                 if t is None:
                     raise _Other
                 stage, extra, n_links, code, flags = t
-                if extra is not None:
-                    extra = dict(extra)
                 out.append((tid, sid, parent, start, end, kind, flags, code,
                             trace_state, stage, extra, n_links, k))
             except (_Other, IndexError, ValueError, struct.error):
