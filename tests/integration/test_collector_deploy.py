@@ -67,11 +67,7 @@ ROUTING_KEYS = {
     "metrics": {"service", "resource", "metric", "streamID"},
 }
 # The summaries a service in production mode sends (contract §15).
-SUMMARY_METRICS = (
-    "inferprof.summary.request.duration",
-    "inferprof.summary.stage.duration",
-    "inferprof.summary.stage.tail",
-)
+SUMMARY_METRICS = semconv.SUMMARY_METRICS
 GPU_METRICS = tuple(
     getattr(semconv, name) for name in dir(semconv)
     if name.startswith(("METRIC_GPU_", "METRIC_DCGM_")) and name != "METRIC_DCGM_PREFIX"
