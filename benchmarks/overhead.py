@@ -253,7 +253,7 @@ def configs(endpoint_down: bool) -> list[Config]:
 
 _TELEMETRY_KEYS = ("spans_emitted", "spans_exported", "spans_dropped_queue_full",
                    "spans_dropped_export_failed", "traces_kept", "traces_discarded",
-                   "requests_untimed")
+                   "requests_untimed", "requests_summarised", "summaries_dropped")
 
 
 def measure(service: ServiceProcess, duration: float, concurrency: int, seed: int,
@@ -405,10 +405,11 @@ def table(cfgs: list[Config], args: argparse.Namespace, sink_spans: int, pinned:
             )
     lines += [
         "",
-        ("| config | errors | requests timed | traces kept (of those timed) "
+        ("| config | errors | requests timed | requests counted by summaries "
+         "| traces kept (of those timed) "
          "| spans emitted / req | spans exported / req "
          "| spans dropped (queue full + export failed) | RSS after warm-up -> end (MiB) |"),
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in cfgs:
         errors = sum(r["errors"] for r in c.runs)
@@ -417,13 +418,15 @@ def table(cfgs: list[Config], args: argparse.Namespace, sink_spans: int, pinned:
             tot = {k: sum(r[k] for r in c.runs) for k in _TELEMETRY_KEYS}
             traces = tot["traces_kept"] + tot["traces_discarded"]
             kept = f"{tot['traces_kept'] / traces:.1%}" if traces else "-"
-            timed = traces + tot["requests_untimed"]
-            timed = f"{traces / timed:.1%}" if timed else "-"
-            tel = (f"{timed} | {kept} | {tot['spans_emitted'] / reqs:.2f} "
+            served = traces + tot["requests_untimed"]
+            timed = f"{traces / served:.1%}" if served else "-"
+            counted = tot["requests_summarised"] - tot["summaries_dropped"]
+            summed = f"{counted / served:.1%}" if served else "-"
+            tel = (f"{timed} | {summed} | {kept} | {tot['spans_emitted'] / reqs:.2f} "
                    f"| {tot['spans_exported'] / reqs:.2f} "
                    f"| {tot['spans_dropped_queue_full']} + {tot['spans_dropped_export_failed']}")
         else:
-            tel = "- | - | - | - | -"
+            tel = "- | - | - | - | - | -"
         lines.append(f"| ({c.key}) {c.label} | {errors} | {tel} "
                      f"| {c.rss_start / 2**20:.1f} -> {c.rss_end / 2**20:.1f} |")
     lines += ["", *thread_table(cfgs)]

@@ -17,6 +17,8 @@ from inferprof.timing import (
     exp_log_representative,
     exp_relative_error,
     exp_representative,
+    partition,
+    partition_many,
 )
 
 
@@ -57,3 +59,45 @@ def test_the_log_representative_is_the_representative_in_logarithms(scale):
     assert ((logs > index * ln_base) & (logs <= (index + 1) * ln_base)).all()
     if scale >= 0:
         assert np.allclose(np.exp(logs), exp_representative(index, scale), rtol=1e-12)
+
+
+_span = st.tuples(
+    st.integers(min_value=0, max_value=4),  # stage number
+    st.integers(min_value=-200, max_value=1200),  # start
+    st.one_of(st.just(0), st.integers(min_value=0, max_value=600)),  # length (0: a point)
+)
+
+
+@given(st.lists(st.tuples(st.integers(min_value=0, max_value=1000),
+                          st.integers(min_value=0, max_value=1000),
+                          st.lists(_span, max_size=6)), min_size=1, max_size=8))
+def test_partition_many_equals_partition_request_by_request(requests):
+    """The vectorised partition (the summaries') and the per-request one (the
+    collector's) give the same stage, exclusive and unattributed times."""
+    starts, ends, req, stage, s, e = [], [], [], [], [], []
+    per = []
+    for r, (a, length, spans) in enumerate(requests):
+        starts.append(a)
+        ends.append(a + length)
+        per.append([(k, x, x + d) for k, x, d in spans])
+        for k, x, d in spans:
+            req.append(r)
+            stage.append(k)
+            s.append(x)
+            e.append(x + d)
+
+    def arr(v):
+        return np.array(v, dtype=np.int64)
+
+    pair_req, pair_stage, stage_ns, excl_ns, unatt_ns = partition_many(
+        arr(starts), arr(ends), arr(req), arr(stage), arr(s), arr(e))
+    for r in range(len(requests)):
+        stage_time, exclusive, unattributed = partition(starts[r], ends[r], per[r])
+        mine = pair_req == r
+        got = dict(zip(pair_stage[mine].tolist(), stage_ns[mine].tolist(), strict=True))
+        got_excl = dict(zip(pair_stage[mine].tolist(), excl_ns[mine].tolist(), strict=True))
+        assert set(got) == set(stage_time)
+        for k, v in stage_time.items():
+            assert got[k] * 1e-9 == v
+            assert got_excl[k] * 1e-9 == pytest.approx(exclusive[k], abs=1e-15)
+        assert unatt_ns[r] * 1e-9 == unattributed

@@ -64,7 +64,7 @@ from inferprof.instrumentation.spans import (
     new_trace_id,
     stage_spec,
 )
-from inferprof.instrumentation.summaries import Summaries
+from inferprof.instrumentation.summaries import OPEN_END, Summaries
 
 _logger = logging.getLogger(__name__)
 
@@ -330,33 +330,40 @@ class Runtime:
             _logger.exception("inferprof failed to emit the spans of a request")
 
     def _summarise(self, rec: RequestRecord) -> bool:
-        """Hand the request to the summaries: its times and references to its stage
-        records, read on the summaries' thread. The stage spans its trace would hold:
-        its own, each batch's (``children``: those ended by now, as the kept trace
-        copies; ``links``: all, clipped to the request by the collector), and those the
-        record makes at the end. A request with none is left to its trace: the collector
-        counts a request with no stage span by its attributes alone."""
+        """Hand the request to the summaries, as the stage spans its trace would hold:
+        its own stages (one still open ends with the request, as its span does), each
+        batch's (``children``: those ended by now, as the kept trace copies them;
+        ``links``: all, one still open ending after the request, clipped by the
+        collector), and those the record makes at the end. A request with none is left
+        to its trace: the collector counts a request with no stage span by its
+        attributes alone."""
         extra, error = rec._summary_parts()
-        own = tuple(rec.stages)
-        batches = rec.batches
-        parts: tuple = ()
+        end = rec.end
+        flat: list[Any] = []
+        for st in rec.stages:
+            e = st.end
+            flat += (st.name, st.start, end if e is None else e)
         model = rec.attrs.get(_MODEL_NAME)
+        batches = rec.batches
         if batches:
-            parts = tuple(
-                tuple(st for st in b.stages if st.end is not None)
-                if b.encoding == _CHILDREN else tuple(b.stages)
-                for b in batches
-            )
-            if model is None:  # the collector takes a batch stage's model then
-                model = next((b.attrs[_MODEL_NAME] for b in batches
-                              if _MODEL_NAME in b.attrs), None)
-        if not own and not extra and not any(parts):
+            for b in batches:
+                children = b.encoding == _CHILDREN
+                for st in b.stages:
+                    e = st.end
+                    if e is None:
+                        if children:
+                            continue
+                        e = OPEN_END
+                    flat += (st.name, st.start, e)
+                if model is None:  # the collector takes a batch stage's model then
+                    model = b.attrs.get(_MODEL_NAME)
+        for part in extra:
+            flat += part
+        if not flat:
             return False
         summaries = self.summaries
         assert summaries is not None
-        return summaries.add(
-            (rec.start, rec.end, error, model, rec.weight_hint, own, parts, extra)
-        )
+        return summaries.add((rec.start, end, error, model, rec.weight_hint, tuple(flat)))
 
     def _leave_batches(self, rec: RequestRecord) -> None:
         """The request has ended: report it to its ``links`` batches. Atomic against a

@@ -6,10 +6,13 @@ and stage exclusive time per end-to-end bucket), exported every ``summary_interv
 with DELTA temporality. Kept traces of summarised requests carry
 ``inferprof.summary.counted``, so the collector counts every request once.
 
-Cost on the request's thread: one tuple appended to a bounded deque (:meth:`Summaries.add`).
-A daemon thread does the rest: ``inferprof.timing.partition`` (the collector's own
-definition of stage and exclusive time), bucketing with ``inferprof.timing.exp_index``,
-and the export. Memory is bounded: at most ``max_pending`` requests wait to be folded (past
+Cost on the request's thread: one flat tuple of primitives (the stage spans' names and
+times) appended to a bounded deque (:meth:`Summaries.add`); it holds no reference to a
+record, so the records of a request not kept die with it, as before. A daemon thread does
+the rest every half second, vectorised over the requests waiting:
+``inferprof.timing.partition_many`` (``partition``, the collector's definition of stage
+and exclusive time, with numpy), bucketing with ``inferprof.timing.exp_index``, and the
+export. Memory is bounded: at most ``max_pending`` requests wait to be folded (past
 that they are dropped and counted: ``summary_dropped``), and the folded state is one
 bucket map per (model, weight, stage) key, at most ``max_keys`` of them. An exporter that
 fails or hangs costs the summaries it held (counted), never the service: it runs on the
@@ -27,9 +30,15 @@ from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from inferprof import semconv
-from inferprof.timing import DEFAULT_SUMMARY_SCALE, MIN_SUMMARY_SCALE, exp_index, partition
+from inferprof.timing import (
+    DEFAULT_SUMMARY_SCALE,
+    MIN_SUMMARY_SCALE,
+    exp_index,
+    partition_many,
+)
 
 _logger = logging.getLogger(__name__)
 
@@ -44,8 +53,9 @@ _DEFAULT_MAX_KEYS = 4096
 _MAX_BUCKETS = 8192
 #: Seconds between two folds of the waiting requests (exports happen on a fold).
 _FOLD_PERIOD_S = 0.5
-#: A stage still running when the request ended (``links`` batches): it ends after it.
-_OPEN_END = 1 << 62
+#: The end of a stage still running when its request ended (a ``links`` batch's): after
+#: the request, where the collector will clip it.
+OPEN_END = 1 << 62
 
 _NS = 1e-9
 #: (model, weight, error flag or stage name): one data point's key.
@@ -64,42 +74,6 @@ class _Buckets:
         self.sum = 0.0
         self.min = math.inf
         self.max = -math.inf
-
-    def add_values(self, values: list[float], scale: int) -> None:
-        """Count each value in its bucket (values <= 0 in the zero bucket)."""
-        arr = np.asarray(values, dtype=np.float64)
-        pos = arr[arr > 0]
-        self.zero += len(arr) - len(pos)
-        self.sum += float(arr.sum())
-        self.min = min(self.min, float(arr.min()))
-        self.max = max(self.max, float(arr.max()))
-        if len(pos):
-            self._add(exp_index(pos, scale), None)
-
-    def add_amounts(self, e2e: list[float], amounts: list[int], scale: int) -> None:
-        """Add each amount to the bucket of its end-to-end latency (tail metric)."""
-        arr = np.asarray(e2e, dtype=np.float64)
-        amt = np.asarray(amounts, dtype=np.int64)
-        pos = arr > 0
-        self.zero += int(amt[~pos].sum())
-        total = int(amt.sum())
-        self.sum += total
-        self.min = min(self.min, float(arr.min()) * 1e9)
-        self.max = max(self.max, float(arr.max()) * 1e9)
-        if pos.any():
-            self._add(exp_index(arr[pos], scale), amt[pos])
-
-    def _add(self, idx: np.ndarray, amounts: np.ndarray | None) -> None:
-        lo = int(idx.min())
-        if amounts is None:
-            per = np.bincount(idx - lo)
-        else:
-            per = np.zeros(int(idx.max()) - lo + 1, dtype=np.int64)
-            np.add.at(per, idx - lo, amounts)
-        counts = self.counts
-        for off in np.flatnonzero(per).tolist():
-            i = lo + off
-            counts[i] = counts.get(i, 0) + int(per[off])
 
     @property
     def count(self) -> int:
@@ -156,10 +130,10 @@ class Summaries:
 
     # --- the request's thread -----------------------------------------------------------
     def add(self, entry: tuple[Any, ...]) -> bool:
-        """Queue one finished request: ``(start, end, error, model, weight, own stage
-        records, batches' stage records, extra spans)`` (:func:`stage_spans` reads the
-        last three on the export thread). False (counted as dropped) when full or
-        closed."""
+        """Queue one finished request, ``(start_ns, end_ns, error, model, weight, spans)``
+        with ``spans`` a flat tuple ``(stage, start_ns, end_ns, stage, ...)`` of the stage
+        spans its trace would hold (primitives only: a queued entry keeps no record
+        alive). False (counted as dropped) when full or closed."""
         pending = self._pending
         if len(pending) >= self._max_pending or self._closed:
             self._stats.summary_dropped += 1
@@ -189,57 +163,118 @@ class Summaries:
         n = len(pending)
         if not n:
             return
-        scale = self.scale
-        req_vals: dict[_Key, list[float]] = {}
-        stage_vals: dict[_Key, list[float]] = {}
-        tail_e2e: dict[_Key, list[float]] = {}
-        tail_amt: dict[_Key, list[int]] = {}
-        folded = 0
-        for _ in range(n):
-            start, end, error, model, weight, own, batches, extra = pending.popleft()
-            try:
-                spans = stage_spans(own, batches, extra, end)
-                stage_time, exclusive, unattributed = partition(start, end, spans)
-                if model is not None and not isinstance(model, str):
-                    model = str(model)
-            except Exception:
-                _logger.exception("inferprof could not summarise a request")
-                self._stats.summary_dropped += 1
-                continue
-            e2e = (end - start) * _NS
-            key = (model, weight)
-            req_vals.setdefault((*key, error), []).append(e2e)
-            stage_time[_UNATTRIBUTED] = unattributed
-            exclusive[_UNATTRIBUTED] = unattributed
-            for stage, value in stage_time.items():
-                stage_vals.setdefault((*key, stage), []).append(value)
-            for stage, value in exclusive.items():
-                ns = round(value * 1e9)
-                if ns:
-                    skey = (*key, stage)
-                    tail_e2e.setdefault(skey, []).append(e2e)
-                    tail_amt.setdefault(skey, []).append(ns)
-            folded += 1
-        dropped = 0
-        for k, vals in req_vals.items():
-            b = self._slot(self._requests, k)
-            if b is None:
-                dropped += len(vals)
-            else:
-                b.add_values(vals, scale)
-        for k, vals in stage_vals.items():
-            b = self._slot(self._stages, k)
-            if b is not None:
-                b.add_values(vals, scale)
-        for k, vals in tail_e2e.items():
-            b = self._slot(self._tail, k)
-            if b is not None:
-                b.add_amounts(vals, tail_amt[k], scale)
-        # A request is counted by its request-duration data point: one past the key
-        # bound is lost (its stages may be partly folded; the collector counts requests
-        # from the request-duration metric).
+        entries = [pending.popleft() for _ in range(n)]
+        try:
+            dropped = self._fold_entries(entries)
+        except Exception:
+            _logger.exception("inferprof could not summarise %d requests", n)
+            self._stats.summary_dropped += n
+            return
         self._stats.summary_dropped += dropped
-        self._folded += folded - dropped
+        self._folded += n - dropped
+
+    def _fold_entries(self, entries: list[tuple[Any, ...]]) -> int:
+        """Fold requests into the state; returns how many were dropped (past the key
+        bound: a request is counted by its request-duration data point)."""
+        n = len(entries)
+        starts = np.fromiter((e[0] for e in entries), np.int64, n)
+        ends = np.fromiter((e[1] for e in entries), np.int64, n)
+        names: list[str] = []
+        span_starts: list[int] = []
+        span_ends: list[int] = []
+        counts = []
+        for e in entries:
+            flat = e[5]
+            names += flat[0::3]
+            span_starts += flat[1::3]
+            span_ends += flat[2::3]
+            counts.append(len(flat) // 3)
+        codes: dict[str, int] = {_UNATTRIBUTED: 0}
+        stage_code = np.fromiter(
+            (codes[x] if x in codes else codes.setdefault(x, len(codes)) for x in names),
+            np.int64, len(names))
+        pair_req, pair_stage, stage_ns, excl_ns, unatt_ns = partition_many(
+            starts, ends, np.repeat(np.arange(n), counts), stage_code,
+            np.array(span_starts, dtype=np.int64), np.array(span_ends, dtype=np.int64))
+        # unattributed: one more pair per request, stage and exclusive time alike
+        unatt = codes[_UNATTRIBUTED]
+        pair_req = np.concatenate([pair_req, np.arange(n)])
+        pair_stage = np.concatenate([pair_stage, np.full(n, unatt)])
+        stage_ns = np.concatenate([stage_ns, unatt_ns])
+        excl_ns = np.concatenate([excl_ns, unatt_ns])
+        e2e: npt.NDArray[np.float64] = (ends - starts).astype(np.float64) * _NS
+
+        # Data point keys: (model, weight) per request, then with error or stage.
+        series: dict[tuple[Any, float], int] = {}
+        req_series = np.fromiter(
+            (series.setdefault((_model(e[3]), e[4]), len(series)) for e in entries),
+            np.int64, n)
+        errors = np.fromiter((bool(e[2]) for e in entries), bool, n)
+        series_keys = list(series)
+        req_group = req_series * 2 + errors
+        req_keys = [(*series_keys[g >> 1], bool(g & 1)) for g in range(2 * len(series))]
+        n_codes = len(codes)
+        names_by_code = list(codes)
+        pair_group = req_series[pair_req] * n_codes + pair_stage
+        pair_keys = [(*series_keys[g // n_codes], names_by_code[g % n_codes])
+                     for g in range(len(series) * n_codes)]
+
+        lost = self._fold_values(self._requests, req_keys, req_group, e2e)
+        self._fold_values(self._stages, pair_keys, pair_group, stage_ns * _NS)
+        amounts = np.rint(excl_ns)
+        some = amounts > 0
+        self._fold_values(self._tail, pair_keys, pair_group[some], e2e[pair_req[some]],
+                          amounts[some], extreme_unit=1e9)
+        return int(np.isin(req_group, list(lost)).sum()) if lost else 0
+
+    def _fold_values(self, table: dict[_Key, _Buckets], keys: list[_Key],
+                     gid: npt.NDArray[np.int64], values: npt.NDArray[np.float64],
+                     amounts: npt.NDArray[np.float64] | None = None,
+                     extreme_unit: float = 1.0) -> set[int]:
+        """Count each row's value (or add its amount, at the bucket of its value) in the
+        data point ``keys[gid]``; returns the groups past the key bound (not folded).
+        ``extreme_unit``: what min and max are multiplied by."""
+        if not len(gid):
+            return set()
+        slots: dict[int, _Buckets] = {}
+        lost: set[int] = set()
+        for g in np.unique(gid).tolist():
+            b = self._slot(table, keys[g])
+            if b is None:
+                lost.add(g)
+            else:
+                slots[g] = b
+        if lost:
+            keep = ~np.isin(gid, list(lost))
+            gid, values = gid[keep], values[keep]
+            amounts = amounts[keep] if amounts is not None else None
+            if not len(gid):
+                return lost
+        size = int(gid.max()) + 1
+        pos = values > 0
+        sums = np.bincount(gid, weights=values if amounts is None else amounts, minlength=size)
+        zero = np.bincount(gid[~pos], weights=None if amounts is None else amounts[~pos],
+                           minlength=size)
+        low = np.full(size, np.inf)
+        np.minimum.at(low, gid, values)
+        high = np.full(size, -np.inf)
+        np.maximum.at(high, gid, values)
+        if pos.any():
+            idx = exp_index(values[pos], self.scale)
+            lo = int(idx.min())
+            width = int(idx.max()) - lo + 1
+            combined, inverse = np.unique(gid[pos] * width + (idx - lo), return_inverse=True)
+            per = np.bincount(inverse, weights=None if amounts is None else amounts[pos])
+            for c, k in zip(combined.tolist(), per.tolist(), strict=True):
+                g, off = divmod(c, width)
+                counts = slots[g].counts
+                counts[lo + off] = counts.get(lo + off, 0) + int(k)
+        for g, b in slots.items():
+            b.zero += int(zero[g])
+            b.sum += float(sums[g])
+            b.min = min(b.min, float(low[g]) * extreme_unit)
+            b.max = max(b.max, float(high[g]) * extreme_unit)
+        return lost
 
     def _slot(self, table: dict[_Key, _Buckets], key: _Key) -> _Buckets | None:
         b = table.get(key)
@@ -404,22 +439,8 @@ def _point(b: _Buckets, attrs: dict[str, Any], start: int, now: int, scale: int,
     )
 
 
-def stage_spans(
-    own: Iterable[Any], batches: Iterable[Iterable[Any]], extra: Iterable[tuple[str, int, int]],
-    end: int,
-) -> list[tuple[str, int, int]]:
-    """The ``(stage, start_ns, end_ns)`` spans of one request, as its trace would carry
-    them: its own stage records (one still open ends with the request, as its span
-    does), the stage records of its batches (one still open ends after the request:
-    the batch's span will), and ``extra`` spans made at the end (HTTP receive and
-    serialize)."""
-    spans = [(st.name, st.start, st.end if st.end is not None else end) for st in own]
-    for stages in batches:
-        spans.extend(
-            (st.name, st.start, st.end if st.end is not None else _OPEN_END) for st in stages
-        )
-    spans.extend(extra)
-    return spans
+def _model(value: Any) -> str | None:
+    return value if value is None or isinstance(value, str) else str(value)
 
 
-__all__ = ["DEFAULT_SUMMARY_INTERVAL_S", "Summaries", "stage_spans"]
+__all__ = ["DEFAULT_SUMMARY_INTERVAL_S", "OPEN_END", "Summaries"]

@@ -421,7 +421,7 @@ def test_requests_the_collector_reads_otherwise_are_not_summarised(clock):
 
 def _entry(i: int) -> tuple:
     start = 10**18 + i * MS
-    return (start, start + MS, False, "m", 1.0, (), (), (("compute", start, start + MS),))
+    return (start, start + MS, False, "m", 1.0, ("compute", start, start + MS))
 
 
 def test_a_full_buffer_drops_and_counts_and_never_blocks():
