@@ -1,0 +1,132 @@
+"""Every timed request counted (contract §15), end to end: a real uvicorn FastAPI service in
+``production`` mode at its defaults, exporting OTLP/HTTP (traces and summaries) into a
+real ``inferprof collect``. The collector's breakdown must count exactly the requests
+served, and its stage p95s and shares must match exact figures computed from every
+request's own timings (the service writes them as each request ends), although only a
+sample of the requests is kept as traces."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from inferprof import semconv
+from inferprof.collector.attribution import exact_tail_shares
+from inferprof.collector.sketch import exact_weighted_quantile
+from inferprof.timing import partition
+from tests.integration.test_collector_cli import _start
+from tests.integration.test_collector_cli import _stop as _stop_collector
+from tests.integration.test_demo_example import _LISTENING
+from tests.integration.test_demo_example import _stop as _stop_service
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+REQUESTS = 300
+SERVICE = "summaries-e2e"
+#: Apart by more than a tenth of a second's share of the timing budget (100 a second per
+#: route): every request is timed, none weighted.
+_PACE_S = 0.012
+
+
+def _start_service(env: dict[str, str]) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "tests.integration.summaries_service:app",
+         "--host", "127.0.0.1", "--port", "0"],
+        cwd=ROOT, env={**os.environ, **env}, stderr=subprocess.PIPE, text=True,
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        if not line and proc.poll() is not None:
+            break
+        m = _LISTENING.search(line)
+        if m:
+            return proc, f"http://127.0.0.1:{m.group(1)}"
+    _stop_service(proc)
+    raise AssertionError("the service did not start")
+
+
+def _exact(timings: list[dict]) -> tuple[np.ndarray, dict, list[dict]]:
+    """End-to-end seconds, stage times (per stage, one entry per request, NaN where it
+    did not enter the stage) and exclusive times (per request) of every request."""
+    e2e = np.array([(t["end"] - t["start"]) * 1e-9 for t in timings])
+    parts = [partition(t["start"], t["end"], [tuple(s) for s in t["stages"]]) for t in timings]
+    names = {name for stage_time, _, _ in parts for name in stage_time} | {
+        semconv.STAGE_UNATTRIBUTED}
+    stage: dict = {n: np.full(len(timings), np.nan) for n in names}
+    exclusive: list[dict] = []
+    for i, (stage_time, excl, unatt) in enumerate(parts):
+        for n, v in stage_time.items():
+            stage[n][i] = v
+        stage[semconv.STAGE_UNATTRIBUTED][i] = unatt
+        exclusive.append({**excl, semconv.STAGE_UNATTRIBUTED: unatt})
+    return e2e, stage, exclusive
+
+
+def test_the_collector_counts_every_request_and_matches_exact_figures(tmp_path):
+    timings_file = tmp_path / "timings.jsonl"
+    collector, urls = _start(["--grpc-port", "0", "--http-port", "0", "--api-port", "0",
+                              "--settle-s", "0.1"])
+    try:
+        assert {"OTLP/HTTP", "API"} <= set(urls), collector.stdout
+        service, url = _start_service({
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": urls["OTLP/HTTP"],
+            "INFERPROF_TEST_TIMINGS": str(timings_file),
+        })
+        try:
+            with httpx.Client(timeout=30) as client:
+                for i in range(REQUESTS):
+                    t0 = time.monotonic()
+                    assert client.post(url + "/v1/work", json={"i": i}).status_code == 200
+                    time.sleep(max(0.0, _PACE_S - (time.monotonic() - t0)))
+        finally:
+            _stop_service(service)  # the lifespan's inferprof.shutdown() flushes
+            errors = service.stderr.read()
+            service.stderr.close()
+        assert "Failed to export" not in errors, errors
+
+        def breakdown() -> dict | None:
+            r = httpx.get(urls["API"] + "/api/v1/breakdown", params={"service": SERVICE})
+            return r.json() if r.status_code == 200 else None
+
+        deadline = time.monotonic() + 20
+        body = breakdown()
+        while (body is None or body.get("requests", 0) < REQUESTS) and (
+                time.monotonic() < deadline):
+            time.sleep(0.2)
+            body = breakdown()
+        assert body is not None, "the collector never heard of the service"
+    finally:
+        code, out = _stop_collector(collector)
+    assert code == 0, out
+
+    *timings, last = [json.loads(line) for line in timings_file.read_text().splitlines()]
+    assert len(timings) == REQUESTS  # every request was timed (the budget never cut in)
+    stats = last["stats"]
+    assert stats["requests_summarised"] == REQUESTS and stats["summaries_dropped"] == 0
+    # Exactly the requests served, although only a sample was kept as traces.
+    assert stats["traces_kept"] < 0.6 * REQUESTS
+    assert body["requests"] == REQUESTS
+
+    e2e, stage, exclusive = _exact(timings)
+    p95 = exact_weighted_quantile(e2e, None, 0.95)
+    assert abs(body["latency"]["p95"] - p95) <= 0.01 * p95
+    shares = exact_tail_shares(e2e, np.ones(len(e2e)), exclusive, p95)
+    got = {s["stage"]: s for s in body["stages"]}
+    assert set(got) == set(stage)
+    for name, values in stage.items():
+        entered = values[~np.isnan(values)]
+        assert got[name]["count"] == len(entered), name
+        want = exact_weighted_quantile(entered, None, 0.95)
+        assert abs(got[name]["p95"] - want) <= 0.01 * want + 1e-9, (name, got[name], want)
+        assert abs(got[name]["share_of_p95"] - shares[name]) <= 0.01, (name, got[name])
