@@ -42,6 +42,17 @@ to the default sampler: a route serving 4x or 10x its budget has that share of i
 requests timed, at random (coins of their own); the sampler sees those alone and a kept
 trace's weight is divided by the share. Their "tail kept, at weight 1" column counts the
 slow requests kept at the weight of a timed slow request (1 / the share).
+
+The production rows (``--production-only`` for them alone) simulate one replica's
+``--window`` seconds (default 60) of each scenario under production mode's defaults: the
+real ``TimingBudget`` at the default ``max_timed_rate`` (and with every request timed),
+the default sampler over the timed requests. A real ``Engine`` reads them twice: from the
+kept traces alone, as before summaries, and from the summaries of every timed request
+(contract §15, built by the producer's own accumulator ``instrumentation.summaries`` and
+encoded by the SDK's OTLP encoder) plus the same traces, marked
+``inferprof.summary.counted``. Both against the exact figures of every request in the window:
+request count, e2e p95, worst stage p95, worst ``share_of_p95`` and the verdict (taken from
+the exact shares with the document's GPU and queue evidence).
 """
 
 from __future__ import annotations
@@ -57,10 +68,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
-from opentelemetry.proto.metrics.v1 import metrics_pb2
 from opentelemetry.proto.trace.v1 import trace_pb2
+from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
+from opentelemetry.sdk.resources import Resource as SdkResource
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -69,8 +83,9 @@ from inferprof._config import DEFAULT_MAX_TIMED_RATE, DEFAULT_SAMPLE_RATE, DEFAU
 from inferprof.collector.engine import Engine
 from inferprof.collector.sketch import exact_weighted_quantile
 from inferprof.collector.verdict import decide
+from inferprof.instrumentation.accounting import Stats
 from inferprof.instrumentation.sampling import TailSampler, TimingBudget
-from inferprof.timing import DEFAULT_SUMMARY_SCALE, exp_index, partition
+from inferprof.instrumentation.summaries import Summaries
 from tests.collector.synth import (
     BASE_UNIX,
     SERVER,
@@ -97,7 +112,6 @@ STAGES = (
     sc.STAGE_SERIALIZE,
 )
 GPU_SAMPLE_PERIOD_S = 0.1
-DELTA = metrics_pb2.AggregationTemporality.AGGREGATION_TEMPORALITY_DELTA
 DEFAULT_SETTING = (DEFAULT_SAMPLE_RATE, DEFAULT_TAIL_QUANTILE)
 _GRID = (
     (0.01, 0.9),
@@ -576,77 +590,44 @@ def timing_shares(w: Workload, rate: float | None) -> np.ndarray:
     return shares
 
 
-def _point(index: np.ndarray, counts: np.ndarray, zero: int, attrs: dict, total: float | None,
-           scale: int) -> metrics_pb2.ExponentialHistogramDataPoint:
-    """One data point from bucket indices and integer counts (``_histogram``)."""
-    dp = metrics_pb2.ExponentialHistogramDataPoint(
-        attributes=attributes(attrs), scale=scale, zero_count=zero,
-        start_time_unix_nano=round(BASE_UNIX * 1e9), time_unix_nano=round(BASE_UNIX * 1e9))
-    if index.size:
-        lo = int(index.min())
-        buckets = np.zeros(int(index.max()) - lo + 1, np.int64)
-        np.add.at(buckets, index - lo, counts)
-        dp.positive.offset = lo
-        dp.positive.bucket_counts.extend(buckets.tolist())
-    dp.count = zero + int(counts.sum())
-    if total is not None:
-        dp.sum = total
-    return dp
+class _Kept(MetricExporter):
+    """Keeps what the summaries export (an in-memory metric exporter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.exports: list = []
+
+    def export(self, metrics_data, timeout_millis: float = 10_000, **kwargs):
+        self.exports.append(metrics_data)
+        return MetricExportResult.SUCCESS
+
+    def force_flush(self, timeout_millis: float = 10_000) -> bool:
+        return True
+
+    def shutdown(self, timeout_millis: float = 30_000, **kwargs) -> None:
+        return None
 
 
-def summary_export(w: Workload, timed: np.ndarray, weights: np.ndarray,
-                   scale: int = DEFAULT_SUMMARY_SCALE) -> ExportMetricsServiceRequest:
-    """Contract §15's three metrics over the ``timed`` requests, each at its weight, as
-    the producer computes them: ``timing.partition`` of each request's stage records, the
-    values bucketed with ``timing.exp_index``."""
-    rows = np.flatnonzero(timed)
-    names = [*STAGES, sc.STAGE_UNATTRIBUTED]
-    e2e = w.e2e_ns[rows]
-    stage_s = np.zeros((rows.size, len(names)))
-    excl_ns = np.zeros((rows.size, len(names)), np.int64)
-    col = {name: k for k, name in enumerate(names)}
-    for j, i in enumerate(rows.tolist()):
-        b = w.bounds[i].tolist()
-        times, exclusive, unatt = partition(
-            b[0], b[-1], [(stage, b[k], b[k + 1]) for k, stage in enumerate(STAGES)])
-        for name, t in (*times.items(), (sc.STAGE_UNATTRIBUTED, unatt)):
-            stage_s[j, col[name]] = t
-        for name, x in (*exclusive.items(), (sc.STAGE_UNATTRIBUTED, unatt)):
-            excl_ns[j, col[name]] = round(x * 1e9)
-    metric = {}
-    for name, unit in ((sc.METRIC_SUMMARY_REQUEST_DURATION, "s"),
-                       (sc.METRIC_SUMMARY_STAGE_DURATION, "s"),
-                       (sc.METRIC_SUMMARY_STAGE_TAIL, "ns")):
-        metric[name] = m = metrics_pb2.Metric(name=name, unit=unit)
-        m.exponential_histogram.aggregation_temporality = DELTA
-    for weight in np.unique(weights[rows]).tolist():
-        mine = weights[rows] == weight
-        base = {sc.ATTR_MODEL_NAME: MODEL}
-        if weight != 1.0:
-            base[sc.ATTR_SAMPLE_WEIGHT] = float(weight)
-        secs = e2e[mine] * 1e-9
-        pos = secs > 0
-        e2e_index = exp_index(secs[pos], scale)
-        ones = np.ones(e2e_index.size, np.int64)
-        metric[sc.METRIC_SUMMARY_REQUEST_DURATION].exponential_histogram.data_points.append(
-            _point(e2e_index, ones, int((~pos).sum()), base, float(secs.sum()), scale))
-        for k, name in enumerate(names):
-            attrs = {**base, sc.ATTR_STAGE: name}
-            v = stage_s[mine, k]
-            vp = v > 0
-            metric[sc.METRIC_SUMMARY_STAGE_DURATION].exponential_histogram.data_points.append(
-                _point(exp_index(v[vp], scale), np.ones(int(vp.sum()), np.int64),
-                       int((~vp).sum()), attrs, float(v.sum()), scale))
-            x = excl_ns[mine, k]
-            metric[sc.METRIC_SUMMARY_STAGE_TAIL].exponential_histogram.data_points.append(
-                _point(e2e_index, x[pos], int(x[~pos].sum()), attrs, None, scale))
-    request = ExportMetricsServiceRequest()
-    rm = request.resource_metrics.add()
-    rm.resource.attributes.extend(attributes({sc.RESOURCE_SERVICE_NAME: SERVICE}))
-    sm = rm.scope_metrics.add()
-    sm.scope.name = sc.INSTRUMENTATION_SCOPE
-    sm.metrics.extend(metric.values())
-    return request
+def summary_exports(w: Workload, timed: np.ndarray, weights: np.ndarray
+                    ) -> list[ExportMetricsServiceRequest]:
+    """Contract §15's metrics over the ``timed`` requests, each at its weight, from the
+    producer's own accumulator (``instrumentation.summaries.Summaries``: ``timing.partition``
+    and ``timing.exp_index`` at scale 7), encoded by the SDK's OTLP encoder."""
+    exporter = _Kept()
+    stats = Stats()
+    rows = np.flatnonzero(timed).tolist()
+    summaries = Summaries(
+        exporter, SdkResource({sc.RESOURCE_SERVICE_NAME: SERVICE}),
+        InstrumentationScope(sc.INSTRUMENTATION_SCOPE), stats, interval_s=3600.0,
+        max_pending=len(rows) + 1)
+    bounds = (w.bounds + round(BASE_UNIX * 1e9)).tolist()
+    for i in rows:
+        b = bounds[i]
+        spans = tuple((stage, b[k], b[k + 1]) for k, stage in enumerate(STAGES))
+        summaries.add((b[0], b[-1], False, MODEL, float(weights[i]), (), (), spans))
+    summaries.close(600.0)
+    assert stats.summarised == len(rows) and not stats.summary_dropped, stats
+    return [encode_metrics(data) for data in exporter.exports]
 
 
 def production_breakdown(w: Workload, spans: Spans, order: np.ndarray, timed: np.ndarray,
@@ -655,8 +636,9 @@ def production_breakdown(w: Workload, spans: Spans, order: np.ndarray, timed: np
     1/share) and the kept traces (``trace_weights``, NaN: not kept), marked counted."""
     engine = Engine(clock=FakeClock(), settle_s=0.0, retention_s=math.inf)
     engine.ingest_metrics(gpu_metrics(w.gpu_samples, hw_id=GPU_ID))
-    result = engine.ingest_metrics(summary_export(w, timed, 1.0 / shares))
-    assert result.rejected_spans == 0, result
+    for export in summary_exports(w, timed, 1.0 / shares):
+        result = engine.ingest_metrics(export)
+        assert result.rejected_spans == 0, result
     builder = TraceBuilder(SERVICE)
     chunk: list[trace_pb2.Span] = []
     for i in order.tolist():

@@ -291,18 +291,17 @@ class SummaryPart:
         if len(slice_.q_chunks) > 16:
             slice_.quantile_store()
             slice_.tail_store()
-        sums = np.asarray([(sid << STAGE_BITS | st, v) for sid, st, v, _ in rows.s]
-                          ).reshape(-1, 2)
-        self._fleet.add(q, t, reduce_codes(sums[:, 0].astype(np.int64), sums[:, 1]))
+        pairs = np.asarray([sid << STAGE_BITS | st for sid, st, _, _ in rows.s], np.int64)
+        sums = np.asarray([v for _, _, v, _ in rows.s], np.float64)
+        self._fleet.add(q, t, reduce_codes(pairs, sums))
         if rows.h:
             pair, values, w = _columns(rows.h, 3)
             pair, values = pair.astype(np.int64), values.astype(np.float64)
             keep = (pair & ((1 << STAGE_BITS) - 1)) != _UNATTRIBUTED
             bucket = np.searchsorted(_BOUNDS, values[keep], side="left")
-            hist = [(sid << STAGE_BITS | st, v) for sid, st, v, h in rows.s if h]
-            self._add_histograms(pair[keep] * _NB + bucket, w[keep],
-                                 np.asarray([c for c, _ in hist], np.int64),
-                                 np.asarray([v for _, v in hist], np.float64))
+            counted = np.asarray([h for _, _, _, h in rows.s], bool)
+            self._add_histograms(pair[keep] * _NB + bucket, w[keep], pairs[counted],
+                                 sums[counted])
 
 
 __all__ = [
