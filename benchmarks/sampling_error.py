@@ -623,8 +623,8 @@ def summary_exports(w: Workload, timed: np.ndarray, weights: np.ndarray
     bounds = (w.bounds + round(BASE_UNIX * 1e9)).tolist()
     for i in rows:
         b = bounds[i]
-        spans = tuple((stage, b[k], b[k + 1]) for k, stage in enumerate(STAGES))
-        summaries.add((b[0], b[-1], False, MODEL, float(weights[i]), (), (), spans))
+        spans = tuple(x for k, stage in enumerate(STAGES) for x in (stage, b[k], b[k + 1]))
+        summaries.add((b[0], b[-1], False, MODEL, float(weights[i]), spans))
     summaries.close(600.0)
     assert stats.summarised == len(rows) and not stats.summary_dropped, stats
     return [encode_metrics(data) for data in exporter.exports]
