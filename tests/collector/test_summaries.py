@@ -73,7 +73,8 @@ def _traces(reqs: list[dict], *, counted: bool = False, gpu: bool = False,
         ref = b.request(r["start"] * 1e-9, r["end"] * 1e-9, model=r["model"],
                         weight=r["weight"] * factor, status=2 if r["error"] else 0, **extra)
         for stage, s, e in r["spans"]:
-            attrs = {"gpu_id": "GPU-0", "batch_id": f"b{k}"} if gpu and stage == "compute" else {}
+            attrs = {"gpu_id": "GPU-0", "batch_id": f"b{k}", "effective": 30, "padded": 40
+                     } if gpu and stage == "compute" else {}
             b.stage(ref, stage, s * 1e-9, e * 1e-9, **attrs)
     return b
 
@@ -200,6 +201,9 @@ def test_traces_marked_counted_add_examples_and_gpu_but_count_nothing_twice():
     # What only traces carry comes from the traces.
     assert doc["examples"] and not ref["examples"]
     assert doc["gpu"]["samples"] > 0 and doc["gpu"]["utilization_during_compute"]["p50"] == 0.9
+    assert doc["padding"]["batches"] == len(traced) and doc["padding"]["waste_ratio"] == 0.25
+    assert doc["queue"]["behind_batches"] is not None and ref["queue"] is None
+    assert not ref["padding"]["batches"]
     assert any(e is not None for e in engine.histogram_exemplars("svc", "m", None))
     assert not any(only_summaries.histogram_exemplars("svc", "m", None))
     # Histograms, error counters, services and fleet tables: the summaries' alone.
