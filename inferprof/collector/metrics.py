@@ -132,7 +132,7 @@ _ENGINE_COUNTERS = (
         "gpu_samples_received",
     ),
     (
-        sc.PROM_SUMMARY_REQUESTS,
+        sc.PROM_SUMMARISED_REQUESTS,
         (
             "Requests counted from summaries (contract section 15), unweighted: every "
             "request a production-mode process timed, whether its trace was kept or not."
@@ -140,7 +140,7 @@ _ENGINE_COUNTERS = (
         "summary_requests",
     ),
     (
-        sc.PROM_SUMMARY_POINTS_REJECTED,
+        sc.PROM_SUMMARIES_REJECTED,
         (
             "Summary data points (contract section 15) rejected as malformed; each is named "
             "in its OTLP answer's partial success."

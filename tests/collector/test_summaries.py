@@ -387,8 +387,8 @@ def test_summaries_sent_as_otlp_json_over_http_are_folded():
         assert "scale 99" in answer.partial_success.error_message
         # What arrived, on the self-metrics: the requests counted, the point rejected.
         text = httpx.get(f"{app.api_url}/metrics").text
-        assert f"{sc.PROM_SUMMARY_REQUESTS} {len(reqs) + 5 - point.count}.0" in text
-        assert f"{sc.PROM_SUMMARY_POINTS_REJECTED} 1.0" in text
+        assert f"{sc.PROM_SUMMARISED_REQUESTS} {len(reqs) + 5 - point.count}.0" in text
+        assert f"{sc.PROM_SUMMARIES_REJECTED} 1.0" in text
 
 
 
