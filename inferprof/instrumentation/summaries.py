@@ -9,7 +9,7 @@ with DELTA temporality. Kept traces of summarised requests carry
 Cost on the request's thread: one flat tuple of primitives (the stage spans' names and
 times) appended to a bounded deque (:meth:`Summaries.add`); it holds no reference to a
 record, so the records of a request not kept die with it, as before. A daemon thread does
-the rest every half second, vectorised over the requests waiting:
+the rest once an interval (sooner when many requests wait), vectorised over them:
 ``inferprof.timing.partition_many`` (``partition``, the collector's definition of stage
 and exclusive time, with numpy), bucketing with ``inferprof.timing.exp_index``, and the
 export. Memory is bounded: at most ``max_pending`` requests wait to be folded (past
@@ -51,8 +51,10 @@ _DEFAULT_MAX_KEYS = 4096
 #: Buckets of one data point, at most: past it the export's scale is lowered (never at
 #: scale 7 for latencies between a microsecond and an hour).
 _MAX_BUCKETS = 8192
-#: Seconds between two folds of the waiting requests (exports happen on a fold).
-_FOLD_PERIOD_S = 0.5
+#: Requests waiting that wake the export thread to fold them before the export is due (a
+#: fold has a fixed cost of its own: folding once an interval is cheapest, this bounds the
+#: waiting requests' memory).
+_FOLD_AT = 8192
 #: The end of a stage still running when its request ended (a ``links`` batch's): after
 #: the request, where the collector will clip it.
 OPEN_END = 1 << 62
@@ -121,6 +123,7 @@ class Summaries:
         self._tail: dict[_Key, _Buckets] = {}
         self._folded = 0  # requests in the state above
         self._last_export = time.time_ns()
+        self._fold_at = min(_FOLD_AT, max(1, max_pending // 2))
         self._wake = threading.Event()
         self._stop = False
         self._thread = threading.Thread(
@@ -140,13 +143,16 @@ class Summaries:
             return False
         pending.append(entry)
         self._stats.summarised += 1
+        if len(pending) == self._fold_at:
+            self._wake.set()
         return True
 
     # --- the export thread --------------------------------------------------------------
     def _run(self) -> None:
         next_export = time.monotonic() + self.interval_s
         while True:
-            self._wake.wait(_FOLD_PERIOD_S)
+            self._wake.wait(max(0.0, next_export - time.monotonic()))
+            self._wake.clear()
             stop = self._stop
             try:
                 self._fold()
