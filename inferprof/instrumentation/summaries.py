@@ -27,6 +27,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable
+from itertools import chain
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -60,6 +62,7 @@ _FOLD_AT = 8192
 OPEN_END = 1 << 62
 
 _NS = 1e-9
+_FIRST, _SECOND, _ERROR, _MODEL, _WEIGHT, _SPANS = (itemgetter(i) for i in range(6))
 #: (model, weight, error flag or stage name): one data point's key.
 _Key = tuple[Any, ...]
 _UNATTRIBUTED = semconv.STAGE_UNATTRIBUTED
@@ -182,26 +185,22 @@ class Summaries:
     def _fold_entries(self, entries: list[tuple[Any, ...]]) -> int:
         """Fold requests into the state; returns how many were dropped (past the key
         bound: a request is counted by its request-duration data point)."""
+        # C-level passes over the entries (map, itemgetter, chain): a Python loop per
+        # request or per span would cost more than the rest of the fold.
         n = len(entries)
-        starts = np.fromiter((e[0] for e in entries), np.int64, n)
-        ends = np.fromiter((e[1] for e in entries), np.int64, n)
-        names: list[str] = []
-        span_starts: list[int] = []
-        span_ends: list[int] = []
-        counts = []
-        for e in entries:
-            flat = e[5]
-            names += flat[0::3]
-            span_starts += flat[1::3]
-            span_ends += flat[2::3]
-            counts.append(len(flat) // 3)
-        codes: dict[str, int] = {_UNATTRIBUTED: 0}
-        stage_code = np.fromiter(
-            (codes[x] if x in codes else codes.setdefault(x, len(codes)) for x in names),
-            np.int64, len(names))
+        starts = np.fromiter(map(_FIRST, entries), np.int64, n)
+        ends = np.fromiter(map(_SECOND, entries), np.int64, n)
+        flats = list(map(_SPANS, entries))
+        spans = list(chain.from_iterable(flats))
+        names = spans[0::3]
+        codes = dict.fromkeys([_UNATTRIBUTED, *dict.fromkeys(names)])
+        for i, name in enumerate(codes):
+            codes[name] = i
+        stage_code = np.fromiter(map(codes.__getitem__, names), np.int64, len(names))
+        counts = np.fromiter(map(len, flats), np.int64, n) // 3
         pair_req, pair_stage, stage_ns, excl_ns, unatt_ns = partition_many(
             starts, ends, np.repeat(np.arange(n), counts), stage_code,
-            np.array(span_starts, dtype=np.int64), np.array(span_ends, dtype=np.int64))
+            np.array(spans[1::3], dtype=np.int64), np.array(spans[2::3], dtype=np.int64))
         # unattributed: one more pair per request, stage and exclusive time alike
         unatt = codes[_UNATTRIBUTED]
         pair_req = np.concatenate([pair_req, np.arange(n)])
@@ -211,11 +210,15 @@ class Summaries:
         e2e: npt.NDArray[np.float64] = (ends - starts).astype(np.float64) * _NS
 
         # Data point keys: (model, weight) per request, then with error or stage.
-        series: dict[tuple[Any, float], int] = {}
-        req_series = np.fromiter(
-            (series.setdefault((_model(e[3]), e[4]), len(series)) for e in entries),
-            np.int64, n)
-        errors = np.fromiter((bool(e[2]) for e in entries), bool, n)
+        models = list(map(_MODEL, entries))
+        if not {type(m) for m in set(models)} <= {str, type(None)}:
+            models = [_model(m) for m in models]
+        pairs = list(zip(models, map(_WEIGHT, entries), strict=True))
+        series = dict.fromkeys(pairs)
+        for i, key in enumerate(series):
+            series[key] = i
+        req_series = np.fromiter(map(series.__getitem__, pairs), np.int64, n)
+        errors = np.fromiter(map(_ERROR, entries), bool, n)
         series_keys = list(series)
         req_group = req_series * 2 + errors
         req_keys = [(*series_keys[g >> 1], bool(g & 1)) for g in range(2 * len(series))]
