@@ -15,8 +15,9 @@ docs/demo.md) runs under uvicorn on 127.0.0.1, one long-lived process per config
   (b) otel        opentelemetry-instrumentation-fastapi alone, exporting OTLP/gRPC
   (c) full        inferprof, every stage of every request traced and exported
   (d) production  inferprof production mode, its defaults: up to 100 requests a second
-                  timed (a random share above that), a tail-biased weighted sample
-                  of the timed requests' full traces exported
+                  timed (a random share above that), summaries of every timed
+                  request and a tail-biased weighted sample of their full traces
+                  exported
   (d1) production inferprof production mode timing every request
                   (INFERPROF_MAX_TIMED_RATE=0): what (d) was before the timing budget
   (e) off         inferprof installed and called everywhere, configured off
