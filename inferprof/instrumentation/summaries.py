@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Iterable
 from itertools import chain
@@ -127,12 +129,29 @@ class Summaries:
         self._folded = 0  # requests in the state above
         self._last_export = time.time_ns()
         self._fold_at = min(_FOLD_AT, max(1, max_pending // 2))
+        self._start_thread()
+        if hasattr(os, "register_at_fork"):
+            weak = weakref.WeakMethod(self._after_fork)
+            os.register_at_fork(after_in_child=lambda: (m := weak()) and m())
+
+    def _start_thread(self) -> None:
         self._wake = threading.Event()
         self._stop = False
         self._thread = threading.Thread(
             target=self._run, name="inferprof-summaries", daemon=True
         )
         self._thread.start()
+
+    def _after_fork(self) -> None:
+        # A pre-forking server: the parent's summaries are the parent's to send, and the
+        # child's thread did not survive the fork.
+        if self._closed:
+            return
+        self._pending = deque()
+        self._requests, self._stages, self._tail = {}, {}, {}
+        self._folded = 0
+        self._last_export = time.time_ns()
+        self._start_thread()
 
     # --- the request's thread -----------------------------------------------------------
     def add(self, entry: tuple[Any, ...]) -> bool:

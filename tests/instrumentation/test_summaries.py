@@ -10,6 +10,7 @@ give exactly the summaries' counts, bucket by bucket."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from collections import Counter, defaultdict
@@ -511,3 +512,30 @@ def test_settings_and_environment(monkeypatch, caplog):
     for bad in ({"summaries": "yes"}, {"summary_interval_s": 0}, {"summary_interval_s": -1.0}):
         with pytest.raises(ValueError):
             inferprof.configure(mode="production", **bad)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX only")
+def test_a_forked_child_summarises_its_own_requests_on_a_thread_of_its_own():
+    exporter = MemoryExporter()
+    stats = Stats()
+    s = Summaries(exporter, None, None, stats, interval_s=3600)
+    try:
+        assert s.add(_entry(0))  # the parent's: the child must not send it
+        pid = os.fork()
+        if pid == 0:  # the child: exit status 0 if its summaries work and hold its own
+            ok = False
+            try:
+                assert s._thread.is_alive()
+                assert s.add(_entry(1)) and s.add(_entry(2))
+                s.close(10)
+                (data,) = exporter.exports
+                (metric,) = [m for m in data.resource_metrics[0].scope_metrics[0].metrics
+                             if m.name == semconv.METRIC_SUMMARY_REQUEST_DURATION]
+                ok = sum(p.count for p in metric.data.data_points) == 2
+            finally:
+                os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        s.close(10)
+    assert stats.summary_exports == 1 and len(exporter.exports) == 1
