@@ -294,7 +294,10 @@ class SpanReader:
                 spans = lss.spans
                 if len(spans) != len(ss.spans):
                     return None
-                out.append(self._records(spans))
+                try:
+                    out.append(self._records(spans))
+                except DecodeError:  # not from a message protobuf parsed: read the message
+                    return None
         return out
 
     def _records(self, spans: Any) -> list[SpanRecord]:

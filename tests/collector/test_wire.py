@@ -229,3 +229,6 @@ def test_bytes_that_are_not_the_message_are_not_read():
     two = export_of([trace_pb2.Span(trace_id=TID, span_id=SID)] * 2)
     assert SpanReader().scan(ExportTraceServiceRequest.FromString(one), two) is None
     assert SpanReader().scan(ExportTraceServiceRequest.FromString(one), b"\xff") is None
+    # As many spans, one of which protobuf would reject (a trace state not UTF-8).
+    bad = _export([_ld(1, TID) + _ld(2, SID) + _ld(3, b"\xff\xfe")])
+    assert SpanReader().scan(ExportTraceServiceRequest.FromString(one), bad) is None
