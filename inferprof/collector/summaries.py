@@ -16,10 +16,11 @@ under the contract's 1%. Coarser scales are accepted and cost accuracy according
 
 Bad input: a data point that does not follow §15 (wrong type or temporality, a scale
 outside [-10, 20], more than ``MAX_BUCKETS`` buckets, negative values, a count that is
-not the sum of its buckets, a bucket above ``sketch.MAX_VALUE``, a bad weight, stage or
-model attribute) is rejected with its reason and the rest of the export is kept. Memory
-does not grow with what is sent: buckets fold into the sketches' bounded key space,
-series are capped by ``max_series`` and stage names by ``max_stages`` like traced ones.
+not the sum of its buckets, a sum above what its buckets can hold, a bucket above
+``sketch.MAX_VALUE``, a bad weight, stage or model attribute) is rejected with its reason
+and the rest of the export is kept. Memory does not grow with what is sent: buckets fold
+into the sketches' bounded key space, series are capped by ``max_series`` and stage names
+by ``max_stages`` like traced ones.
 """
 
 from __future__ import annotations
@@ -144,6 +145,13 @@ def _buckets(dp: Any) -> tuple[np.ndarray, np.ndarray] | str:
     return index, counts[nonzero].astype(np.float64)
 
 
+def _most(scale: int, index: np.ndarray, counts: np.ndarray) -> float:
+    """The largest sum the buckets can hold: every value at its bucket's upper end (at
+    most ``MAX_VALUE``), with room for rounding."""
+    upper = np.exp(np.minimum((index + 1) * (_LN2 * 2.0 ** -scale), _LN_MAX))
+    return float(np.dot(counts, upper)) * (1.0 + 1e-9)
+
+
 def read_point(kind: int, service: str, dp: Any, mapping: KeyMapping) -> SummaryPoint | str | None:
     """A data point of a summary metric as a :class:`SummaryPoint`; the reason it is not
     valid; or None for one that holds nothing (no requests, or no recorded value)."""
@@ -157,6 +165,9 @@ def read_point(kind: int, service: str, dp: Any, mapping: KeyMapping) -> Summary
         return None
     model, stage, error, weight = attrs
     index, counts = buckets
+    if kind != KIND_TAIL and dp.HasField("sum") and dp.sum > _most(dp.scale, index, counts):
+        # A larger sum would reach the cumulative histogram sums and stay there.
+        return "sum is above what its buckets can hold"
     values = representatives(dp.scale, index)
     keys = mapping.key(values)
     if dp.zero_count:

@@ -297,6 +297,8 @@ def _bad_metrics(metrics) -> list[tuple[object, str]]:
         (_point(request, scale=21), "scale 21"),
         (_point(request, sum=float("nan")), "sum"),
         (_point(request, sum=-1.0), "sum"),
+        # a sum no values in its buckets add up to (+Inf in the histogram sums at worst)
+        (_point(request, sum=1e308), "sum is above"),
         (_point(request, negative=[3]), "negative"),
         (_point(request, count=10**6), "count"),
         (_point(request, buckets=[1] * (sm.MAX_BUCKETS + 1)), f"more than {sm.MAX_BUCKETS}"),
@@ -312,7 +314,7 @@ def _bad_metrics(metrics) -> list[tuple[object, str]]:
     ]
 
 
-@pytest.mark.parametrize("case", range(15))
+@pytest.mark.parametrize("case", range(16))
 def test_a_bad_summary_data_point_is_rejected_with_its_reason_the_rest_kept(case):
     reqs = _requests(2000, seed=6)
     good = _summaries(reqs)
