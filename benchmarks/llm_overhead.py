@@ -1,34 +1,39 @@
 """What inferprof costs the LLM demo: throughput and client p99 ITL, ``production`` and
 ``full`` against ``off``, measured in the same run.
 
-    python3 benchmarks/llm_overhead.py [--rounds 4] [--duration 10] [--concurrency 16]
+    python3 benchmarks/llm_overhead.py [--rounds 3] [--slices 8] [--duration 5]
+                                       [--concurrency 16] [--only off,production,full]
 
 The LLM demo service (docs/demo.md, "The LLM demo") under uvicorn on 127.0.0.1, driven by
 the streaming load generator (closed loop, httpx, the default prompt and output mixes).
-Each round starts a fresh service process per configuration, in a rotated order, warms
-it with at least ``--warmup-requests`` requests (128: past the 64 during which
-``production``'s tail sampler keeps every trace, so that the figures are its steady
-state), and runs the load for ``--duration`` seconds. inferprof's configurations export
-OTLP/gRPC to an inferprof collector in the benchmark process (which folds what it
-receives, as a deployment's would); ``off`` configures inferprof with ``mode="off"``
-(the middleware, the step API and the stages all present and returning at once). The
-service processes run the inferprof of this checkout (``PYTHONPATH``), not whichever one
-is installed.
+Each round starts a fresh service process per configuration, each exporting OTLP/gRPC to
+an inferprof collector of its own in the benchmark process (which folds what it receives,
+as a deployment's would); ``off`` configures inferprof with ``mode="off"`` (the
+middleware, the step API and the stages all present and returning at once). The service
+processes run the inferprof of this checkout (``PYTHONPATH``), not whichever one is
+installed. Every process is warmed with at least ``--warmup-requests`` requests (128: past
+the 64 during which ``production``'s tail sampler keeps every trace, so that the figures
+are its steady state); then the round runs ``--slices`` slices of ``--duration`` seconds
+of load per configuration, one configuration at a time, interleaved (rotated), so that
+each slice of a configuration is within seconds of ``off``'s slice of the same number:
+on a machine shared with other work, whose load moves throughput by up to 3x over
+minutes, the per-slice ratios are what resolves a few percent.
 
 The KV cache defaults to 1024 blocks so the engine does not evict: evictions depend on
 timing and would add their own variance to the figures (``--kv-blocks 96`` runs the
 demo's default, eviction-bound set-up). Per configuration: output tokens per second and
 requests per second (client side), client TTFT p50/p99 and ITL p50/p99, and the service
 process's CPU time per output token (``/proc/<pid>/stat``, all threads: the model, the
-event loop, the exporter), which other load on the machine moves less than throughput;
-ratios to ``off`` are medians of per-round ratios; and the spans the collector received
-per request (step spans included). Targets (issue 22): throughput >= 0.97x,
-client p99 ITL <= 1.05x.
+event loop, the exporter), which other load on the machine moves less than throughput:
+medians over all slices; ratios to ``off`` are medians of the per-slice ratios; and the
+spans the collector received per request (step spans included). Targets (issue 22):
+throughput >= 0.97x, client p99 ITL <= 1.05x.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -58,30 +63,61 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _measure(mode: str, collector: CollectorApp, args: argparse.Namespace, seed: int) -> dict:
-    settings = LLMSettings(instrumentation=mode, endpoint=collector.otlp_grpc_endpoint,
-                           kv_blocks=args.kv_blocks, model_size=args.model_size)
-    # the service runs this checkout's inferprof, as this process does
-    with LLMServiceProcess(settings, extra_env={"PYTHONPATH": _code_path()}) as svc:
-        warm = 0
-        for i in range(_MAX_WARMUP_RUNS):
-            if warm >= args.warmup_requests and i:
-                break
-            warm += run_llm_loadgen(svc.url, duration_s=args.warmup,
-                                    concurrency=args.concurrency,
-                                    seed=seed + 1000 * (i + 1))["requests"]
+def _round(configs: list[str], args: argparse.Namespace, r: int) -> dict[str, list[dict]]:
+    """One round: a fresh service per configuration (each exporting to a collector of its
+    own), all warmed, then ``--slices`` slices of load per configuration, interleaved."""
+    with contextlib.ExitStack() as stack:
+        collectors = {c: stack.enter_context(
+            CollectorApp(CollectorSettings(grpc_port=0, http_port=0, api_port=0)))
+            for c in configs}
+        services = {}
+        for c in configs:
+            settings = LLMSettings(instrumentation=c,
+                                   endpoint=collectors[c].otlp_grpc_endpoint,
+                                   kv_blocks=args.kv_blocks, model_size=args.model_size)
+            # the service runs this checkout's inferprof, as this process does
+            services[c] = stack.enter_context(
+                LLMServiceProcess(settings, extra_env={"PYTHONPATH": _code_path()}))
+        warm = {c: _warm(services[c], args, seed=r) for c in configs}
         time.sleep(_EXPORT_DRAIN_S)  # the warm-up's spans leave before the count starts
-        spans = _spans_received(collector)
-        cpu = _cpu_s(svc.pid)
-        summary = run_llm_loadgen(svc.url, duration_s=args.duration,
-                                  concurrency=args.concurrency, seed=seed)
-        cpu = _cpu_s(svc.pid) - cpu
-    # the service has flushed its spans on the way out
-    summary["spans_per_request"] = (
-        (_spans_received(collector) - spans) / max(summary["requests"], 1))
-    summary["cpu_ms_per_token"] = 1e3 * cpu / max(summary["output_tokens"], 1)
-    summary["warmup_requests"] = warm
-    return summary
+        spans = {c: _spans_received(collectors[c]) for c in configs}
+        slices: dict[str, list[dict]] = {c: [] for c in configs}
+        for k in range(args.slices):
+            # rotated, so that no configuration always follows another
+            shift = (r * args.slices + k) % len(configs)
+            for c in configs[shift:] + configs[:shift]:
+                svc = services[c]
+                cpu = _cpu_s(svc.pid)
+                summary = run_llm_loadgen(svc.url, duration_s=args.duration,
+                                          concurrency=args.concurrency,
+                                          seed=r * args.slices + k)
+                cpu = _cpu_s(svc.pid) - cpu
+                summary["cpu_ms_per_token"] = 1e3 * cpu / max(summary["output_tokens"], 1)
+                summary["warmup_requests"] = warm[c]
+                slices[c].append(summary)
+                print(f"round {r + 1}/{args.rounds} slice {k + 1}/{args.slices} {c:<10} "
+                      f"{summary['tokens_per_s']:7.1f} tokens/s  "
+                      f"cpu {summary['cpu_ms_per_token']:.3f} ms/token  "
+                      f"itl p99 {summary['itl_s']['p99'] * 1e3:7.1f} ms  "
+                      f"errors {summary['errors']}  load {os.getloadavg()[0]:.1f}",
+                      file=sys.stderr, flush=True)
+        for c in configs:
+            services[c].close()  # flushes its spans on the way out
+            received = _spans_received(collectors[c]) - spans[c]
+            requests = sum(s["requests"] for s in slices[c])
+            for summary in slices[c]:
+                summary["spans_per_request"] = received / max(requests, 1)
+    return slices
+
+
+def _warm(svc: LLMServiceProcess, args: argparse.Namespace, seed: int) -> int:
+    warm = 0
+    for i in range(_MAX_WARMUP_RUNS):
+        if warm >= args.warmup_requests and i:
+            break
+        warm += run_llm_loadgen(svc.url, duration_s=args.warmup, concurrency=args.concurrency,
+                                seed=seed + 1000 * (i + 1))["requests"]
+    return warm
 
 
 def _code_path() -> str:
@@ -96,8 +132,11 @@ def _spans_received(collector: CollectorApp) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--duration", type=float, default=10.0, help="seconds of load")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--slices", type=int, default=8,
+                        help="slices of load per configuration and round, interleaved")
+    parser.add_argument("--duration", type=float, default=5.0,
+                        help="seconds of load per slice")
     parser.add_argument("--warmup", type=float, default=2.0,
                         help="seconds per warm-up run (repeated up to --warmup-requests)")
     parser.add_argument("--warmup-requests", type=int, default=128,
@@ -111,23 +150,13 @@ def main(argv: list[str] | None = None) -> int:
     configs = [c for c in args.only.split(",") if c]
     if BASELINE not in configs or any(c not in CONFIGS for c in configs):
         parser.error(f"--only must include {BASELINE} and name only {', '.join(CONFIGS)}")
-    collector = CollectorApp(CollectorSettings(grpc_port=0, http_port=0, api_port=0)).start()
     results: dict[str, list[dict]] = {c: [] for c in configs}
     started = time.monotonic()
-    try:
-        for r in range(args.rounds):
-            order = configs[r % len(configs):] + configs[:r % len(configs)]
-            for mode in order:
-                summary = _measure(mode, collector, args, seed=r)
-                results[mode].append(summary)
-                print(f"round {r + 1}/{args.rounds} {mode:<10} "
-                      f"{summary['tokens_per_s']:7.1f} tokens/s  "
-                      f"cpu {summary['cpu_ms_per_token']:.3f} ms/token  "
-                      f"itl p99 {summary['itl_s']['p99'] * 1e3:7.1f} ms  "
-                      f"spans/request {summary['spans_per_request']:5.1f}  "
-                      f"errors {summary['errors']}", file=sys.stderr, flush=True)
-    finally:
-        collector.stop()
+    for r in range(args.rounds):
+        # rotated, so that no configuration is always started or warmed first
+        order = configs[r % len(configs):] + configs[:r % len(configs)]
+        for c, slices in _round(order, args, r).items():
+            results[c].extend(slices)
     print(_table(results, configs, args, time.monotonic() - started))
     return 0
 
@@ -154,10 +183,10 @@ def _table(results: dict[str, list[dict]], configs: list[str], args: argparse.Na
         return s["cpu_ms_per_token"]
 
     lines = [
-        (f"LLM demo, {args.rounds} rounds x {args.duration:g} s, closed loop of "
-         f"{args.concurrency} streams, model {args.model_size}, KV cache {args.kv_blocks} "
-         f"blocks ({elapsed / 60:.1f} min); medians over rounds, ratios to `{BASELINE}` are "
-         "medians of per-round ratios"),
+        (f"LLM demo, {args.rounds} rounds x {args.slices} slices x {args.duration:g} s "
+         f"per configuration, closed loop of {args.concurrency} streams, model "
+         f"{args.model_size}, KV cache {args.kv_blocks} blocks ({elapsed / 60:.1f} min); "
+         f"medians over slices, ratios to `{BASELINE}` are medians of per-slice ratios"),
         "",
         ("| mode | tokens/s | x off | req/s | ttft p50 ms | ttft p99 ms | itl p50 ms "
          "| itl p99 ms | itl p99 x off | service CPU ms/token | x off | spans/request "
