@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import random
 import statistics
 import sys
 import time
@@ -54,6 +55,7 @@ BASELINE = "off"
 _MAX_WARMUP_RUNS = 8
 #: Longer than the span exporter's schedule delay (1 s).
 _EXPORT_DRAIN_S = 1.5
+_BOOTSTRAP = 2000
 
 
 def _cpu_s(pid: int) -> float:
@@ -162,7 +164,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _ratio(results: dict[str, list[dict]], mode: str, get) -> float:
-    return statistics.median(get(m) / get(b) for m, b in zip(results[mode], results[BASELINE]))
+    return statistics.median(_ratios(results, mode, get))
+
+
+def _ratios(results: dict[str, list[dict]], mode: str, get) -> list[float]:
+    return [get(m) / get(b) for m, b in zip(results[mode], results[BASELINE])]
+
+
+def _interval(results: dict[str, list[dict]], mode: str, get) -> str:
+    """90% bootstrap interval of the median per-slice ratio."""
+    ratios = _ratios(results, mode, get)
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios)))
+                     for _ in range(_BOOTSTRAP))
+    return f"[{medians[_BOOTSTRAP // 20]:.3f}, {medians[_BOOTSTRAP - 1 - _BOOTSTRAP // 20]:.3f}]"
 
 
 def _table(results: dict[str, list[dict]], configs: list[str], args: argparse.Namespace,
@@ -186,7 +201,8 @@ def _table(results: dict[str, list[dict]], configs: list[str], args: argparse.Na
         (f"LLM demo, {args.rounds} rounds x {args.slices} slices x {args.duration:g} s "
          f"per configuration, closed loop of {args.concurrency} streams, model "
          f"{args.model_size}, KV cache {args.kv_blocks} blocks ({elapsed / 60:.1f} min); "
-         f"medians over slices, ratios to `{BASELINE}` are medians of per-slice ratios"),
+         f"medians over slices, ratios to `{BASELINE}` are medians of per-slice ratios "
+         "[90% bootstrap interval]"),
         "",
         ("| mode | tokens/s | x off | req/s | ttft p50 ms | ttft p99 ms | itl p50 ms "
          "| itl p99 ms | itl p99 x off | service CPU ms/token | x off | spans/request "
@@ -196,12 +212,15 @@ def _table(results: dict[str, list[dict]], configs: list[str], args: argparse.Na
     for mode in configs:
         lines.append(
             f"| {mode} | {med(mode, tps):.1f} | {_ratio(results, mode, tps):.3f} "
+            f"{_interval(results, mode, tps)} "
             f"| {med(mode, rps):.2f} "
             f"| {med(mode, lambda s: s['ttft_s']['p50']) * 1e3:.1f} "
             f"| {med(mode, lambda s: s['ttft_s']['p99']) * 1e3:.1f} "
             f"| {med(mode, lambda s: s['itl_s']['p50']) * 1e3:.2f} "
             f"| {med(mode, itl99) * 1e3:.2f} | {_ratio(results, mode, itl99):.3f} "
+            f"{_interval(results, mode, itl99)} "
             f"| {med(mode, cpu):.3f} | {_ratio(results, mode, cpu):.3f} "
+            f"{_interval(results, mode, cpu)} "
             f"| {med(mode, lambda s: s['spans_per_request']):.1f} "
             f"| {sum(s['errors'] for s in results[mode])} |")
     return "\n".join(lines)
