@@ -51,6 +51,7 @@ from inferprof.instrumentation.records import (
     attach_span,
     current_otel_context,
     detach_context,
+    ends_in_error,
 )
 from inferprof.instrumentation.runtime import Runtime
 from inferprof.instrumentation.stage import begin_request, reset_scope, timed_share
@@ -219,7 +220,9 @@ class _HttpRequest(RequestRecord):
         if self.ser_start:
             parts += ((_STAGE_SERIALIZE, self.ser_start, self.ser_end),)
         status = self.status
-        return parts, self.error is not None or (status is not None and status >= 500)
+        if self.error is None:  # _complete() makes a 5xx answer the error
+            return parts, status is not None and status >= 500
+        return parts, ends_in_error(self.error)
 
     def _complete(self) -> None:
         # A body-less request (GET; or a streaming response listening for disconnects)

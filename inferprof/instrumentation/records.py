@@ -9,6 +9,7 @@ propagated downstream while it runs.
 
 from __future__ import annotations
 
+import asyncio
 import random
 import threading
 from contextvars import ContextVar
@@ -176,13 +177,21 @@ class RequestRecord:
         """For the summaries (contract §15): the stage spans its trace would add at
         :meth:`_complete` as ``(stage, start_ns, end_ns)``, and whether its request span
         would end in error. Called once, by the runtime, when the request ends."""
-        return (), self.error is not None
+        return (), ends_in_error(self.error)
 
     def _complete(self) -> None:
         """The request is kept: add what only its trace needs (a subclass's deferred
         stages and attributes). Called once, by the runtime, before the spans are built."""
         if self.generation is not None:
             self.generation.complete(self)
+
+
+def ends_in_error(error: Any) -> bool:
+    """Whether a span that ended with ``error`` (a record's) gets the status ``ERROR``, as
+    ``spans.error_parts`` makes it: a cancellation (``asyncio.CancelledError``) does not."""
+    if isinstance(error, tuple):  # frozen already: (status, events, attributes)
+        return error[0].status_code is trace_api.StatusCode.ERROR
+    return error is not None and not isinstance(error, asyncio.CancelledError)
 
 
 class RequestSpan(trace_api.NonRecordingSpan):
@@ -371,6 +380,7 @@ __all__ = [
     "current_otel_context",
     "current_owner",
     "detach_context",
+    "ends_in_error",
     "set_batch_tokens",
     "span_id_of",
 ]

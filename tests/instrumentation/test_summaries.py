@@ -539,3 +539,39 @@ def test_a_forked_child_summarises_its_own_requests_on_a_thread_of_its_own():
     finally:
         s.close(10)
     assert stats.summary_exports == 1 and len(exporter.exports) == 1
+
+
+def test_a_cancelled_request_is_no_error_in_its_summary_as_in_its_trace(clock):
+    # A cancelled request (a client gone, a timeout) ends with status UNSET and
+    # inferprof.cancelled, not ERROR: its summary must not count an error its trace would
+    # not.
+    exporter = MemoryExporter()
+
+    async def service() -> None:
+        async def one(i: int) -> None:
+            async with inferprof.request(model="m"):
+                with inferprof.stage("compute"):
+                    clock.tick(MS * (i + 1))
+                if i % 2:
+                    await asyncio.sleep(3600)  # cancelled here
+
+        tasks = [asyncio.create_task(one(i)) for i in range(6)]
+        for _ in range(5):
+            await asyncio.sleep(0)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    with captured(mode="production", sample_rate=1.0, summary_exporter=exporter,
+                  summary_interval_s=3600) as cap:
+        asyncio.run(service())
+        inferprof.shutdown()
+        spans = cap.spans()
+    requests = [s for s in spans if _is_request(s)]
+    assert len(requests) == 6
+    assert sum(bool((r.attributes or {}).get(semconv.ATTR_CANCELLED)) for r in requests) == 3
+    assert all(r.status.status_code is not StatusCode.ERROR for r in requests)
+    got = decode(exporter.exports)
+    (key,) = got[semconv.METRIC_SUMMARY_REQUEST_DURATION]  # no error data point
+    assert dict(key) == {semconv.ATTR_MODEL_NAME: "m"}
+    assert_summaries_match(exporter, spans)
