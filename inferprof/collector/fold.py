@@ -280,18 +280,20 @@ class FoldPart:
         # A model attribute that is not a string (or none at all) is "".
         models = [m if isinstance(m, str) else "" for m in fin.model]
         series: list[int] = []
-        for key in zip(fin.service, models, strict=False):
+        # A request its summaries count (contract §15) was counted there, in the overflow
+        # and cut-name counters too.
+        counted = fin.counted
+        for key, c in zip(zip(fin.service, models, strict=False), counted, strict=False):
             sid = known(key)
             if sid is None:  # a new series, or one folded into the overflow series
-                sid = series_id(*key, now)
-                if series_keys[sid] == overflow_key and key != overflow_key:
+                sid = series_id(*key, now, 0 if c else 1)
+                if series_keys[sid] == overflow_key and key != overflow_key and not c:
                     self._overflow += 1
             # Now, not after the loop: a series folded here must not be reclaimed for a
             # new one further down the same fold.
             series_last[sid] = now
             series.append(sid)
         # A request its summaries count (contract §15) is counted there, errors included.
-        counted = fin.counted
         for sid, w, c in zip(series, fin.weight, counted, strict=False):
             if not c:
                 series_requests[sid] += w

@@ -38,14 +38,15 @@ class SeriesPart:
         self._reclaim_after = -math.inf
         self._reclaimed = 0
 
-    def _series_id(self, service: str, model: str, now: float) -> int:
+    def _series_id(self, service: str, model: str, now: float, requests: int = 1) -> int:
         """The series of a (service, model) pair not found as it came: new, one whose
-        names are too long (cut: ``labels.py``), or past a cap (the overflow series)."""
+        names are too long (cut: ``labels.py``), or past a cap (the overflow series).
+        ``requests``: how many requests a cut name counts for (0: already counted)."""
         cut_service, cut_model = bounded(service), bounded(model)
         if cut_service is not service:
-            self._truncated["service"] += 1
+            self._truncated["service"] += requests
         if cut_model is not model:
-            self._truncated["model"] += 1
+            self._truncated["model"] += requests
         key = (cut_service, cut_model)
         sid = self._series.get(key)
         if sid is None:

@@ -252,7 +252,7 @@ class SummaryPart:
         key = (p.service, p.model)
         sid = self._series.get(key)
         if sid is None:
-            sid = self._series_id(p.service, p.model, now)
+            sid = self._series_id(p.service, p.model, now, count)
             if self._series_keys[sid] == (sc.OVERFLOW_SERIES, "") and key[0] != sc.OVERFLOW_SERIES:
                 self._overflow += count
         self._series_last[sid] = now

@@ -442,3 +442,20 @@ def test_any_summary_data_point_is_folded_or_rejected_never_raises(points):
     doc = engine.breakdown("unknown_service", window_s=None)
     if doc is not None:  # what was folded reads back as a document
         assert doc["requests"] >= 0
+
+
+def test_overflow_and_cut_names_count_requests_once_with_summaries_and_marked_traces():
+    # inferprof_series_overflow_total and inferprof_labels_truncated_total count requests:
+    # a summarised request is one, whatever its data points, and its marked trace adds none.
+    long_model = "m" * 300
+    reqs = [{**r, "model": long_model} for r in _requests(90, seed=9)]
+    engine = _engine(max_series=1)
+    first = [{**r, "model": "m"} for r in _requests(10, seed=8)]  # the one series
+    engine.ingest_metrics(_summaries(first).export(service="first"))
+    engine.ingest_metrics(_summaries(reqs).export(service="svc"))
+    engine.ingest_traces(_traces(reqs[:30], counted=True).export())
+    engine.flush()
+    assert engine.stats.series_overflow == len(reqs)
+    assert engine.stats.labels_truncated["model"] == len(reqs)
+    assert engine.breakdown(sc.OVERFLOW_SERIES, window_s=None)["requests"] == sum(
+        r["weight"] for r in reqs)
