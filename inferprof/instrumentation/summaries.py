@@ -165,7 +165,9 @@ class Summaries:
             return False
         pending.append(entry)
         self._stats.summarised += 1
-        if len(pending) == self._fold_at:
+        # At or past the threshold (another thread may have appended between this
+        # append and the check: both would miss an exact match).
+        if len(pending) >= self._fold_at and not self._wake.is_set():
             self._wake.set()
         return True
 

@@ -575,3 +575,32 @@ def test_a_cancelled_request_is_no_error_in_its_summary_as_in_its_trace(clock):
     (key,) = got[semconv.METRIC_SUMMARY_REQUEST_DURATION]  # no error data point
     assert dict(key) == {semconv.ATTR_MODEL_NAME: "m"}
     assert_summaries_match(exporter, spans)
+
+
+def test_requests_past_the_fold_threshold_wake_the_thread_whatever_the_interleaving():
+    # Two request threads appending around the threshold: the second appends between the
+    # first's append and its length check, so neither sees the threshold itself. The
+    # waiting requests must still be folded before the interval (not held up to it, past
+    # it dropped when the buffer fills).
+    from collections import deque
+
+    stats = Stats()
+    s = Summaries(MemoryExporter(), None, None, stats, interval_s=3600, max_pending=64)
+
+    class Preempted(deque):
+        def append(self, entry):
+            super().append(entry)
+            if len(self) == s._fold_at and not getattr(self, "interleaved", False):
+                self.interleaved = True
+                s.add(_entry(999))  # another thread, between this append and its check
+
+    try:
+        s._pending = Preempted()
+        for i in range(s._fold_at):
+            assert s.add(_entry(i))
+        deadline = time.monotonic() + 5
+        while s._pending and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not s._pending, "the waiting requests were not folded"
+    finally:
+        s.close(5)
