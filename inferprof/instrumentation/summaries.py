@@ -169,7 +169,25 @@ class Summaries:
         # append and the check: both would miss an exact match).
         if len(pending) >= self._fold_at and not self._wake.is_set():
             self._wake.set()
+        if self._closed and not self._thread.is_alive():
+            # Closed between the check above and the append, after the last fold: no
+            # fold will take it, so it counts as dropped (as an export that failed).
+            self._drain()
         return True
+
+    def _drain(self) -> None:
+        """Count what waits to be folded as dropped, once the export thread is done.
+        Entry by entry: request threads may drain at the same time."""
+        pending = self._pending
+        n = 0
+        while True:
+            try:
+                pending.popleft()
+            except IndexError:
+                break
+            n += 1
+        if n:
+            self._stats.summary_dropped += n
 
     # --- the export thread --------------------------------------------------------------
     def _run(self) -> None:
@@ -405,6 +423,7 @@ class Summaries:
                 "inferprof's summary exporter did not finish within %.1f s: %d requests "
                 "not summarised", timeout_s, left)
             return
+        self._drain()  # requests whose add() had passed its check before close
         try:
             self._exporter.shutdown(timeout_millis=max(0.0, timeout_s) * 1000)
         except Exception:

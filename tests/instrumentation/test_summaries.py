@@ -604,3 +604,30 @@ def test_requests_past_the_fold_threshold_wake_the_thread_whatever_the_interleav
         assert not s._pending, "the waiting requests were not folded"
     finally:
         s.close(5)
+
+
+def test_a_request_ending_as_the_summaries_close_is_exported_or_counted_dropped():
+    # A request's thread passes add()'s check, then shutdown closes the summaries (their
+    # last fold and export done) before its append: that request must count as dropped,
+    # not vanish while counted as summarised (its kept trace marked counted).
+    from collections import deque
+
+    stats = Stats()
+    exporter = MemoryExporter()
+    s = Summaries(exporter, None, None, stats, interval_s=3600)
+
+    class LateAppend(deque):
+        def append(self, entry):
+            s.close(5)  # the shutdown thread, between the check and the append
+            super().append(entry)
+
+    assert s.add(_entry(0))
+    s._pending = LateAppend(s._pending)
+    s.add(_entry(1))
+    exported = sum(p.count for data in exporter.exports for rm in data.resource_metrics
+                   for sm in rm.scope_metrics for m in sm.metrics
+                   if m.name == semconv.METRIC_SUMMARY_REQUEST_DURATION
+                   for p in m.data.data_points)
+    assert exported == 1
+    assert stats.summarised == 2
+    assert stats.summary_dropped == 1
