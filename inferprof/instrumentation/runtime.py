@@ -74,6 +74,8 @@ _getrandbits = random.getrandbits
 _random = random.random
 _MODEL_NAME = semconv.ATTR_MODEL_NAME
 _SUMMARY_COUNTED = semconv.ATTR_SUMMARY_COUNTED
+_GEN_AI_RESPONSE_MODEL = semconv.ATTR_GEN_AI_RESPONSE_MODEL
+_GEN_AI_REQUEST_MODEL = semconv.ATTR_GEN_AI_REQUEST_MODEL
 _CHILDREN = semconv.BATCH_ENCODING_CHILDREN
 _INTERNAL = SpanKind.INTERNAL
 _span_name = semconv.span_name
@@ -340,10 +342,20 @@ class Runtime:
         extra, error = rec._summary_parts()
         end = rec.end
         flat: list[Any] = []
+        # The model as the collector reads it off the trace: the request span's
+        # inferprof.model.name, else its GenAI names, else a stage span's; not a string:
+        # none.
+        attrs = rec.attrs
+        model = attrs.get(_MODEL_NAME)
+        if model is None:
+            model = attrs.get(_GEN_AI_RESPONSE_MODEL)
+            if model is None:
+                model = attrs.get(_GEN_AI_REQUEST_MODEL)
         for st in rec.stages:
             e = st.end
             flat += (st.name, st.start, end if e is None else e)
-        model = rec.attrs.get(_MODEL_NAME)
+            if model is None:
+                model = st.attrs.get(_MODEL_NAME)
         batches = rec.batches
         if batches:
             for b in batches:
@@ -355,12 +367,14 @@ class Runtime:
                             continue
                         e = OPEN_END
                     flat += (st.name, st.start, e)
-                if model is None:  # the collector takes a batch stage's model then
-                    model = b.attrs.get(_MODEL_NAME)
+                    if model is None:  # a batch stage span: its own attributes, the batch's
+                        model = st.attrs.get(_MODEL_NAME, b.attrs.get(_MODEL_NAME))
         for part in extra:
             flat += part
         if not flat:
             return False
+        if model is not None and not isinstance(model, str):
+            model = None  # the collector's series for a model that is not a string
         summaries = self.summaries
         assert summaries is not None
         return summaries.add((rec.start, end, error, model, rec.weight_hint, tuple(flat)))

@@ -631,3 +631,28 @@ def test_a_request_ending_as_the_summaries_close_is_exported_or_counted_dropped(
     assert exported == 1
     assert stats.summarised == 2
     assert stats.summary_dropped == 1
+
+
+def test_the_summaries_model_is_the_one_the_collector_reads_off_the_trace(clock):
+    # The collector's model for a request: inferprof.model.name, else the GenAI names
+    # (gen_ai.response.model, then gen_ai.request.model), else a stage span's; one that
+    # is not a string is none. The summary's data points must name the same series.
+    exporter = MemoryExporter()
+    cases = [
+        ({semconv.ATTR_GEN_AI_REQUEST_MODEL: "llama"}, {}, "llama"),
+        ({semconv.ATTR_GEN_AI_REQUEST_MODEL: "a", semconv.ATTR_GEN_AI_RESPONSE_MODEL: "b"},
+         {}, "b"),
+        ({}, {semconv.ATTR_MODEL_NAME: "from-stage"}, "from-stage"),
+        ({semconv.ATTR_MODEL_NAME: 3}, {}, None),
+    ]
+    with captured(mode="production", sample_rate=1.0, summary_exporter=exporter,
+                  summary_interval_s=3600):
+        for request_attrs, stage_attrs, _ in cases:
+            with inferprof.request(**request_attrs):
+                with inferprof.stage("compute", **stage_attrs):
+                    clock.tick(MS)
+        inferprof.shutdown()
+    got = decode(exporter.exports)[semconv.METRIC_SUMMARY_REQUEST_DURATION]
+    models = Counter(dict(k).get(semconv.ATTR_MODEL_NAME) for k, d in got.items()
+                     for _ in range(d["count"]))
+    assert models == Counter(want for _, _, want in cases)
