@@ -21,6 +21,7 @@ daemon thread, and :meth:`Summaries.close` waits for it only up to its timeout.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import os
@@ -59,6 +60,9 @@ _MAX_BUCKETS = 8192
 #: fold has a fixed cost of its own: folding once an interval is cheapest, this bounds the
 #: waiting requests' memory).
 _FOLD_AT = 8192
+#: Seconds a process exiting without inferprof.shutdown() waits for its last export, at
+#: most.
+_EXIT_TIMEOUT_S = 5.0
 #: The end of a stage still running when its request ended (a ``links`` batch's): after
 #: the request, where the collector will clip it.
 OPEN_END = 1 << 62
@@ -133,6 +137,12 @@ class Summaries:
         if hasattr(os, "register_at_fork"):
             weak = weakref.WeakMethod(self._after_fork)
             os.register_at_fork(after_in_child=lambda: (m := weak()) and m())
+        # A process exiting without inferprof.shutdown(): the SDK's own exit handler
+        # flushes the kept traces (marked counted); the last interval's summaries must
+        # go too, or those requests count nowhere. (Registered after the providers: it
+        # runs before theirs.)
+        at_exit = weakref.WeakMethod(self._at_exit)
+        atexit.register(lambda: (m := at_exit()) and m())
 
     def _start_thread(self) -> None:
         self._wake = threading.Event()
@@ -409,6 +419,10 @@ class Summaries:
         return scale
 
     # --- lifecycle ----------------------------------------------------------------------
+    def _at_exit(self) -> None:
+        if not self._closed:
+            self.close(min(_EXIT_TIMEOUT_S, self._export_timeout_s))
+
     def close(self, timeout_s: float) -> None:
         """Fold and export what is left, within ``timeout_s``; what is not exported by
         then is counted as dropped. No more requests are taken."""

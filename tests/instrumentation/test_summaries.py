@@ -656,3 +656,46 @@ def test_the_summaries_model_is_the_one_the_collector_reads_off_the_trace(clock)
     models = Counter(dict(k).get(semconv.ATTR_MODEL_NAME) for k, d in got.items()
                      for _ in range(d["count"]))
     assert models == Counter(want for _, _, want in cases)
+
+
+def test_a_process_exiting_without_shutdown_still_exports_its_last_summaries(tmp_path):
+    # The SDK flushes the kept traces at exit (marked counted); the last interval's
+    # summaries must go too, or those requests count nowhere.
+    import subprocess
+    import sys
+    import textwrap
+
+    out = tmp_path / "exported"
+    script = textwrap.dedent(f"""
+        import inferprof
+        from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
+            InMemorySpanExporter)
+
+        class FileExporter(MetricExporter):
+            def export(self, metrics_data, timeout_millis=10_000, **kwargs):
+                n = sum(p.count for rm in metrics_data.resource_metrics
+                        for sm in rm.scope_metrics for m in sm.metrics
+                        if m.name == {semconv.METRIC_SUMMARY_REQUEST_DURATION!r}
+                        for p in m.data.data_points)
+                with open({str(out)!r}, "a") as f:
+                    f.write(f"{{n}}\\n")
+                return MetricExportResult.SUCCESS
+
+            def force_flush(self, timeout_millis=10_000):
+                return True
+
+            def shutdown(self, timeout_millis=30_000, **kwargs):
+                pass
+
+        inferprof.configure(mode="production", sample_rate=1.0, summary_interval_s=3600,
+                            summary_exporter=FileExporter(), metric_readers=[],
+                            span_exporter=InMemorySpanExporter())
+        for _ in range(3):
+            with inferprof.request(model="m"), inferprof.stage("compute"):
+                pass
+    """)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": root}
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=60, env=env, cwd=root)
+    assert out.read_text().split() == ["3"]
