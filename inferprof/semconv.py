@@ -78,7 +78,8 @@ COMPUTE_STAGES: Final = frozenset({STAGE_COMPUTE, STAGE_PREFILL, STAGE_DECODE})
 MAX_LABEL_BYTES: Final = 256
 #: Longest stage name: a stage name is repeated on every series' stage rows of /metrics.
 MAX_STAGE_NAME_LENGTH: Final = 64
-STAGE_NAME_PATTERN: Final = re.compile(r"^[a-z0-9_]{1,64}$")
+# \Z, not $: "$" also matches before a trailing newline ("queue\n" would be a stage).
+STAGE_NAME_PATTERN: Final = re.compile(r"^[a-z0-9_]{1,64}\Z")
 SPAN_NAME_PREFIX: Final = "inferprof."
 
 

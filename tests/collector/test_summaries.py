@@ -309,12 +309,13 @@ def _bad_metrics(metrics) -> list[tuple[object, str]]:
         (_point(request, attrs=attributes({sc.ATTR_REQUEST_ERROR: "yes"})), "not a bool"),
         (_point(stage, attrs=attributes({sc.ATTR_MODEL_NAME: "m"})), "no inferprof.stage"),
         (_point(stage, attrs=attributes({sc.ATTR_STAGE: "Bad Stage"})), "invalid"),
+        (_point(stage, attrs=attributes({sc.ATTR_STAGE: "queue\n"})), "invalid"),
         (cumulative, "DELTA"),
         (gauge, "ExponentialHistogram"),
     ]
 
 
-@pytest.mark.parametrize("case", range(16))
+@pytest.mark.parametrize("case", range(17))
 def test_a_bad_summary_data_point_is_rejected_with_its_reason_the_rest_kept(case):
     reqs = _requests(2000, seed=6)
     good = _summaries(reqs)
