@@ -19,7 +19,9 @@ from inferprof.gpu.command import gpu
 
 DEPLOY = pathlib.Path(__file__).resolve().parents[2] / "deploy"
 # `inferprof collect` and `inferprof gpu` (the GPU sampler DaemonSet).
-FLAGS = {opt for cmd in (collect, gpu) for param in cmd.params for opt in getattr(param, "opts", ())}
+FLAGS = {
+    opt for cmd in (collect, gpu) for param in cmd.params for opt in getattr(param, "opts", ())
+}
 ENV_VARS = {
     getattr(module, name)
     for module in (st, gpu_sampler)

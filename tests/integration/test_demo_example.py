@@ -19,25 +19,34 @@ ROOT = Path(__file__).resolve().parents[2]
 _LISTENING = re.compile(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")
 
 
+def start_uvicorn(app: str, env: dict[str, str]) -> tuple[subprocess.Popen, str]:
+    """A uvicorn process serving ``app`` on an ephemeral 127.0.0.1 port (``env`` over
+    this process's) and its base URL, once it listens; stopped and an AssertionError if
+    it does not within 60 s."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", app, "--host", "127.0.0.1", "--port", "0"],
+        cwd=ROOT, env={**os.environ, **env}, stderr=subprocess.PIPE, text=True,
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        if not line and proc.poll() is not None:
+            break
+        m = _LISTENING.search(line)
+        if m:
+            return proc, f"http://127.0.0.1:{m.group(1)}"
+    _stop(proc)
+    proc.stderr.close()
+    raise AssertionError(f"the service {app} did not start")
+
+
 @pytest.fixture
 def example_service(otlp_sink):
-    env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": otlp_sink.endpoint}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "examples.demo_service:app", "--host", "127.0.0.1",
-         "--port", "0"],
-        cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True,
+    proc, url = start_uvicorn(
+        "examples.demo_service:app", {"OTEL_EXPORTER_OTLP_ENDPOINT": otlp_sink.endpoint}
     )
     try:
-        port = None
-        deadline = time.monotonic() + 60
-        while port is None and time.monotonic() < deadline:
-            line = proc.stderr.readline()
-            if not line and proc.poll() is not None:
-                break
-            m = _LISTENING.search(line)
-            port = int(m.group(1)) if m else None
-        assert port is not None, "the example service did not start"
-        yield f"http://127.0.0.1:{port}", lambda: _stop(proc)
+        yield url, lambda: _stop(proc)
     finally:
         _stop(proc)
         proc.stderr.close()

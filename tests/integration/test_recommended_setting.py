@@ -5,10 +5,8 @@ breakdown then holds every contract stage with weighted counts."""
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,8 +16,8 @@ import pytest
 from inferprof import semconv
 from tests.integration.test_collector_cli import _start
 from tests.integration.test_collector_cli import _stop as _stop_collector
-from tests.integration.test_demo_example import _LISTENING
 from tests.integration.test_demo_example import _stop as _stop_service
+from tests.integration.test_demo_example import start_uvicorn
 
 pytestmark = pytest.mark.integration
 
@@ -28,21 +26,7 @@ REQUESTS = 400
 
 
 def _start_example(env: dict[str, str]) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "examples.demo_service:app", "--host", "127.0.0.1",
-         "--port", "0"],
-        cwd=ROOT, env={**os.environ, **env}, stderr=subprocess.PIPE, text=True,
-    )
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        line = proc.stderr.readline()
-        if not line and proc.poll() is not None:
-            break
-        m = _LISTENING.search(line)
-        if m:
-            return proc, f"http://127.0.0.1:{m.group(1)}"
-    _stop_service(proc)
-    raise AssertionError("the example service did not start")
+    return start_uvicorn("examples.demo_service:app", env)
 
 
 def test_production_mode_over_otlp_http_into_the_collector_gives_every_stage():

@@ -9,9 +9,7 @@ traces."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -26,8 +24,8 @@ from inferprof.collector.sketch import KeyMapping, exact_weighted_quantile
 from inferprof.timing import exp_index, exp_representative, partition
 from tests.integration.test_collector_cli import _start
 from tests.integration.test_collector_cli import _stop as _stop_collector
-from tests.integration.test_demo_example import _LISTENING
 from tests.integration.test_demo_example import _stop as _stop_service
+from tests.integration.test_demo_example import start_uvicorn
 
 pytestmark = pytest.mark.integration
 
@@ -40,21 +38,7 @@ _PACE_S = 0.012
 
 
 def _start_service(env: dict[str, str]) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "tests.integration.summaries_service:app",
-         "--host", "127.0.0.1", "--port", "0"],
-        cwd=ROOT, env={**os.environ, **env}, stderr=subprocess.PIPE, text=True,
-    )
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        line = proc.stderr.readline()
-        if not line and proc.poll() is not None:
-            break
-        m = _LISTENING.search(line)
-        if m:
-            return proc, f"http://127.0.0.1:{m.group(1)}"
-    _stop_service(proc)
-    raise AssertionError("the service did not start")
+    return start_uvicorn("tests.integration.summaries_service:app", env)
 
 
 def _exact(timings: list[dict]) -> tuple[np.ndarray, dict, list[dict]]:
