@@ -59,6 +59,20 @@ MIN_MAX_STAGES = len(sc.CANONICAL_STAGES) + 1
 MAX_MAX_STAGES = MAX_STAGE_COLUMNS - 1
 
 
+def stage_row(name: str, count: float, quantiles: dict, shares: dict, shares50: dict,
+              shares99: dict) -> dict:
+    """One entry of the breakdown document's ``stages`` (contract §5): its count,
+    quantiles and share of the tail at p95, p50 and p99."""
+    return {
+        "stage": name,
+        "count": round(count),
+        **quantiles,
+        "share_of_p95": float(shares.get(name, 0.0)),
+        "share_of_p50": float(shares50.get(name, 0.0)),
+        "share_of_p99": float(shares99.get(name, 0.0)),
+    }
+
+
 def tail_codes(series: np.ndarray, keys: np.ndarray, cols: np.ndarray) -> np.ndarray:
     """Pack (series id, e2e bucket key, column) into one sortable int64 code."""
     return (series << (KEY_BITS + COL_BITS)) | (keys << COL_BITS) | cols

@@ -9,6 +9,7 @@ from inferprof import semconv as sc
 from inferprof.collector import cost as _cost
 from inferprof.collector.attribution import (
     COL_BITS,
+    stage_row,
     tail_shares,
 )
 from inferprof.collector.layout import (
@@ -177,14 +178,5 @@ class DocumentPart:
             count, qs, _ = self._quantiles(per_stage, idx)
             if name == sc.STAGE_UNATTRIBUTED and idx not in per_stage:
                 continue
-            stages.append(
-                {
-                    "stage": name,
-                    "count": round(count),
-                    **qs,
-                    "share_of_p95": float(shares.get(name, 0.0)),
-                    "share_of_p50": float(shares50.get(name, 0.0)),
-                    "share_of_p99": float(shares99.get(name, 0.0)),
-                }
-            )
+            stages.append(stage_row(name, count, qs, shares, shares50, shares99))
         return stages

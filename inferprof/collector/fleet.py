@@ -50,7 +50,14 @@ from typing import Any
 import numpy as np
 
 from inferprof import semconv as sc
-from inferprof.collector.attribution import COL_BITS, COL_E2E, COL_MASK, COL_STAGE0, COL_TRACED
+from inferprof.collector.attribution import (
+    COL_BITS,
+    COL_E2E,
+    COL_MASK,
+    COL_STAGE0,
+    COL_TRACED,
+    stage_row,
+)
 from inferprof.collector.gpu_samples import GpuSamples
 from inferprof.collector.sketch import (
     KEY_BITS,
@@ -463,16 +470,7 @@ def document(
     stages = []
     for name in present:
         count, qs, _ = _quantiles(mapping, tables.stages[name])
-        stages.append(
-            {
-                "stage": name,
-                "count": round(count),
-                **qs,
-                "share_of_p95": float(shares.get(name, 0.0)),
-                "share_of_p50": float(shares50.get(name, 0.0)),
-                "share_of_p99": float(shares99.get(name, 0.0)),
-            }
-        )
+        stages.append(stage_row(name, count, qs, shares, shares50, shares99))
     gpu = gpu_evidence(GpuSamples(), [], None)
     doc = {
         "service": service,
