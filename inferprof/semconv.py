@@ -106,6 +106,9 @@ def validate_stage(stage: str) -> str:
 ATTR_STAGE: Final = "inferprof.stage"
 ATTR_REQUEST: Final = "inferprof.request"
 ATTR_SAMPLE_WEIGHT: Final = "inferprof.sample.weight"
+#: Extension (§13): the largest weight read; 1 / OpenTelemetry's smallest sampling
+#: probability (``ot=th`` thresholds have 56 bits).
+MAX_SAMPLE_WEIGHT: Final = float(2**56)
 ATTR_MODEL_NAME: Final = "inferprof.model.name"
 ATTR_MODEL_VERSION: Final = "inferprof.model.version"
 ATTR_BATCH_ID: Final = "inferprof.batch.id"

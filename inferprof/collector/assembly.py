@@ -74,6 +74,7 @@ _COMPUTE_STAGES = frozenset(sc.COMPUTE_STAGES)
 _WORK_STAGES = frozenset(sc.COMPUTE_STAGES | sc.TRANSFER_STAGES)
 _MODEL = sc.ATTR_MODEL_NAME
 _BATCH_ID = sc.ATTR_BATCH_ID
+_MAX_WEIGHT = sc.MAX_SAMPLE_WEIGHT
 _EFFECTIVE = sc.ATTR_TOKENS_EFFECTIVE
 _PADDED = sc.ATTR_TOKENS_PADDED
 _GPU_ID = sc.ATTR_GPU_ID
@@ -942,8 +943,7 @@ class Assembler:
             if (
                 isinstance(w, (int, float))
                 and not isinstance(w, bool)
-                and math.isfinite(w)
-                and w >= 1
+                and 1 <= w <= _MAX_WEIGHT
             ):
                 weight = float(w)
         if weight is None:

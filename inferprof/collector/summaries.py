@@ -107,8 +107,8 @@ def _attributes(kind: int, attributes: Iterable[Any]) -> tuple[str, str, bool, f
         elif key == sc.ATTR_SAMPLE_WEIGHT:
             w = value.double_value if which == "double_value" else (
                 value.int_value if which == "int_value" else None)
-            if w is None or not (math.isfinite(w) and w >= 1):
-                return f"{sc.ATTR_SAMPLE_WEIGHT} must be a number >= 1"
+            if w is None or not 1 <= w <= sc.MAX_SAMPLE_WEIGHT:
+                return f"{sc.ATTR_SAMPLE_WEIGHT} must be a number in [1, 2**56]"
             weight = float(w)
         elif key == sc.ATTR_STAGE:
             stage = value.string_value if which == "string_value" else ""

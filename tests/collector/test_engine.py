@@ -717,6 +717,20 @@ def test_weight_k_is_the_same_as_k_copies():
         assert sa["share_of_p95"] == pytest.approx(sb["share_of_p95"], rel=1e-9, abs=1e-12)
 
 
+def test_a_weight_above_two_to_the_56_is_ignored_and_counts_stay_finite():
+    engine, clock = make_engine()
+    tb = TraceBuilder()
+    tb.sequential(0, [("compute", 0.01)], weight=1e308)
+    tb.sequential(1, [("compute", 0.02)], weight=1e308)
+    tb.sequential(2, [("compute", 0.03)], weight=float(2**56))
+    engine.ingest_traces(tb.export())
+    settle(engine, clock)
+    doc = engine.breakdown("svc")
+    # the two hostile weights read as 1 (no tracestate), the largest valid one as is
+    assert doc["requests"] == pytest.approx(2 + 2**56)
+    assert all(math.isfinite(s["share_of_p95"]) for s in doc["stages"])
+
+
 def test_window_s_says_what_the_document_covers():
     engine, clock = make_engine(windows_s=(60.0, 900.0))
     _fold_models(engine, clock, ["m"])

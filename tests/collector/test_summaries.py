@@ -305,6 +305,8 @@ def _bad_metrics(metrics) -> list[tuple[object, str]]:
         (_point(request, buckets=[1], offset=2**30), f"above {MAX_VALUE:g}"),
         (_point(request, attrs=attributes({sc.ATTR_SAMPLE_WEIGHT: 0.5})), "weight"),
         (_point(request, attrs=attributes({sc.ATTR_SAMPLE_WEIGHT: float("nan")})), "weight"),
+        # 2 requests of weight 1e308 would sum to +Inf in every weighted count
+        (_point(request, attrs=attributes({sc.ATTR_SAMPLE_WEIGHT: 1e308})), "2**56"),
         (_point(request, attrs=attributes({sc.ATTR_MODEL_NAME: 3})), "not a string"),
         (_point(request, attrs=attributes({sc.ATTR_REQUEST_ERROR: "yes"})), "not a bool"),
         (_point(stage, attrs=attributes({sc.ATTR_MODEL_NAME: "m"})), "no inferprof.stage"),
@@ -315,7 +317,7 @@ def _bad_metrics(metrics) -> list[tuple[object, str]]:
     ]
 
 
-@pytest.mark.parametrize("case", range(17))
+@pytest.mark.parametrize("case", range(18))
 def test_a_bad_summary_data_point_is_rejected_with_its_reason_the_rest_kept(case):
     reqs = _requests(2000, seed=6)
     good = _summaries(reqs)
