@@ -133,6 +133,9 @@ def _buckets(dp: Any) -> tuple[np.ndarray, np.ndarray] | str:
         return f"more than {MAX_BUCKETS} buckets"
     if any(dp.negative.bucket_counts):
         return "negative values (latencies are >= 0)"
+    if dp.zero_count and not dp.zero_threshold <= MIN_VALUE:
+        # its values are read as zeros: a wider zero bucket would shorten them unseen
+        return f"zero_threshold {dp.zero_threshold:g} above {MIN_VALUE:g} (zero_count: zeros)"
     counts = np.asarray(raw, dtype=np.uint64)
     if sum(raw) + dp.zero_count != dp.count:  # exact integers: no uint64 wrap-around
         return "count is not zero_count plus the bucket counts"

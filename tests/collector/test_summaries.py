@@ -293,6 +293,7 @@ def _bad_metrics(metrics) -> list[tuple[object, str]]:
     cumulative.exponential_histogram.aggregation_temporality = 2
     gauge = type(request)(name=sc.METRIC_SUMMARY_REQUEST_DURATION)
     gauge.gauge.data_points.add().as_double = 1.0
+    first = request.exponential_histogram.data_points[0]
     return [
         (_point(request, scale=21), "scale 21"),
         (_point(request, sum=float("nan")), "sum"),
@@ -305,6 +306,9 @@ def _bad_metrics(metrics) -> list[tuple[object, str]]:
         (_point(request, buckets=[1], offset=2**30), f"above {MAX_VALUE:g}"),
         (_point(request, attrs=attributes({sc.ATTR_SAMPLE_WEIGHT: 0.5})), "weight"),
         (_point(request, attrs=attributes({sc.ATTR_SAMPLE_WEIGHT: float("nan")})), "weight"),
+        # two values "at most 0.5 s", which would be read as zeros
+        (_point(request, zero_count=first.zero_count + 2, count=first.count + 2,
+                zero_threshold=0.5), "zero_threshold"),
         # 2 requests of weight 1e308 would sum to +Inf in every weighted count
         (_point(request, attrs=attributes({sc.ATTR_SAMPLE_WEIGHT: 1e308})), "2**56"),
         (_point(request, attrs=attributes({sc.ATTR_MODEL_NAME: 3})), "not a string"),
@@ -317,7 +321,7 @@ def _bad_metrics(metrics) -> list[tuple[object, str]]:
     ]
 
 
-@pytest.mark.parametrize("case", range(18))
+@pytest.mark.parametrize("case", range(19))
 def test_a_bad_summary_data_point_is_rejected_with_its_reason_the_rest_kept(case):
     reqs = _requests(2000, seed=6)
     good = _summaries(reqs)
