@@ -131,6 +131,10 @@ class Summaries:
         self._stages: dict[_Key, _Buckets] = {}
         self._tail: dict[_Key, _Buckets] = {}
         self._folded = 0  # requests in the state above
+        self._in_flight = 0  # requests in the export under way
+        #: close() gave up waiting for the export thread and counted what it held
+        self._abandoned = False
+        self._account = threading.Lock()
         self._last_export = time.time_ns()
         self._fold_at = min(_FOLD_AT, max(1, max_pending // 2))
         self._start_thread()
@@ -159,7 +163,8 @@ class Summaries:
             return
         self._pending = deque()
         self._requests, self._stages, self._tail = {}, {}, {}
-        self._folded = 0
+        self._folded = self._in_flight = 0
+        self._account = threading.Lock()  # the parent's export thread may have held it
         self._last_export = time.time_ns()
         self._start_thread()
 
@@ -351,6 +356,7 @@ class Summaries:
         if not requests:
             return
         data = self._metrics_data(requests, stages, tail, start, now)
+        self._in_flight = folded
         try:
             result = self._exporter.export(
                 data, timeout_millis=self._export_timeout_s * 1000
@@ -359,11 +365,15 @@ class Summaries:
         except Exception:
             _logger.exception("inferprof could not export its summaries")
             ok = False
-        if ok:
-            self._stats.summary_exports += 1
-        else:
-            self._stats.summary_export_failed += 1
-            self._stats.summary_dropped += folded
+        with self._account:
+            self._in_flight = 0
+            if self._abandoned:  # close() counted these as dropped when it gave up
+                return
+            if ok:
+                self._stats.summary_exports += 1
+            else:
+                self._stats.summary_export_failed += 1
+                self._stats.summary_dropped += folded
 
     def _metrics_data(self, requests: dict[_Key, _Buckets], stages: dict[_Key, _Buckets],
                       tail: dict[_Key, _Buckets], start: int,
@@ -431,7 +441,11 @@ class Summaries:
         self._wake.set()
         self._thread.join(max(0.0, timeout_s))
         if self._thread.is_alive():
-            left = len(self._pending) + self._folded
+            # An export that hangs: what it holds is not known to arrive, so it counts as
+            # dropped with the rest, and the export, should it end later, counts nothing.
+            with self._account:
+                self._abandoned = True
+                left = len(self._pending) + self._folded + self._in_flight
             self._stats.summary_dropped += left
             _logger.warning(
                 "inferprof's summary exporter did not finish within %.1f s: %d requests "
