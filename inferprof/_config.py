@@ -34,6 +34,7 @@ from inferprof.instrumentation.active import active_runtime, configured_runtime,
 from inferprof.instrumentation.config import (
     DEFAULT_BATCH_ENCODING,
     DEFAULT_MAX_TIMED_RATE,
+    DEFAULT_MAX_TIMING_CPU,
     DEFAULT_MODE,
     DEFAULT_SAMPLE_RATE,
     DEFAULT_TAIL_QUANTILE,
@@ -96,6 +97,7 @@ def configure(
     sample_rate: float | None = None,
     tail_quantile: float | None = None,
     max_timed_rate: float | None = None,
+    max_timing_cpu: float | None = None,
     batch_encoding: str | None = None,
     record_content: bool | None = None,
     content_max_bytes: int | None = None,
@@ -133,7 +135,7 @@ def configure(
     config = resolve(
         mode=mode, service_name=service_name, endpoint=endpoint, protocol=protocol,
         sample_rate=sample_rate, tail_quantile=tail_quantile, max_timed_rate=max_timed_rate,
-        batch_encoding=batch_encoding, record_content=record_content,
+        max_timing_cpu=max_timing_cpu, batch_encoding=batch_encoding, record_content=record_content,
         content_max_bytes=content_max_bytes, excluded_paths=excluded_paths,
         summaries=summaries, summary_interval_s=summary_interval_s, owns=owns,
     )
@@ -302,6 +304,7 @@ def shutdown(timeout_millis: int = 5000) -> None:
 __all__ = [
     "DEFAULT_BATCH_ENCODING",
     "DEFAULT_MAX_TIMED_RATE",
+    "DEFAULT_MAX_TIMING_CPU",
     "DEFAULT_MODE",
     "DEFAULT_SAMPLE_RATE",
     "DEFAULT_TAIL_QUANTILE",

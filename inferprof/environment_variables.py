@@ -23,6 +23,10 @@ INFERPROF_TAIL_QUANTILE = "INFERPROF_TAIL_QUANTILE"
 INFERPROF_MAX_TIMED_RATE = "INFERPROF_MAX_TIMED_RATE"
 """Production mode: requests timed per second, per route and process (0: every one)."""
 
+INFERPROF_MAX_TIMING_CPU = "INFERPROF_MAX_TIMING_CPU"
+"""Production mode: share of the process's CPU that timing requests may cost, in [0, 1]
+(0: no cap)."""
+
 INFERPROF_SUMMARIES = "INFERPROF_SUMMARIES"
 """Production mode: export summaries of every timed request (contract §15); on by default."""
 

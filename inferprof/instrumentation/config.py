@@ -27,6 +27,9 @@ DEFAULT_TAIL_QUANTILE = 0.9
 #: Requests per second, per route (HTTP path) and process, that production mode times;
 #: above it a random share is timed (sampling.TimingBudget). 0: every request.
 DEFAULT_MAX_TIMED_RATE = 100.0
+#: Share of the process's CPU that production mode's timing may cost (sampling.TimingBudget's
+#: CPU guard); 0: no such cap.
+DEFAULT_MAX_TIMING_CPU = 0.0
 #: Production mode: every timed request counted through summaries (contract §15).
 DEFAULT_SUMMARIES = True
 #: Seconds between two summary exports.
@@ -71,6 +74,8 @@ class Config:
     metrics_protocol: str | None = None
     #: production mode: requests timed per second per route and process (0: every one)
     max_timed_rate: float = DEFAULT_MAX_TIMED_RATE
+    #: production mode: share of the process's CPU that timing may cost (0: no cap)
+    max_timing_cpu: float = DEFAULT_MAX_TIMING_CPU
     #: production mode: export summaries of every timed request (ignored in other modes)
     summaries: bool = DEFAULT_SUMMARIES
     #: seconds between two summary exports
@@ -127,6 +132,7 @@ def resolve(
     sample_rate: Any = None,
     tail_quantile: Any = None,
     max_timed_rate: Any = None,
+    max_timing_cpu: Any = None,
     batch_encoding: Any = None,
     record_content: Any = None,
     content_max_bytes: Any = None,
@@ -169,6 +175,10 @@ def resolve(
         metrics_protocol=_metrics_protocol(protocol),
         max_timed_rate=_settings.rate(
             max_timed_rate, ev.INFERPROF_MAX_TIMED_RATE, DEFAULT_MAX_TIMED_RATE, "max_timed_rate"
+        ),
+        max_timing_cpu=_settings.fraction(
+            max_timing_cpu, ev.INFERPROF_MAX_TIMING_CPU, DEFAULT_MAX_TIMING_CPU,
+            "max_timing_cpu", open_low=False,
         ),
         summaries=_summaries(summaries),
         summary_interval_s=_settings.positive_seconds(

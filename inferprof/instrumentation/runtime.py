@@ -153,8 +153,11 @@ class Runtime:
         )
         self._sample_rate = config.sample_rate
         #: production mode's cap on the requests timed (None: every request is timed)
-        rate = config.max_timed_rate
-        self.timing_budget = TimingBudget(rate) if self.production and rate > 0 else None
+        rate, cpu = config.max_timed_rate, config.max_timing_cpu
+        self.timing_budget = (
+            TimingBudget(rate or None, max_cpu=cpu or None)
+            if self.production and (rate > 0 or cpu > 0) else None
+        )
         self._scope = InstrumentationScope(semconv.INSTRUMENTATION_SCOPE, __version__)
         paths = tuple(config.excluded_paths)
         #: (exact, prefixes) for the HTTP middleware; a trailing ``*`` marks a prefix.

@@ -178,6 +178,28 @@ def _power_of_two_below(share: float) -> float:
     return math.ldexp(1.0, exponent - 1)
 
 
+#: CPU seconds a timed request costs the process, for :class:`TimingBudget`'s CPU guard:
+#: its records, summary and share of kept traces on an event loop that shares its core
+#: with the model (docs/overhead.md, "The timing budget"), rounded up.
+TIMED_REQUEST_CPU_S = 60e-6
+#: The guard's share never falls below this (a process whose CPU per request is tiny
+#: still times some of them).
+_MIN_GUARD_SHARE = 2.0 ** -10
+
+
+def cpu_guard_share(cpu_s: float, requests: int, max_cpu: float,
+                    cost_s: float = TIMED_REQUEST_CPU_S) -> float:
+    """The share of requests to time so that timing them costs at most ``max_cpu`` of the
+    process's CPU, from the CPU it spent (``cpu_s``) on ``requests`` requests: 1 when a
+    request's CPU is large enough, else that share rounded down to a power of two."""
+    if requests <= 0 or cpu_s <= 0:
+        return 1.0
+    share = max_cpu * cpu_s / (cost_s * requests)
+    if share >= 1.0:
+        return 1.0
+    return _power_of_two_below(max(share, _MIN_GUARD_SHARE))
+
+
 class TimingBudget:
     """Caps the requests ``production`` mode times at ``rate`` per second per key (the
     HTTP path, or an ``inferprof.request()``'s name and model): above it, each request is
@@ -195,15 +217,42 @@ class TimingBudget:
     with a single route. So the telemetry CPU is bounded in absolute terms: a process
     serving 2,000 requests a second on one route times ``rate`` of them, not 2,000
     (docs/overhead.md, "The timing budget").
+
+    The CPU guard (``max_cpu``) caps what timing costs relative to what the process
+    spends: at each period's end the process's CPU time over the period, divided by the
+    requests of every key, gives the CPU per request, and the share timed in the next
+    period is the one at which ``TIMED_REQUEST_CPU_S`` per timed request stays within
+    ``max_cpu`` of it (:func:`cpu_guard_share`: 1 for a service whose requests cost
+    milliseconds, a power of two below 1 for one whose requests cost as little as their
+    timing). With both caps a request is timed with the smaller share. ``rate`` None:
+    the guard alone.
     """
 
-    __slots__ = ("_clock", "_counts", "_default", "_lock", "_period_end", "_period_start",
-                 "_shares", "rate")
+    __slots__ = ("_clock", "_counts", "_cpu_clock", "_cpu_start", "_default", "_guard",
+                 "_lock", "_period_end", "_period_start", "_shares", "max_cpu", "rate")
 
-    def __init__(self, rate: float, clock: Callable[[], float] = time.monotonic) -> None:
-        if not rate > 0:
+    def __init__(
+        self,
+        rate: float | None,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        max_cpu: float | None = None,
+        cpu_clock: Callable[[], float] = time.process_time,
+    ) -> None:
+        if rate is not None and not rate > 0:
             raise ValueError(f"rate must be > 0, got {rate!r}")
-        self.rate = float(rate)
+        if max_cpu is not None and not 0 < max_cpu <= 1:
+            raise ValueError(f"max_cpu must be in (0, 1], got {max_cpu!r}")
+        if rate is None and max_cpu is None:
+            raise ValueError("a timing budget needs a rate, a CPU share or both")
+        #: requests timed per second per key; None: no such cap
+        self.rate = float(rate) if rate is not None else None
+        #: share of the process's CPU that timing may cost; None: no such cap
+        self.max_cpu = max_cpu
+        #: the CPU guard's share for every key (1: every request), from the last period
+        self._guard = 1.0
+        self._cpu_clock = cpu_clock
+        self._cpu_start = cpu_clock()
         #: requests per key in the current period
         self._counts: dict[object, int] = {}
         #: share timed per key seen more than once in the previous period
@@ -231,8 +280,10 @@ class TimingBudget:
                 counts[key] = 1
             else:  # unbounded keys must not grow memory: counted with the rare ones
                 counts[_RARE_KEY] = counts.get(_RARE_KEY, 0) + 1
-                return self._default
-            return self._shares.get(key, self._default)
+                return min(self._default, self._guard)
+            share = self._shares.get(key, self._default)
+            # both powers of two: the smaller is the probability of either cap's draw
+            return share if share <= self._guard else self._guard
         except Exception:  # telemetry never fails a request
             return 1.0
 
@@ -244,6 +295,15 @@ class TimingBudget:
             # the old dict cannot change it under the loop below.
             counts, self._counts = self._counts, {}
             counts = counts.copy()
+            if self.max_cpu is not None:
+                cpu = self._cpu_clock()
+                self._guard = cpu_guard_share(cpu - self._cpu_start, sum(counts.values()),
+                                              self.max_cpu)
+                self._cpu_start = cpu
+            if self.rate is None:
+                self._period_start = now
+                self._period_end = now + _BUDGET_PERIOD_S
+                return
             # The period ends at the first request after its end: after an idle spell it
             # is longer than one, and the rate is the mean over it.
             budget = self.rate * (now - self._period_start)
@@ -269,4 +329,4 @@ class TimingBudget:
             self._period_end = now + _BUDGET_PERIOD_S
 
 
-__all__ = ["TailSampler", "TimingBudget"]
+__all__ = ["TIMED_REQUEST_CPU_S", "TailSampler", "TimingBudget", "cpu_guard_share"]

@@ -403,3 +403,71 @@ def test_threads_sharing_a_budget_get_valid_shares_and_memory_stays_bounded():
     assert len(shares) == 80000 and all(0.0 < s <= 1.0 for s in shares)
     assert min(shares) < 1.0  # the budget did cut in
     assert len(budget._counts) <= sampling._BUDGET_MAX_KEYS + 1
+
+
+class CpuClock:
+    """The process's CPU seconds, advanced by the test."""
+
+    def __init__(self) -> None:
+        self.cpu = 10.0
+
+    def __call__(self) -> float:
+        return self.cpu
+
+
+def _period(budget: TimingBudget, clock: Clock, cpu: CpuClock, requests: int,
+            cpu_per_request: float, key: object = "/a") -> float:
+    """One period of ``requests`` costing the process ``cpu_per_request`` each; the share
+    the next request is timed with."""
+    for _ in range(requests):
+        budget.share(key)
+        cpu.cpu += cpu_per_request
+    clock.now += 0.1
+    return budget.share(key)
+
+
+def test_the_cpu_guard_times_every_request_of_a_service_whose_requests_cost_milliseconds():
+    clock, cpu = Clock(), CpuClock()
+    budget = TimingBudget(None, clock=clock, max_cpu=0.02, cpu_clock=cpu)
+    # 2.5 ms of CPU a request: 60 µs of timing is 2.4%... of which 2% allowed: not all
+    assert _period(budget, clock, cpu, 200, 2.5e-3) == 0.5
+    # 5 ms a request: 1.2%, every request timed, however many there are
+    assert _period(budget, clock, cpu, 2000, 5e-3) == 1.0
+    assert all(budget.share(f"/r{i}") == 1.0 for i in range(100))
+
+
+def test_the_cpu_guard_share_keeps_timing_within_its_share_of_the_cpu():
+    clock, cpu = Clock(), CpuClock()
+    budget = TimingBudget(None, clock=clock, max_cpu=0.03, cpu_clock=cpu)
+    for per_request in (20e-6, 110e-6, 430e-6, 1.1e-3, 1.9e-3, 10e-3):
+        share = _period(budget, clock, cpu, 500, per_request)
+        wanted = 0.03 * per_request / sampling.TIMED_REQUEST_CPU_S
+        if wanted >= 1:
+            assert share == 1.0
+        else:  # the largest power of two at most the share that fits the CPU
+            assert share <= wanted < 2 * share
+            assert math.log2(share) == int(math.log2(share))
+        # what timing costs at that share, in the guard's own estimate, fits the cap
+        assert share * sampling.TIMED_REQUEST_CPU_S <= 0.03 * per_request or share == 1.0
+
+
+def test_with_both_caps_a_request_is_timed_with_the_smaller_share():
+    clock, cpu = Clock(), CpuClock()
+    budget = TimingBudget(100, clock=clock, max_cpu=0.03, cpu_clock=cpu)
+    # 1 000 a second (100 in the period) at 1 ms each: the rate cap 1/16 (100/s of
+    # 1 000/s, rounded), the guard 1/2 (0.03 * 1 ms / 60 µs)
+    assert _period(budget, clock, cpu, 100, 1e-3) == 2.0**-4
+    # the same rate at 100 µs a request: the guard's 2**-5 is smaller
+    assert _period(budget, clock, cpu, 100, 100e-6) == 2.0**-5
+
+
+def test_the_cpu_guard_setting_and_its_weights(monkeypatch):
+    monkeypatch.setenv("INFERPROF_MAX_TIMING_CPU", "0.02")
+    with captured(mode="production", max_timed_rate=0):
+        rt = inferprof._config.active_runtime()
+        assert rt.timing_budget is not None and rt.timing_budget.max_cpu == 0.02
+        assert rt.timing_budget.rate is None
+    with captured(mode="production", max_timed_rate=0, max_timing_cpu=0):
+        assert inferprof._config.active_runtime().timing_budget is None  # every request
+    with pytest.raises(ValueError, match="max_timing_cpu"):
+        inferprof.configure(mode="production", max_timing_cpu=1.5)
