@@ -264,6 +264,9 @@ DROP_OUTSIDE_REQUEST: Final = "outside_request"
 DROP_TOO_MANY_LINKS: Final = "too_many_links"
 #: spans still held when the collector stopped and its flush ran out of time
 DROP_SHUTDOWN: Final = "shutdown"
+#: a compact step span (§14) whose arrays are missing, of unequal lengths, or hold values
+#: no step can have (negative, not finite, outside the span): none of its steps is read
+DROP_INVALID_STEPS: Final = "invalid_steps"
 #: Service label of the series that (service, model) pairs beyond the cardinality cap fold into.
 OVERFLOW_SERIES: Final = "__overflow__"
 
@@ -320,6 +323,20 @@ ATTR_STEP_PREFILL_TOKENS: Final = "inferprof.step.prefill_tokens"
 ATTR_STEP_DECODE_TOKENS: Final = "inferprof.step.decode_tokens"
 ATTR_STEP_REQUESTS: Final = "inferprof.step.requests"
 ATTR_STEP_KV_CACHE_USAGE: Final = "inferprof.step.kv_cache.usage"
+#: Compact step spans (§14): one root span carrying many steps of one engine as arrays
+#: (production mode's encoding), entry i of each array is step i.
+ENGINE_STEPS_SPAN_NAME: Final = "inferprof.engine_steps"
+#: Step starts, in seconds since the span's start (double[]).
+ATTR_STEPS_START_OFFSETS_S: Final = "inferprof.steps.start_offsets_s"
+#: Step durations in seconds (double[]).
+ATTR_STEPS_DURATIONS_S: Final = "inferprof.steps.durations_s"
+ATTR_STEPS_PREFILL_TOKENS: Final = "inferprof.steps.prefill_tokens"
+ATTR_STEPS_DECODE_TOKENS: Final = "inferprof.steps.decode_tokens"
+ATTR_STEPS_REQUESTS: Final = "inferprof.steps.requests"
+#: KV-cache usage at each step's start (double[], 0..1; an entry outside 0..1: no reading).
+ATTR_STEPS_KV_CACHE_USAGE: Final = "inferprof.steps.kv_cache.usage"
+#: Most steps one compact step span may carry (§14); the collector rejects a longer one.
+MAX_STEPS_PER_SPAN: Final = 65536
 #: KV-cache gauge (§14): blocks in use over blocks in total, 0..1, attribute
 #: ``inferprof.engine.id``, joined by time like the GPU samples.
 METRIC_ENGINE_KV_CACHE_USAGE: Final = "inferprof.engine.kv_cache.usage"

@@ -564,7 +564,11 @@ class Assembler:
         if stage is not None:
             self.ignored += 1
             return
-        self.steps.add_step(resource, extra, start, end, ex.now)
+        why = self.steps.add_step(resource, extra, start, end, ex.now)
+        if why is not None:
+            ex.unpending -= 1  # rejected, not accepted
+            ex.reject(sc.DROP_INVALID_STEPS, f"engine steps span in trace {tid.hex()}: {why}")
+            return
         # Device stages sent without the engine id came first.
         stray = self.traces.pop(tid, None) if trace is not None else None
         if stray is not None:

@@ -38,16 +38,28 @@ REQUEST_KEYS = frozenset(
         sc.ATTR_GEN_AI_REQUEST_MODEL,
     }
 )
-#: Engine step-span attributes (§14).
+#: Compact step-span arrays (§14).
+STEPS_ARRAY_KEYS = frozenset(
+    {
+        sc.ATTR_STEPS_START_OFFSETS_S,
+        sc.ATTR_STEPS_DURATIONS_S,
+        sc.ATTR_STEPS_PREFILL_TOKENS,
+        sc.ATTR_STEPS_DECODE_TOKENS,
+        sc.ATTR_STEPS_REQUESTS,
+        sc.ATTR_STEPS_KV_CACHE_USAGE,
+    }
+)
+#: Engine step-span attributes (§14), per-step and compact.
 STEP_KEYS = frozenset(
     {
         sc.ATTR_STEP_PREFILL_TOKENS,
         sc.ATTR_STEP_DECODE_TOKENS,
         sc.ATTR_STEP_REQUESTS,
         sc.ATTR_STEP_KV_CACHE_USAGE,
+        *STEPS_ARRAY_KEYS,
     }
 )
-ARRAY_KEYS = frozenset({sc.ATTR_GEN_EMIT_OFFSETS_S, sc.ATTR_GEN_EMIT_TOKENS})
+ARRAY_KEYS = frozenset({sc.ATTR_GEN_EMIT_OFFSETS_S, sc.ATTR_GEN_EMIT_TOKENS, *STEPS_ARRAY_KEYS})
 #: Keys that name a model and nothing else: alone, they do not make a span a request.
 _MODEL_KEYS = frozenset({sc.ATTR_GEN_AI_RESPONSE_MODEL, sc.ATTR_GEN_AI_REQUEST_MODEL})
 #: Keys whose presence makes a request a generating one.
@@ -68,7 +80,8 @@ _ENGINE_LATENCY_KEYS = frozenset(
         sc.ATTR_GEN_AI_LATENCY_E2E,
     }
 )
-_STEP_MARKS = (sc.ATTR_STEP_DECODE_TOKENS, sc.ATTR_STEP_PREFILL_TOKENS, sc.ATTR_STEP_REQUESTS)
+_STEP_MARKS = (sc.ATTR_STEP_DECODE_TOKENS, sc.ATTR_STEP_PREFILL_TOKENS, sc.ATTR_STEP_REQUESTS,
+               sc.ATTR_STEPS_START_OFFSETS_S, sc.ATTR_STEPS_DURATIONS_S)
 _NS = 1e9
 #: Longest duration read off an engine's span (s): its nanoseconds added to a span's start
 #: stay within int64 (about 146 years); a larger value is malformed, not a latency.
@@ -113,6 +126,57 @@ def array_value(v: Any) -> array[float] | None:
     if kind == "int_value":
         return array("d", [x.int_value for x in values])
     return None
+
+
+def compact_steps(
+    extra: dict[str, Any], start: int, end: int
+) -> tuple[np.ndarray, ...] | str | None:
+    """A compact step span's steps (§14): (start ns, end ns, prefill tokens, decode tokens,
+    KV usage (NaN: no reading)), one entry per step; None for a per-step span; a reason
+    (str) when the arrays are malformed (none of its steps is read)."""
+    offsets = extra.get(sc.ATTR_STEPS_START_OFFSETS_S)
+    durations = extra.get(sc.ATTR_STEPS_DURATIONS_S)
+    if offsets is None and durations is None and sc.ATTR_STEPS_START_OFFSETS_S not in extra \
+            and sc.ATTR_STEPS_DURATIONS_S not in extra:
+        return None
+    if offsets is None or durations is None:
+        return (f"needs {sc.ATTR_STEPS_START_OFFSETS_S} and {sc.ATTR_STEPS_DURATIONS_S} "
+                "as arrays of numbers")
+    n = len(offsets)
+    if not 0 < n <= sc.MAX_STEPS_PER_SPAN:
+        return f"holds {n} steps (1 to {sc.MAX_STEPS_PER_SPAN})"
+    cols = [np.frombuffer(offsets, np.float64), np.frombuffer(durations, np.float64)]
+    for key in (sc.ATTR_STEPS_PREFILL_TOKENS, sc.ATTR_STEPS_DECODE_TOKENS,
+                sc.ATTR_STEPS_KV_CACHE_USAGE):
+        if key not in extra:
+            cols.append(np.zeros(n) if key != sc.ATTR_STEPS_KV_CACHE_USAGE
+                        else np.full(n, np.nan))
+            continue
+        v = extra[key]
+        if v is None:
+            return f"{key} is not an array of numbers"
+        cols.append(np.frombuffer(v, np.float64))
+    if sc.ATTR_STEPS_REQUESTS in extra and extra[sc.ATTR_STEPS_REQUESTS] is None:
+        return f"{sc.ATTR_STEPS_REQUESTS} is not an array of numbers"
+    for key, col in zip((sc.ATTR_STEPS_DURATIONS_S, sc.ATTR_STEPS_PREFILL_TOKENS,
+                         sc.ATTR_STEPS_DECODE_TOKENS, sc.ATTR_STEPS_KV_CACHE_USAGE),
+                        cols[1:], strict=True):
+        if col.size != n:
+            return f"{key} has {col.size} entries, {sc.ATTR_STEPS_START_OFFSETS_S} {n}"
+    off, dur, p, d, kv = cols
+    span_s = (end - start) / _NS
+    with np.errstate(invalid="ignore"):
+        # the last step ends at the span's end; a few ns of slack for the doubles' rounding
+        if not (np.isfinite(off).all() and np.isfinite(dur).all() and (off >= 0).all()
+                and (dur >= 0).all() and (off + dur <= span_s + 1e-6).all()):
+            return "a step is negative, not finite, or outside the span"
+        if not ((p >= 0).all() and (d >= 0).all() and np.isfinite(p).all()
+                and np.isfinite(d).all()):
+            return "a token count is negative or not finite"
+    st = start + np.rint(off * _NS).astype(np.int64)
+    en = np.minimum(st + np.rint(dur * _NS).astype(np.int64), end)
+    kv = np.where((kv >= 0) & (kv <= 1), kv, np.nan)
+    return st, en, p, d, kv
 
 
 def is_step_span(extra: dict[str, Any], stage: Any, parent: bytes) -> bool:
@@ -203,6 +267,7 @@ __all__ = [
     "REQUEST_KEYS",
     "STEP_KEYS",
     "array_value",
+    "compact_steps",
     "count",
     "derived_stages",
     "is_generating",

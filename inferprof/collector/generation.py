@@ -155,14 +155,21 @@ class StepIndex:
 
     def add_step(
         self, resource: tuple[str, str, str], extra: Extra, start: int, end: int, now: float
-    ) -> None:
-        """One engine step span (called by trace assembly)."""
+    ) -> str | None:
+        """One engine step span, per-step or compact (called by trace assembly); a reason
+        when a compact one is malformed (none of its steps is read)."""
+        compact = gs.compact_steps(extra, start, end)
+        if compact is not None:
+            if isinstance(compact, str):
+                return compact
+            self._add_steps(resource, extra.get(sc.ATTR_ENGINE_ID), compact, now)
+            return None
         engine = extra.get(sc.ATTR_ENGINE_ID)
         tl = self._timeline(engine_key(*resource, engine), now)
         self.steps_received += 1
         if tl is None or not self._room(tl, now):
             self.dropped += 1
-            return
+            return None
         p = gs.count(extra, sc.ATTR_STEP_PREFILL_TOKENS) or 0
         n = gs.count(extra, sc.ATTR_STEP_DECODE_TOKENS) or 0
         tl.pending.append((start, end, float(p), float(n), now))
@@ -173,6 +180,41 @@ class StepIndex:
             tl.kv_pending.append((start * _NS, float(kv), now))
             self.total += 1
         if len(tl.pending) > _PENDING_ROWS or len(tl.kv_pending) > _PENDING_ROWS:
+            self._consolidate(tl, now)
+        return None
+
+    def _add_steps(self, resource: tuple[str, str, str], engine: Any, cols: Arrays,
+                   now: float) -> None:
+        """A compact step span's steps, as ``add_step`` adds each of a per-step span."""
+        st, en, p, d, kv = cols
+        n = st.size
+        tl = self._timeline(engine_key(*resource, engine), now)
+        self.steps_received += n
+        if tl is None:
+            self.dropped += n
+            return
+        room = n
+        if self.max_total_rows is not None and self.total + n > self.max_total_rows:
+            self._consolidate(tl, now)
+            room = max(0, min(n, self.max_total_rows - self.total))
+            self.dropped += n - room
+        if not room:
+            return
+        pending = tl.pending
+        pending.extend(zip(st[:room].tolist(), en[:room].tolist(), p[:room].tolist(),
+                           d[:room].tolist(), [now] * room, strict=True))
+        self.total += room
+        has_kv = ~np.isnan(kv[:room])
+        if has_kv.any():
+            kv_room = int(has_kv.sum())
+            if self.max_total_rows is not None:
+                kv_room = max(0, min(kv_room, self.max_total_rows - self.total))
+            if kv_room:
+                times = (st[:room][has_kv][:kv_room] * _NS).tolist()
+                tl.kv_pending.extend(zip(times, kv[:room][has_kv][:kv_room].tolist(),
+                                         [now] * kv_room, strict=True))
+                self.total += kv_room
+        if len(pending) > _PENDING_ROWS or len(tl.kv_pending) > _PENDING_ROWS:
             self._consolidate(tl, now)
 
     def _room(self, tl: _Timeline, now: float) -> bool:

@@ -17,23 +17,33 @@ loop reports that as it happens::
     gen_b.preempt()                                     # evicted
     gen_a.finish()                                      # or gen_a.cancel()
 
-Each step becomes one ``inferprof.engine_step`` span, the root of a trace of its own, with
-the step's stages (``h2d``, ``compute``, ``d2h``) as children; each request gets its
+In ``full`` mode each step becomes one ``inferprof.engine_step`` span, the root of a trace
+of its own, with the step's stages (``h2d``, ``compute``, ``d2h``) as children (a trace
+viewer shows each step). In ``production`` mode a step is one row appended to the engine's
+buffer, and one ``inferprof.engine_steps`` span carries up to ``STEPS_PER_SPAN`` of them as
+arrays (its stages are not sent: the collector does not read them). Each request gets its
 ``queue``, ``prefill``, ``decode`` and ``preempted`` stage spans and, per output token, one
 timestamp (:mod:`inferprof.instrumentation.generation`). Contract §14 is the encoding.
 
+The buffer is sent when it holds ``STEPS_PER_SPAN`` steps, when its oldest step is
+``STEPS_MAX_WAIT_S`` old at a step's end, when a request of the engine is kept (before its
+trace: the collector splits that request's gaps by these steps), when the engine's last
+open request ends (an engine going idle), and on :meth:`Engine.flush`.
+
 Cost: per token, a few attribute updates and one list append (no span, no lock); per step,
-one span built like the request spans (runtime module docstring), less than the
-OpenTelemetry SDK's ``start_span()``/``end()``. ``benchmarks/generation_cost.py`` measures
-both. In ``production`` mode a step none of whose members is timed records nothing; with
-inferprof off (or not configured) every call returns at once; ``production`` sends a step's
-span without its stages, which the collector does not read.
+in ``full`` one span built like the request spans (runtime module docstring), less than the
+OpenTelemetry SDK's ``start_span()``/``end()``; in ``production`` one tuple appended, and a
+span per many steps. ``benchmarks/generation_cost.py`` measures both. In ``production``
+mode a step none of whose members is timed records nothing; with inferprof off (or not
+configured) every call returns at once.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -59,6 +69,13 @@ _INTERNAL = SpanKind.INTERNAL
 
 #: The handle of a request that is not recorded (one, shared: it records nothing).
 _UNTIMED = Generation("", None, False, None, 0)
+#: Production mode's compact step spans (contract §14): steps one span carries at most,
+#: and how long a recorded step waits for its span while the engine keeps stepping.
+STEPS_PER_SPAN = 256
+STEPS_MAX_WAIT_S = 0.5
+_MAX_WAIT_NS = int(STEPS_MAX_WAIT_S * 1e9)
+#: A KV-cache entry of a step recorded without a reading (outside 0..1: none, §14).
+_NO_KV = -1.0
 
 
 class Engine:
@@ -72,7 +89,8 @@ class Engine:
     the step attribute ``Engine.step(kv_cache_usage=)`` is the cheaper alternative).
     """
 
-    __slots__ = ("_gauge_on", "_warned_second", "engine_id", "kv_cache_usage", "model")
+    __slots__ = ("_flush_lock", "_gauge_on", "_live", "_rows", "_rows_rt", "_warned_second",
+                 "engine_id", "kv_cache_usage", "model")
 
     def __init__(self, engine_id: str = semconv.DEFAULT_ENGINE_ID, *, model: str | None = None,
                  kv_cache_usage: Callable[[], float] | None = None) -> None:
@@ -88,6 +106,15 @@ class Engine:
         self._warned_second = False
         #: the meter provider the gauge is registered with (once per provider)
         self._gauge_on: Any = None
+        #: production mode's recorded steps not sent yet: (start ns, end ns, prefill
+        #: tokens, decode tokens, members, KV usage or None); appended by the stepping
+        #: thread, taken by whichever thread flushes (a deque: both are atomic)
+        self._rows: deque[tuple[int, int, int, int, int, float | None]] = deque()
+        #: the runtime the rows were recorded under
+        self._rows_rt: Any = None
+        self._flush_lock = threading.Lock()
+        #: timed requests opened and not ended (0: the engine is idle, its steps go out)
+        self._live = 0
 
     def request(self, *, prompt_tokens: int | None = None) -> Generation:
         """A request arrives for this engine: its handle. Its ``queue`` stage starts now.
@@ -122,6 +149,8 @@ class Engine:
                 self._warn_second()
                 return _UNTIMED
             gen = Generation(self.engine_id, owner, False, prompt_tokens, now)
+            gen.engine = self
+            self._live += 1
             owner.generation = gen
             return gen
         name = semconv.REQUEST_SPAN_NAME
@@ -135,6 +164,8 @@ class Engine:
         if share < 1.0:
             rec.weight_hint = 1.0 / share
         gen = Generation(self.engine_id, rec, True, prompt_tokens, now)
+        gen.engine = self
+        self._live += 1
         rec.generation = gen
         return gen
 
@@ -159,7 +190,46 @@ class Engine:
         if self.kv_cache_usage is not None and self._gauge_on is not rt.meter_provider:
             self._gauge_on = rt.meter_provider
             register_kv_gauge(rt.meter_provider, self.engine_id, self.kv_cache_usage)
-        return Step(rt, self.engine_id, kv_cache_usage)
+        return Step(rt, self, kv_cache_usage)
+
+    def flush(self) -> None:
+        """Send the steps recorded and not sent yet (production mode's compact step spans,
+        contract §14) now. Any thread; never raises."""
+        try:
+            with self._flush_lock:
+                rows = self._rows
+                taken = [rows.popleft() for _ in range(len(rows))]
+                rt = self._rows_rt
+            if taken and rt is not None:
+                rt.emit_trace(new_trace_id(), [_steps_spec(self.engine_id, taken)])
+        except Exception:
+            _logger.exception("inferprof could not send an engine's steps")
+
+    def _add_row(self, step: Step) -> None:
+        """A production step (no error): one row; the rows go out as one span per many."""
+        rt = step.rt
+        if rt is not self._rows_rt:  # reconfigured: the old rows go to their runtime
+            self.flush()
+            self._rows_rt = rt
+        rows = self._rows
+        end = step.end
+        rows.append((step.start, end, step.prefill_tokens, step.decode_tokens, step.requests,
+                     step.kv))
+        try:
+            full = len(rows) >= STEPS_PER_SPAN or end - rows[0][0] >= _MAX_WAIT_NS
+        except IndexError:  # another thread flushed them meanwhile
+            return
+        if full:
+            self.flush()
+
+    def _request_ended(self) -> None:
+        """A timed request of this engine ended; the last one sends the steps (an engine
+        that goes idle would hold them until its next step)."""
+        self._live -= 1
+        if self._live <= 0:
+            self._live = 0
+            if self._rows:
+                self.flush()
 
 
 class Step:
@@ -176,6 +246,7 @@ class Step:
         "_token",
         "decode_tokens",
         "end",
+        "engine",
         "engine_id",
         "error",
         "finished",
@@ -189,9 +260,10 @@ class Step:
         "timed",
     )
 
-    def __init__(self, rt: Any, engine_id: str, kv_cache_usage: float | None) -> None:
+    def __init__(self, rt: Any, engine: Engine, kv_cache_usage: float | None) -> None:
         self.rt = rt
-        self.engine_id = engine_id
+        self.engine = engine
+        self.engine_id = engine.engine_id
         self.kv = kv_cache_usage
         self.start = self.end = 0
         self.prefill_tokens = self.decode_tokens = self.requests = 0
@@ -270,8 +342,13 @@ class Step:
         try:
             if exc is None:  # a failed step produced no token
                 self._members_done(end)
-            if self.timed or not self.rt.production:
+            if not self.rt.production:
                 self._emit()
+            elif self.timed:
+                if self.error is None:
+                    self.engine._add_row(self)
+                else:  # a failed step keeps a span of its own, with its error
+                    self._emit()
         except Exception:
             _logger.exception("inferprof could not record an engine step")
         return False
@@ -341,6 +418,28 @@ class Step:
                                   span_id_of(parent) if parent is not None else root, _INTERNAL,
                                   st.start, st.end or self.end, st_attrs, st_error, ()))
         rt.emit_trace(trace_id, specs)
+
+
+def _steps_spec(engine_id: str, rows: list[tuple[int, int, int, int, int, float | None]]
+                ) -> SpanSpec:
+    """The compact step span (§14) of ``rows``: a root span from the first step's start to
+    the last one's end, one array entry per step."""
+    start = min(r[0] for r in rows)
+    end = max(r[1] for r in rows)
+    attrs: dict[str, Any] = {
+        semconv.ATTR_ENGINE_ID: engine_id,
+        semconv.ATTR_STEPS_START_OFFSETS_S: [(r[0] - start) / 1e9 for r in rows],
+        semconv.ATTR_STEPS_DURATIONS_S: [(r[1] - r[0]) / 1e9 for r in rows],
+        semconv.ATTR_STEPS_PREFILL_TOKENS: [r[2] for r in rows],
+        semconv.ATTR_STEPS_DECODE_TOKENS: [r[3] for r in rows],
+        semconv.ATTR_STEPS_REQUESTS: [r[4] for r in rows],
+    }
+    kv = [r[5] for r in rows]
+    if any(k is not None for k in kv):
+        attrs[semconv.ATTR_STEPS_KV_CACHE_USAGE] = [
+            float(k) if k is not None else _NO_KV for k in kv]
+    return SpanSpec(semconv.ENGINE_STEPS_SPAN_NAME, new_span_id(), None, _INTERNAL, start, end,
+                    attrs, None, ())
 
 
 #: Engines reporting KV-cache usage, per meter provider: one gauge each, one callback.
@@ -420,4 +519,4 @@ class _NoopStep:
 
 _NOOP_STEP = _NoopStep()
 
-__all__ = ["Engine", "Generation", "Step"]
+__all__ = ["STEPS_MAX_WAIT_S", "STEPS_PER_SPAN", "Engine", "Generation", "Step"]

@@ -54,6 +54,7 @@ class Generation:
         "cancelled",
         "emit_tokens",
         "emits",
+        "engine",
         "engine_id",
         "last_step_end",
         "merged",
@@ -74,6 +75,8 @@ class Generation:
     def __init__(self, engine_id: str, rec: Any, own: bool, prompt_tokens: int | None,
                  arrival: int) -> None:
         self.engine_id = engine_id
+        #: the ``Engine`` recording its steps (set by it for a timed request), or None
+        self.engine: Any = None
         #: the request's record (None: not timed, nothing is recorded)
         self.rec = rec
         #: whether the handle opened the request itself (and ends it at finish/cancel)
@@ -249,6 +252,9 @@ class Generation:
         self._close_run(now)
         self.state = DONE
         self.cancelled = cancelled
+        engine = self.engine
+        if engine is not None:
+            engine._request_ended()
         if self.own and not rec.finished:
             try:
                 rec.end = now
@@ -323,6 +329,9 @@ def generation_attributes(
     attrs: dict[str, Any] = {}
     start = _span_start(rec)
     if gen is not None:
+        if gen.engine is not None:
+            # the steps its gaps are split by go out no later than its trace (§14)
+            gen.engine.flush()
         st = gen.stage
         if st is not None and st.end is None and gen.state == DECODING and gen.last_step_end:
             # the response ended before the engine said finish(): the run ended at its

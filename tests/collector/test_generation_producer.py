@@ -14,9 +14,9 @@ from tests.collector.synth import FakeClock
 from tests.otlp_sink import attributes
 
 
-def test_step_api_spans_fold_into_the_generation_section(otlp_sink):
-    inferprof.configure(service_name="gen", endpoint=otlp_sink.endpoint, set_global=False)
-    engine = inferprof.Engine("e1")
+def _run_engine(engine):
+    """A generating run through the step API: three requests, chunked prompts, another
+    request's prompt beside decoding, an eviction with its prompt recomputed."""
     gens = [engine.request(prompt_tokens=8) for _ in range(3)]
     with engine.step(kv_cache_usage=0.5) as step:  # prompts of two requests
         step.prefill(gens[0], 8)
@@ -43,6 +43,11 @@ def test_step_api_spans_fold_into_the_generation_section(otlp_sink):
                 step.prefill(gens[1], 10)
     for g in gens:
         g.finish()
+
+
+def test_step_api_spans_fold_into_the_generation_section(otlp_sink):
+    inferprof.configure(service_name="gen", endpoint=otlp_sink.endpoint, set_global=False)
+    _run_engine(inferprof.Engine("e1"))
     inferprof.shutdown()
     assert otlp_sink.wait_for(
         lambda s: sum(1 for _, sp in s.spans() if sp.name == sc.REQUEST_SPAN_NAME) == 3)
@@ -145,3 +150,167 @@ def test_step_api_requests_share_their_steps_device_time(otlp_sink):
         prefill_s, decode_s = expected[prompt_of[trace_id]]
         assert gpu[sc.STAGE_PREFILL] == pytest.approx(prefill_s)
         assert gpu[sc.STAGE_DECODE] == pytest.approx(decode_s)
+
+
+def _step_rows_and_rest(requests):
+    """The per-step spans' rows (start, end, prefill, decode, members, kv) and copies of
+    ``requests`` without the step traces (step spans and their stages)."""
+    rows = []
+    step_traces = set()
+    for req in requests:
+        for rs in req.resource_spans:
+            for ss in rs.scope_spans:
+                for sp in ss.spans:
+                    if sp.name == sc.ENGINE_STEP_SPAN_NAME:
+                        a = attributes(sp)
+                        step_traces.add(sp.trace_id)
+                        rows.append((sp.start_time_unix_nano, sp.end_time_unix_nano,
+                                     a[sc.ATTR_STEP_PREFILL_TOKENS], a[sc.ATTR_STEP_DECODE_TOKENS],
+                                     a[sc.ATTR_STEP_REQUESTS], a.get(sc.ATTR_STEP_KV_CACHE_USAGE)))
+    rest = []
+    for req in requests:
+        copy = type(req)()
+        copy.CopyFrom(req)
+        for rs in copy.resource_spans:
+            for ss in rs.scope_spans:
+                keep = [sp for sp in ss.spans if sp.trace_id not in step_traces]
+                del ss.spans[:]
+                ss.spans.extend(keep)
+        rest.append(copy)
+    return sorted(rows), rest
+
+
+def _compact_request(template, engine_id, groups):
+    """An export holding one compact step span (the producer's own encoding, §14) per
+    group of rows, under ``template``'s first resource and scope."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+    )
+    from opentelemetry.proto.trace.v1.trace_pb2 import ScopeSpans
+
+    from inferprof.instrumentation.engine import _steps_spec
+    from inferprof.instrumentation.otlp_encode import encode_trace_spans
+    from inferprof.instrumentation.spans import new_trace_id
+
+    out = ExportTraceServiceRequest()
+    rs = out.resource_spans.add()
+    rs.resource.CopyFrom(template.resource_spans[0].resource)
+    ss = rs.scope_spans.add()
+    ss.scope.CopyFrom(template.resource_spans[0].scope_spans[0].scope)
+    for rows in groups:
+        encoded = encode_trace_spans(new_trace_id(), [_steps_spec(engine_id, rows)])
+        ss.spans.extend(ScopeSpans.FromString(encoded).spans)
+    return out
+
+
+def _fold(requests, payload):
+    clock = FakeClock(time.time())
+    collector = Engine(clock=clock, settle_s=1.0)
+    for request in requests:
+        result = collector.ingest_traces(
+            request, payload=request.SerializeToString() if payload else None)
+        assert result.rejected_spans == 0, result.errors
+    clock.tick(5)
+    return collector
+
+
+def test_compact_step_spans_give_the_figures_of_a_span_per_step(otlp_sink):
+    # The same run, its steps sent a span each (full mode) or as compact spans (production
+    # mode's encoding, §14): ttft, itl, tpot, both tail attributions, the KV-cache usage
+    # and the steps' GPU-seconds are the same, to the last bit.
+    inferprof.configure(service_name="gen", endpoint=otlp_sink.endpoint, set_global=False)
+    _run_engine(inferprof.Engine("e1"))
+    inferprof.shutdown()
+    assert otlp_sink.wait_for(
+        lambda s: sum(1 for _, sp in s.spans() if sp.name == sc.REQUEST_SPAN_NAME) == 3)
+    per_step = list(otlp_sink.trace_requests)
+    rows, rest = _step_rows_and_rest(per_step)
+    assert len(rows) == 8
+    # two compact spans, in the order they would arrive
+    compact = [*rest, _compact_request(per_step[0], "e1", [rows[:3], rows[3:]])]
+
+    for payload in (False, True):  # the message path and the serialized-bytes path
+        a = _fold(per_step, payload)
+        b = _fold(compact, payload)
+        doc_a, doc_b = a.breakdown("gen"), b.breakdown("gen")
+        assert doc_a["generation"]["requests"] == 3
+        causes = {c["cause"]: c["share_of_p95"] for c in doc_a["generation"]["itl"]["causes"]}
+        assert causes[sc.ITL_CAUSE_UNATTRIBUTED] == 0.0  # the gaps were joined to steps
+        assert doc_b["generation"] == doc_a["generation"]
+        assert doc_b["cost"] == doc_a["cost"]
+        assert b.stats.engine_steps_received == a.stats.engine_steps_received == 8
+        assert not b.stats.spans_dropped
+
+
+def test_production_mode_exports_compact_steps_the_collector_joins(otlp_sink):
+    inferprof.configure(service_name="gen", endpoint=otlp_sink.endpoint, set_global=False,
+                        mode="production", sample_rate=1.0)
+    _run_engine(inferprof.Engine("e1"))
+    inferprof.shutdown()
+    assert otlp_sink.wait_for(
+        lambda s: sum(1 for _, sp in s.spans() if sp.name == sc.REQUEST_SPAN_NAME) == 3)
+    names = [sp.name for _, sp in otlp_sink.spans()]
+    assert sc.ENGINE_STEP_SPAN_NAME not in names
+    compact = [sp for _, sp in otlp_sink.spans() if sp.name == sc.ENGINE_STEPS_SPAN_NAME]
+    assert sum(len(attributes(sp)[sc.ATTR_STEPS_DURATIONS_S].values) for sp in compact) == 8
+
+    collector = _fold(otlp_sink.trace_requests, payload=True)
+    gen = collector.breakdown("gen")["generation"]
+    assert collector.stats.engine_steps_received == 8
+    assert gen["requests"] == 3 and gen["preempted_requests"] == 1
+    assert gen["kv_cache"]["usage_p95"] == pytest.approx(0.9, rel=0.01)
+    causes = {c["cause"]: c["share_of_p95"] for c in gen["itl"]["causes"]}
+    assert causes[sc.ITL_CAUSE_UNATTRIBUTED] == 0.0
+    assert causes[sc.ITL_CAUSE_DECODE] + causes[sc.ITL_CAUSE_PREFILL_INTERFERENCE] + causes[
+        sc.ITL_CAUSE_PREEMPTED] > 0.8
+
+
+def test_a_malformed_compact_step_span_is_rejected_with_its_reason_the_rest_kept():
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+    )
+    from opentelemetry.proto.trace.v1.trace_pb2 import ScopeSpans
+
+    from inferprof.instrumentation.engine import _steps_spec
+    from inferprof.instrumentation.otlp_encode import encode_trace_spans
+    from inferprof.instrumentation.spans import SpanSpec, new_span_id, new_trace_id
+
+    t0 = time.time_ns()
+    good = _steps_spec("e1", [(t0, t0 + 10_000_000, 0, 4, 4, 0.5),
+                              (t0 + 11_000_000, t0 + 20_000_000, 16, 4, 5, None)])
+
+    def spec(**changes):
+        attrs = dict(good.attributes)
+        for key, value in changes.items():
+            if value is None:
+                attrs.pop(key)
+            else:
+                attrs[key] = value
+        return SpanSpec(sc.ENGINE_STEPS_SPAN_NAME, new_span_id(), None, good.kind,
+                        good.start, good.end, attrs, None, ())
+
+    bad = [
+        spec(**{sc.ATTR_STEPS_DURATIONS_S: None}),  # no durations
+        spec(**{sc.ATTR_STEPS_DURATIONS_S: [0.01]}),  # one entry short
+        spec(**{sc.ATTR_STEPS_START_OFFSETS_S: [0.0, -0.001]}),  # before the span
+        spec(**{sc.ATTR_STEPS_DURATIONS_S: [0.01, 0.5]}),  # past the span's end
+        spec(**{sc.ATTR_STEPS_DECODE_TOKENS: ["4", "4"]}),  # not numbers
+        spec(**{sc.ATTR_STEPS_PREFILL_TOKENS: [0, -16]}),  # a negative count
+        spec(**{sc.ATTR_STEPS_START_OFFSETS_S: [], sc.ATTR_STEPS_DURATIONS_S: []}),  # empty
+    ]
+    request = ExportTraceServiceRequest()
+    ss = request.resource_spans.add().scope_spans.add()
+    for s in [*bad, good]:
+        ss.spans.extend(ScopeSpans.FromString(encode_trace_spans(new_trace_id(), [s])).spans)
+
+    for payload in (False, True):
+        clock = FakeClock(time.time())
+        collector = Engine(clock=clock, settle_s=1.0)
+        result = collector.ingest_traces(
+            request, payload=request.SerializeToString() if payload else None)
+        assert (result.accepted_spans, result.rejected_spans) == (1, len(bad))
+        assert all("engine steps span" in e for e in result.errors)
+        assert any("durations" in e for e in result.errors)
+        assert collector.stats.spans_dropped == {sc.DROP_INVALID_STEPS: len(bad)}
+        assert collector.stats.engine_steps_received == 2  # the good span's steps
+        assert collector.pending_spans() == 0

@@ -82,7 +82,7 @@ def test_self_metrics(scraped):
     dropped = _samples(fam, sc.PROM_SPANS_DROPPED.removesuffix("_total"), "_total")
     counts = {s.labels["reason"]: s.value for s in dropped}
     # every reason is there from the start, at 0, so the first drop shows in rate()
-    assert counts[sc.DROP_INVALID_STAGE] == 1 and len(counts) == 13
+    assert counts[sc.DROP_INVALID_STAGE] == 1 and len(counts) == 14
     assert all(v == 0 for r, v in counts.items() if r != sc.DROP_INVALID_STAGE)
     assert _samples(fam, sc.PROM_TRACES_INCOMPLETE.removesuffix("_total"), "_total")[0].value == 0
     gpu = sc.PROM_GPU_SAMPLES_RECEIVED.removesuffix("_total")

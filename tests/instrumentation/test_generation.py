@@ -27,6 +27,29 @@ def _steps(cap):
     return sorted(cap.by_name(semconv.ENGINE_STEP_SPAN_NAME), key=lambda s: s.start_time)
 
 
+def _step_rows(cap):
+    """Every step sent, per-step or compact (§14), as (start ns, end ns, prefill tokens,
+    decode tokens, members, KV usage or None), by start."""
+    rows = []
+    for s in _steps(cap):
+        a = s.attributes
+        rows.append((s.start_time, s.end_time, a[semconv.ATTR_STEP_PREFILL_TOKENS],
+                     a[semconv.ATTR_STEP_DECODE_TOKENS], a[semconv.ATTR_STEP_REQUESTS],
+                     a.get(semconv.ATTR_STEP_KV_CACHE_USAGE)))
+    for s in cap.by_name(semconv.ENGINE_STEPS_SPAN_NAME):
+        a = s.attributes
+        kv = a.get(semconv.ATTR_STEPS_KV_CACHE_USAGE)
+        for i, (off, dur) in enumerate(zip(a[semconv.ATTR_STEPS_START_OFFSETS_S],
+                                           a[semconv.ATTR_STEPS_DURATIONS_S], strict=True)):
+            start = s.start_time + round(off * 1e9)
+            rows.append((start, start + round(dur * 1e9),
+                         a[semconv.ATTR_STEPS_PREFILL_TOKENS][i],
+                         a[semconv.ATTR_STEPS_DECODE_TOKENS][i],
+                         a[semconv.ATTR_STEPS_REQUESTS][i],
+                         kv[i] if kv is not None and 0 <= kv[i] <= 1 else None))
+    return sorted(rows)
+
+
 def _offsets_ns(request_span):
     return [
         round(x * 1e9) + request_span.start_time
@@ -369,35 +392,137 @@ def test_production_keeps_a_step_with_a_timed_member_and_its_untimed_tokens():
             step.prefill(untimed, 1)
         timed.finish()
         untimed.finish()
-    (step,) = _steps(cap)
-    assert step.attributes[semconv.ATTR_STEP_REQUESTS] == 2
-    assert step.attributes[semconv.ATTR_STEP_PREFILL_TOKENS] == 2
+    (step,) = _step_rows(cap)
+    assert step[4] == 2  # members
+    assert step[2] == 2  # prefill tokens
     assert len(cap.requests()) == 1
 
 
-def test_production_sends_a_step_span_without_its_stages_full_mode_with_them():
-    # The collector reads a step's span only (§14): production mode spares the export
-    # (and the collector's decoding) of the step's stages; full mode keeps them.
-    for mode, expected in (("production", set()), ("full", {"compute"})):
+def test_production_sends_its_steps_in_one_compact_span_full_mode_a_span_per_step():
+    # The collector reads a step's times and counts only (§14): production mode sends
+    # them as arrays in one span, without the steps' stages; full mode a span per step
+    # with its stages (a trace viewer shows each step).
+    rows = {}
+    for mode in ("production", "full"):
         with captured(mode=mode, sample_rate=1.0) as cap:
             engine = inferprof.Engine("e1")
             gen = engine.request(prompt_tokens=3)
-            for _ in range(3):
-                with engine.step(kv_cache_usage=0.25) as step:
+            for n in range(3):
+                with engine.step(kv_cache_usage=0.25 if n != 1 else None) as step:
                     step.prefill(gen, 1)
                     with inferprof.stage("compute"):
-                        pass
+                        time.sleep(0.001)
             gen.finish()
-        steps = _steps(cap)
-        assert len(steps) == 3, mode
-        for s in steps:
-            assert s.attributes[semconv.ATTR_STEP_PREFILL_TOKENS] == 1
-            assert s.attributes[semconv.ATTR_STEP_KV_CACHE_USAGE] == 0.25
-            below = {c.attributes[semconv.ATTR_STAGE] for c in children_of(cap.spans(), s)}
-            assert below == expected, mode
-        # the request's own stages are there either way
+        rows[mode] = _step_rows(cap)
+        assert [r[2:] for r in rows[mode]] == [(1, 0, 1, 0.25), (1, 0, 1, None),
+                                              (1, 0, 1, 0.25)], mode
+        if mode == "production":
+            assert _steps(cap) == []
+            (compact,) = cap.by_name(semconv.ENGINE_STEPS_SPAN_NAME)
+            assert compact.parent is None and compact.attributes[semconv.ATTR_ENGINE_ID] == "e1"
+            assert compact.start_time == rows[mode][0][0]
+            assert compact.end_time == rows[mode][-1][1]
+            # a step with no reading: an entry outside 0..1
+            assert list(compact.attributes[semconv.ATTR_STEPS_KV_CACHE_USAGE]) == [
+                0.25, -1.0, 0.25]
+            assert children_of(cap.spans(), compact) == []
+        else:
+            for s in _steps(cap):
+                below = {c.attributes[semconv.ATTR_STAGE] for c in children_of(cap.spans(), s)}
+                assert below == {"compute"}
+        # the request's own stages are there either way, on the steps' times
         (req,) = cap.requests()
-        assert set(_request_of(cap, req)) == {"queue", "prefill"}, mode
+        stages = _request_of(cap, req)
+        assert set(stages) == {"queue", "prefill"}, mode
+        # to the nanosecond: the compact span's offsets and durations read back exactly
+        assert stages["prefill"][0].start_time == rows[mode][0][0]
+        assert stages["prefill"][0].end_time == rows[mode][-1][1]
+
+
+def _production_engine(cap, engine_id="e1"):
+    engine = inferprof.Engine(engine_id)
+    return engine, engine.request(prompt_tokens=1)
+
+
+def _one_step(engine, gen, decode=True):
+    with engine.step() as step:
+        if decode:
+            step.decode(gen)
+        else:
+            step.prefill(gen, 1)
+
+
+def test_production_sends_the_steps_when_steps_per_span_are_held(monkeypatch):
+    from inferprof.instrumentation import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "STEPS_PER_SPAN", 4)
+    with captured(mode="production", sample_rate=1.0) as cap:
+        engine, gen = _production_engine(cap)
+        _one_step(engine, gen, decode=False)
+        for _ in range(8):
+            _one_step(engine, gen)
+        # nine steps: two spans of four sent, one step held while the request runs
+        sizes = [len(s.attributes[semconv.ATTR_STEPS_DURATIONS_S])
+                 for s in cap.by_name(semconv.ENGINE_STEPS_SPAN_NAME)]
+        assert sizes == [4, 4]
+        gen.finish()  # the engine's last open request: the rest goes out
+        sizes = [len(s.attributes[semconv.ATTR_STEPS_DURATIONS_S])
+                 for s in cap.by_name(semconv.ENGINE_STEPS_SPAN_NAME)]
+        assert sizes == [4, 4, 1]
+        assert len(_step_rows(cap)) == 9
+
+
+def test_production_sends_the_steps_once_the_oldest_waited_steps_max_wait(monkeypatch):
+    from inferprof.instrumentation import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "_MAX_WAIT_NS", 20_000_000)
+    with captured(mode="production", sample_rate=1.0) as cap:
+        engine, gen = _production_engine(cap)
+        _one_step(engine, gen, decode=False)
+        _one_step(engine, gen)
+        assert cap.by_name(semconv.ENGINE_STEPS_SPAN_NAME) == []
+        time.sleep(0.03)
+        _one_step(engine, gen)  # ends 30 ms after the first step began
+        (compact,) = cap.by_name(semconv.ENGINE_STEPS_SPAN_NAME)
+        assert len(compact.attributes[semconv.ATTR_STEPS_DURATIONS_S]) == 3
+        gen.finish()
+
+
+def test_production_sends_the_steps_before_a_kept_request_and_on_flush():
+    with captured(mode="production", sample_rate=1.0) as cap:
+        engine = inferprof.Engine("e1")
+        other = engine.request(prompt_tokens=1)  # keeps the engine busy throughout
+        with inferprof.request(model="m"):
+            gen = engine.request(prompt_tokens=1)
+            _one_step(engine, gen, decode=False)
+            _one_step(engine, gen)
+            gen.finish()
+            assert cap.by_name(semconv.ENGINE_STEPS_SPAN_NAME) == []  # others still run
+        # the request is kept: the steps its gaps are split by went out before its trace
+        names = [s.name for s in cap.spans()]
+        assert names.index(semconv.ENGINE_STEPS_SPAN_NAME) < names.index(
+            semconv.REQUEST_SPAN_NAME)
+        assert len(_step_rows(cap)) == 2
+        _one_step(engine, other, decode=False)
+        engine.flush()
+        engine.flush()  # nothing left: no empty span
+        assert len(cap.by_name(semconv.ENGINE_STEPS_SPAN_NAME)) == 2
+        assert len(_step_rows(cap)) == 3
+        other.finish()
+
+
+def test_production_sends_a_failed_step_as_a_span_of_its_own_with_its_error():
+    with captured(mode="production", sample_rate=1.0) as cap:
+        engine, gen = _production_engine(cap)
+        _one_step(engine, gen, decode=False)
+        with pytest.raises(RuntimeError), engine.step() as step:
+            step.decode(gen)
+            raise RuntimeError("device lost")
+        gen.finish()
+    (failed,) = _steps(cap)
+    assert failed.status.status_code == StatusCode.ERROR
+    assert failed.attributes[semconv.ATTR_STEP_DECODE_TOKENS] == 1
+    assert len(_step_rows(cap)) == 2  # the first in a compact span
 
 
 def test_bad_arguments_raise():
