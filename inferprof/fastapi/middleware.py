@@ -323,8 +323,10 @@ def _route_template(scope: Scope, open_root: str) -> str | None:
 def _match_route(scope: Scope, open_root: str, prefix: str) -> tuple[Any, str]:
     """(route, prefix) of the app's route that fully matches the request, else (None, "")."""
     routes = getattr(scope.get("app"), "routes", None)
+    if not routes:  # a pure ASGI app: no routes to match
+        return None, ""
     routing = _starlette_routing()
-    if not routes or routing is None:
+    if routing is None:
         return None, ""
     # As served (the innermost Starlette app, its root_path); then from the root path the
     # request came in with (a mount whose app is not a Starlette app extends root_path
@@ -344,12 +346,20 @@ def _match_route(scope: Scope, open_root: str, prefix: str) -> tuple[Any, str]:
 
 
 def _starlette_routing() -> Any:
-    """``starlette.routing``, or None for a pure ASGI app without Starlette."""
-    try:
-        from starlette import routing
-    except ImportError:
-        return None
-    return routing
+    """``starlette.routing``, or None without Starlette; imported once, on first use (a
+    route matched again per request must not run the import machinery each time)."""
+    global _routing
+    if _routing is _UNSEEN:
+        try:
+            from starlette import routing as found
+        except ImportError:
+            found = None  # type: ignore[assignment]
+        _routing = found
+    return _routing
+
+
+_UNSEEN: Any = object()
+_routing: Any = _UNSEEN
 
 
 def _is_mount(route: Any) -> bool:
