@@ -35,6 +35,10 @@ MIN_SUMMARY_SCALE: Final = -10
 MAX_SUMMARY_SCALE: Final = 20
 
 _NS = 1e-9
+#: (request, stage) pairs :func:`partition_many` counts into a dense array whatever the
+#: number of spans, and per span beyond that; past both it sorts them instead.
+_DENSE_KEYS = 1 << 16
+_DENSE_PER_SPAN = 4
 _LN2 = math.log(2.0)
 
 
@@ -193,9 +197,14 @@ def partition_many(
     entered = pos | ((span_start == span_end) & (span_start >= rs) & (span_start <= re_))
     n_stages = int(span_stage.max()) + 1
     key = span_req[entered] * n_stages + span_stage[entered]
-    ukey, inv = np.unique(key, return_inverse=True)
-    stage_ns = np.bincount(inv, weights=np.where(pos, d, 0)[entered].astype(np.float64),
-                           minlength=len(ukey))
+    weights = np.where(pos, d, 0)[entered].astype(np.float64)
+    n_keys = n_req * n_stages
+    if n_keys <= max(_DENSE_PER_SPAN * len(key), _DENSE_KEYS):  # dense: linear time
+        ukey = np.flatnonzero(np.bincount(key, minlength=n_keys))
+        stage_ns = np.bincount(key, weights=weights, minlength=n_keys)[ukey]
+    else:  # many stage names: sorted
+        ukey, inv = np.unique(key, return_inverse=True)
+        stage_ns = np.bincount(inv, weights=weights, minlength=len(ukey))
     pair_req = ukey // n_stages
     pair_stage = ukey % n_stages
     exclusive_ns = stage_ns.copy()

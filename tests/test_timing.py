@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from inferprof import timing
 from inferprof.timing import (
     DEFAULT_SUMMARY_SCALE,
     exp_index,
@@ -73,7 +74,18 @@ _span = st.tuples(
                           st.lists(_span, max_size=6)), min_size=1, max_size=8))
 def test_partition_many_equals_partition_request_by_request(requests):
     """The vectorised partition (the summaries') and the per-request one (the
-    collector's) give the same stage, exclusive and unattributed times."""
+    collector's) give the same stage, exclusive and unattributed times, whether its
+    (request, stage) pairs are counted densely (few stage names) or sorted (many)."""
+    _check_partition_many(requests)
+    dense = timing._DENSE_KEYS, timing._DENSE_PER_SPAN
+    timing._DENSE_KEYS, timing._DENSE_PER_SPAN = 0, 0  # every pair sorted
+    try:
+        _check_partition_many(requests)
+    finally:
+        timing._DENSE_KEYS, timing._DENSE_PER_SPAN = dense
+
+
+def _check_partition_many(requests):
     starts, ends, req, stage, s, e = [], [], [], [], [], []
     per = []
     for r, (a, length, spans) in enumerate(requests):

@@ -68,6 +68,10 @@ _EXIT_TIMEOUT_S = 5.0
 OPEN_END = 1 << 62
 
 _NS = 1e-9
+#: Cells a fold counts into a dense array whatever its input's size, and per value beyond
+#: that (``_bucket_totals``); past both it sorts them instead.
+_DENSE_CELLS = 1 << 16
+_DENSE_PER_VALUE = 4
 _FIRST, _SECOND, _ERROR, _MODEL, _WEIGHT, _SPANS = (itemgetter(i) for i in range(6))
 #: (model, weight, error flag or stage name): one data point's key.
 _Key = tuple[Any, ...]
@@ -301,7 +305,7 @@ class Summaries:
             return set()
         slots: dict[int, _Buckets] = {}
         lost: set[int] = set()
-        for g in np.unique(gid).tolist():
+        for g in np.flatnonzero(np.bincount(gid)).tolist():  # the groups present, sorted
             b = self._slot(table, keys[g])
             if b is None:
                 lost.add(g)
@@ -326,8 +330,8 @@ class Summaries:
             idx = exp_index(values[pos], self.scale)
             lo = int(idx.min())
             width = int(idx.max()) - lo + 1
-            combined, inverse = np.unique(gid[pos] * width + (idx - lo), return_inverse=True)
-            per = np.bincount(inverse, weights=None if amounts is None else amounts[pos])
+            combined, per = _bucket_totals(gid[pos] * width + (idx - lo), size * width,
+                                           None if amounts is None else amounts[pos])
             for c, k in zip(combined.tolist(), per.tolist(), strict=True):
                 g, off = divmod(c, width)
                 counts = slots[g].counts
@@ -456,6 +460,20 @@ class Summaries:
             self._exporter.shutdown(timeout_millis=max(0.0, timeout_s) * 1000)
         except Exception:
             _logger.exception("inferprof could not shut its summary exporter down")
+
+
+def _bucket_totals(cells: npt.NDArray[np.int64], n_cells: int,
+                   amounts: npt.NDArray[np.float64] | None) -> tuple[npt.NDArray[Any], ...]:
+    """(the cells in ``[0, n_cells)`` that occur, sorted; each one's count, or its summed
+    ``amounts``, all positive). Counted into a dense array when it is not much larger
+    than the input (linear time), else sorted (``np.unique``): a fold's (data point,
+    bucket) cells are few."""
+    if n_cells <= max(_DENSE_PER_VALUE * len(cells), _DENSE_CELLS):
+        totals = np.bincount(cells, weights=amounts, minlength=n_cells)
+        present = np.flatnonzero(totals)
+        return present, totals[present]
+    present, inverse = np.unique(cells, return_inverse=True)
+    return present, np.bincount(inverse, weights=amounts)
 
 
 def _succeeded(result: Any) -> bool:

@@ -27,10 +27,11 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 import inferprof
 import inferprof.fastapi
-from inferprof import semconv
+from inferprof import semconv, timing
 from inferprof.batching import hooks
 from inferprof.fastapi import middleware
 from inferprof.instrumentation import stage as stage_module
+from inferprof.instrumentation import summaries as summaries_module
 from inferprof.instrumentation.accounting import Stats
 from inferprof.instrumentation.sampling import TimingBudget
 from inferprof.instrumentation.summaries import Summaries
@@ -248,8 +249,21 @@ async def _service(clock: FakeClock, n: int, errors: set[int]) -> None:
     await asyncio.gather(*tasks)
 
 
+@pytest.fixture(params=["dense", "sorted"])
+def fold_counting(request, monkeypatch):
+    """The fold's two ways of counting (request, stage) pairs and (data point, bucket)
+    cells: into dense arrays (the usual case) or by sorting them (many distinct ones)."""
+    if request.param == "sorted":
+        monkeypatch.setattr(timing, "_DENSE_KEYS", 0)
+        monkeypatch.setattr(timing, "_DENSE_PER_SPAN", 0)
+        monkeypatch.setattr(summaries_module, "_DENSE_CELLS", 0)
+        monkeypatch.setattr(summaries_module, "_DENSE_PER_VALUE", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("encoding", ["children", "links"])
-def test_summaries_equal_exact_figures_from_every_requests_timings(clock, encoding):
+def test_summaries_equal_exact_figures_from_every_requests_timings(clock, encoding,
+                                                                   fold_counting):
     exporter = MemoryExporter()
     with captured(mode="production", sample_rate=1.0, batch_encoding=encoding,
                   summary_exporter=exporter, summary_interval_s=3600) as cap:
