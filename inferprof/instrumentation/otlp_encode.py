@@ -312,6 +312,10 @@ _KIND_INTERNAL = b"\x30" + _varint(SpanKind.INTERNAL.value + 1)
 _STATUS_UNSET = _ld(15, b"")
 _FLAGS_LOCAL = b"\x85\x01" + _pack_i(_FLAGS_HAS_IS_REMOTE)
 _FLAGS_REMOTE = b"\x85\x01" + _pack_i(_FLAGS_HAS_IS_REMOTE | _FLAGS_IS_REMOTE)
+_STATUS_UNSET_FLAGS_LOCAL = _STATUS_UNSET + _FLAGS_LOCAL
+#: A span's start and end (fields 7 and 8, fixed64), tags included.
+_pack_times = struct.Struct("<BQBQ").pack
+_TIMES_SIZE = 18
 
 
 def _spec_span(tid: bytes, state: bytes, spec: SpanSpec) -> bytes:
@@ -362,15 +366,18 @@ def encode_trace_spans(
     return b"".join([_spec_span(tid, state, spec) for spec in specs])
 
 
-_stage_heads: dict[str, tuple[bytes, bytes]] = {}
+_stage_heads: dict[str, tuple[bytes, bytes, bytes]] = {}
 
 
-def _stage_head(name: str) -> tuple[bytes, bytes]:
-    """(name and kind fields, the ``inferprof.stage`` attribute) of a stage's span."""
+def _stage_head(name: str) -> tuple[bytes, bytes, bytes]:
+    """(name and kind fields, the ``inferprof.stage`` attribute, that attribute followed
+    by an unset status and the flags: the end of a span with no other attributes) of a
+    stage's span."""
     head = _stage_heads.get(name)
     if head is None:
-        head = (_str(5, SPAN_NAME_PREFIX + name) + _KIND_INTERNAL,
-                _attributes(9, {ATTR_STAGE: name}))
+        stage_attr = _attributes(9, {ATTR_STAGE: name})
+        head = (_str(5, SPAN_NAME_PREFIX + name) + _KIND_INTERNAL, stage_attr,
+                stage_attr + _STATUS_UNSET + _FLAGS_LOCAL)
         if len(_stage_heads) < _MAX_CACHED_ATTRIBUTES:
             _stage_heads[name] = head
     return head
@@ -380,7 +387,7 @@ def batch_stage_body(st: Any, attrs: Mapping[str, Any]) -> bytes:
     """A batch stage's span after its ids (name, kind, times, ``attrs``, error, status,
     flags): the same bytes in every member's copy, so a batch encodes it once."""
     end = st.end
-    out = [_stage_head(st.name)[0], b"\x39", _pack_q(st.start or 0), b"\x41", _pack_q(end or 0)]
+    out = [_stage_head(st.name)[0], _pack_times(0x39, st.start or 0, 0x41, end or 0)]
     if st.error is None:
         out += (_attributes(9, attrs), _STATUS_UNSET, _FLAGS_LOCAL)
         return b"".join(out)
@@ -412,20 +419,29 @@ def encode_request_trace(
     state = _trace_state(3, trace_state)
     out = [_spec_span(tid, state, spec) for spec in head]
     root_b = root.to_bytes(8, "big")
+    head_ids = b"\x0a\x10" + tid + b"\x12\x08"
+    to_parent = state + b"\x22\x08"
+    # A stage span is written as its pieces, after its length (field 2 of ScopeSpans)
+    # worked out from theirs: no payload joined on its own and copied again.
+    fixed = len(head_ids) + 8 + len(to_parent) + 8 + _TIMES_SIZE
     for st in stages:
         attrs = st.attrs
         if st.error is not None or ATTR_STAGE in attrs:  # rare: the general path
             out.append(_spec_span(tid, state, stage_spec(st, root, end)))
             continue
-        names, stage_attr = _stage_head(st.name)
+        names, stage_attr, tail = _stage_head(st.name)
         parent = st.parent
-        out.append(_span_field(b"".join((
-            b"\x0a\x10", tid, b"\x12\x08", span_id_of(st).to_bytes(8, "big"), state,
-            b"\x22\x08", span_id_of(parent).to_bytes(8, "big") if parent is not None else root_b,
-            names, b"\x39", _pack_q(st.start or 0), b"\x41", _pack_q(st.end or end or 0),
-            stage_attr, _attributes(9, attrs) if attrs else b"", _STATUS_UNSET, _FLAGS_LOCAL,
-        ))))
-    head_ids = b"\x0a\x10" + tid + b"\x12\x08"
+        if attrs:
+            tail = stage_attr + _attributes(9, attrs) + _STATUS_UNSET_FLAGS_LOCAL
+        n = fixed + len(names) + len(tail)
+        out += (
+            bytes((0x12, (n & 0x7F) | 0x80, n >> 7)) if 0x80 <= n < 0x4000
+            else b"\x12" + _varint(n),
+            head_ids, (st.span_id or span_id_of(st)).to_bytes(8, "big"), to_parent,
+            (parent.span_id or span_id_of(parent)).to_bytes(8, "big")
+            if parent is not None else root_b,
+            names, _pack_times(0x39, st.start or 0, 0x41, st.end or end or 0), tail,
+        )
     for batch_stages, body in copies:
         copy_ids: dict[Any, bytes] = {}
         for st in batch_stages:
