@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
+from operator import itemgetter
 from typing import Any
 
 from opentelemetry import context as context_api
@@ -59,6 +60,7 @@ from inferprof.instrumentation.stage import begin_request, reset_scope, timed_sh
 _logger = logging.getLogger(__name__)
 _time_ns = time.time_ns
 _PROPAGATION_HEADERS = frozenset((b"traceparent", b"tracestate", b"baggage"))
+_header_name = itemgetter(0)
 _STAGE_RECEIVE = semconv.STAGE_RECEIVE
 _STAGE_SERIALIZE = semconv.STAGE_SERIALIZE
 _ATTR_BYTES = semconv.ATTR_BYTES
@@ -489,7 +491,8 @@ class InferprofMiddleware:
         if outer is not None and (outer is UNTIMED or isinstance(outer[0], RequestRecord)):
             await self.app(scope, receive, send)  # installed twice
             return
-        share = timed_share(rt, path)  # production mode's timing budget
+        # production mode's timing budget (none: every request is timed)
+        share = timed_share(rt, path) if rt.timing_budget is not None else 1.0
         if not share:
             # Not timed: its stages record nothing, as with inferprof off; a trace context
             # it came with stays current, for the calls it makes downstream.
@@ -626,7 +629,7 @@ def _incoming_carrier(scope: Scope) -> dict[str, str] | None:
     Most requests carry no trace context: one C-level pass over the header names decides,
     instead of a Python loop over every header."""
     headers = scope.get("headers") or ()
-    if _PROPAGATION_HEADERS.isdisjoint(dict(headers)):
+    if _PROPAGATION_HEADERS.isdisjoint(map(_header_name, headers)):
         return None
     carrier = {}
     for key, value in headers:
