@@ -38,12 +38,14 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
+
 from inferprof import semconv as sc
 from inferprof.collector import gen_spans as _gen
 from inferprof.collector import triton_spans as _triton
 from inferprof.collector.cost import member_share
 from inferprof.collector.verdict import normalize_gpu_id
-from inferprof.collector.wire import EMPTY, SpanReader, SpanRecord, records_of
+from inferprof.collector.wire import EMPTY, Columns, SpanReader, SpanRecord, id_bytes, records_of
 
 _DAY_NS = 86_400 * 1_000_000_000
 _ZERO_TRACE = bytes(16)
@@ -83,6 +85,24 @@ _BEHIND_S = sc.ATTR_QUEUE_BEHIND_BATCHES_S
 _PROMPT_TOKENS = sc.ATTR_TOKENS_PROMPT
 _GEN_AI_PROMPT_TOKENS = sc.ATTR_GEN_AI_USAGE_PROMPT_TOKENS
 _QUEUE = sc.STAGE_QUEUE
+#: The attributes a span of a trace assembled by columns may carry (see
+#: ``Assembler._ingest_columns``): none makes a span a request, a step or a generating one.
+_SIMPLE_KEYS = frozenset(
+    {
+        sc.ATTR_SAMPLE_WEIGHT,
+        _MODEL,
+        _BATCH_ID,
+        _EFFECTIVE,
+        _PADDED,
+        _GPU_ID,
+        _BATCH_SIZE,
+        _BEHIND_S,
+        sc.ATTR_SUMMARY_COUNTED,
+        _PROMPT_TOKENS,
+        _GEN_AI_PROMPT_TOKENS,
+    }
+)
+_ZERO_TRACE_V = np.zeros(1, "V16")[0]
 
 
 def _pop_older(d: OrderedDict, horizon: float) -> Iterator:
@@ -162,6 +182,35 @@ def trace_state_weight(trace_state: str) -> float | None:
             probability = 1.0 - threshold / float(1 << 56)
             return 1.0 / probability if probability > 0 else None
     return None
+
+
+def _request_fields(extra: dict | None, flags: int, trace_state: str | None) -> tuple:
+    """A request row's (model, weight, error, counted, prompt tokens) from its request
+    span's wanted attributes, flags (``_FLAG_ERROR`` set: status ERROR) and trace state."""
+    model = extra.get(sc.ATTR_MODEL_NAME) if extra else None
+    if model is None and extra:
+        model = _gen.model_of(extra)
+    weight = None
+    if extra:
+        w = extra.get(sc.ATTR_SAMPLE_WEIGHT)
+        if (
+            isinstance(w, (int, float))
+            and not isinstance(w, bool)
+            and 1 <= w <= _MAX_WEIGHT
+        ):
+            weight = float(w)
+    if weight is None:
+        weight = (trace_state and trace_state_weight(trace_state)) or 1.0
+    tokens = extra.get(_PROMPT_TOKENS) if extra else None
+    if tokens is None and extra:
+        tokens = extra.get(_GEN_AI_PROMPT_TOKENS)
+    return (
+        model,
+        weight,
+        1 if flags & _FLAG_ERROR else 0,
+        1 if extra and extra.get(sc.ATTR_SUMMARY_COUNTED) is True else 0,
+        tokens if type(tokens) is int and tokens > 0 else 0,
+    )
 
 
 class Finalised:
@@ -292,6 +341,100 @@ class _Trace:
         # Asked only of expired traces: cheaper than a flag set per span on ingest.
         return any(rec[3] is not None for rec in self.spans.values())
 
+    def __len__(self) -> int:
+        return len(self.spans)
+
+
+class _Block:
+    """The traces of one scope of one export assembled by columns (``_ingest_columns``):
+    each is one request span and its stage spans (every one a child of it), maybe other
+    spans, all in that scope. Per trace ``j`` (in order of first span): its id, request
+    span id, the positions of its spans in the scope (``pos[ptr[j]:ptr[j + 1]]``, in
+    order), of its stage spans (``st_pos[st_ptr[j]:st_ptr[j + 1]]``) and its request
+    span's (``cand[j]``)."""
+
+    __slots__ = ("cand", "cols", "ignored", "n", "pos", "ptr", "resource", "rid", "sn",
+                 "st_extra", "st_pos", "st_ptr", "st_work", "tids")
+
+    def __init__(self, cols: Columns, resource: tuple, tids: list[bytes], cand: np.ndarray,
+                 pos: np.ndarray, ptr: np.ndarray, st_pos: np.ndarray, st_ptr: np.ndarray,
+                 sn: np.ndarray, work: np.ndarray, has_extra: np.ndarray) -> None:
+        self.cols = cols
+        self.resource = resource
+        self.tids = tids
+        self.cand = cand
+        self.rid = [id_bytes(x) for x in cols.sid[cand].tolist()]
+        self.pos = pos
+        self.ptr = ptr
+        self.n = np.diff(ptr)
+        self.st_pos = st_pos
+        self.st_ptr = st_ptr
+        #: per span: its stage number (-1: none)
+        self.sn = sn
+        #: per stage span (in st_pos order): a work stage, has wanted attributes
+        self.st_work = work
+        self.st_extra = has_extra
+        self.ignored = self.n - np.diff(st_ptr) - 1
+
+    def record(self, j: int) -> tuple:
+        """Trace ``j``'s request span as a ``_Trace.spans`` value."""
+        cols = self.cols
+        k = int(self.cand[j])
+        _, extra, _, code, flags = cols.entries[int(cols.tail[k])]
+        flags &= _OTLP_FLAGS
+        if code == _STATUS_ERROR:
+            flags |= _FLAG_ERROR
+        parent = id_bytes(cols.parent[k]) if cols.has_parent[k] else b""
+        trace_state = cols.trace_state[k] if cols.trace_state is not None else ""
+        return (parent, int(cols.start[k]), int(cols.end[k]), None, self.resource, extra,
+                True, flags, trace_state)
+
+
+class _Packed:
+    """A trace of a :class:`_Block`, held as such until it is finalised or another span
+    of it comes (``unpack``)."""
+
+    __slots__ = ("block", "created", "due", "j")
+
+    late = False
+    triton = None
+
+    def __init__(self, block: _Block, j: int, due: float, created: float) -> None:
+        self.block = block
+        self.j = j
+        self.due: float | None = due
+        self.created = created
+
+    def __len__(self) -> int:
+        return int(self.block.n[self.j])
+
+    @property
+    def rid(self) -> bytes:
+        return self.block.rid[self.j]
+
+    def unpack(self) -> _Trace:
+        """The trace as ``_ingest_spans`` would have assembled it."""
+        block, j = self.block, self.j
+        cols = block.cols
+        trace = _Trace(self.created)
+        trace.due = self.due
+        spans = trace.spans
+        cand = int(block.cand[j])
+        resource = block.resource
+        entries = cols.entries
+        for k in block.pos[block.ptr[j]:block.ptr[j + 1]].tolist():
+            sid = id_bytes(cols.sid[k])
+            if k == cand:
+                spans[sid] = block.record(j)
+                trace.candidates.append(sid)
+                continue
+            sn = int(block.sn[k])
+            parent = id_bytes(cols.parent[k]) if cols.has_parent[k] else b""
+            spans[sid] = (parent, int(cols.start[k]), int(cols.end[k]),
+                          sn if sn >= 0 else None, resource,
+                          entries[int(cols.tail[k])][1], False, 0, None)
+        return trace
+
 
 class _Export:
     """What one export's ingest counts as it goes."""
@@ -300,10 +443,12 @@ class _Export:
         "asm",
         "created",
         "due",
+        "due_at",
         "errors",
         "link_pending",
         "made_due",
         "now",
+        "packed",
         "rejected",
         "seen",
         "unpending",
@@ -316,6 +461,10 @@ class _Export:
         #: traces opened and traces made due by this export, for the schedules
         self.created: list[bytes] = []
         self.made_due: list[bytes] = []
+        #: each made_due entry's position in the export (scopes' spans numbered in order)
+        self.due_at: list[int] = []
+        #: traces were assembled by columns (``made_due`` is then sorted by ``due_at``)
+        self.packed = False
         self.seen = 0
         self.rejected = 0
         #: accepted spans that are not pending: engine step spans and their device stages
@@ -363,6 +512,10 @@ def _triton_span(trace: _Trace, span: Any, sid: bytes) -> bool:
 
 class Assembler:
     """Not thread-safe; the engine serialises calls."""
+
+    #: Read exports as columns and assemble the common case with numpy
+    #: (``_ingest_columns``); False: span by span (the reference the tests compare with).
+    columnar = True
 
     def __init__(
         self,
@@ -434,32 +587,209 @@ class Assembler:
         them off ``request``."""
         ex = _Export(self, self.clock())
         triton_on = self.triton_spans
-        scanned = self._reader.scan(request, payload) if payload is not None else None
+        columnar = self.columnar
+        reader = self._reader
+        if payload is None and columnar:
+            # Serializing (in C) and reading the bytes costs less than reading the message.
+            payload = request.SerializeToString()
+        scopes = reader.lean_scopes(request, payload) if payload is not None else None
         n = 0
+        base = 0  # position of the scope's first span in the export
         for rs in request.resource_spans:
             resource = _resource_of(rs)
             for ss in rs.scope_spans:
                 spans = ss.spans
-                records = records_of(spans) if scanned is None else scanned[n]
-                n += 1
-                # Every span is accepted unless rejected (and counted) in _ingest_spans.
-                ex.seen += len(records)
                 # Triton's spans are told by their scope: other scopes' spans are never
                 # asked for their name or events.
                 triton = triton_on and ss.scope.name == _triton.SCOPE
-                self._ingest_spans(ex, records, spans, resource, triton)
+                records = None
+                if scopes is not None:
+                    lean = scopes[n]
+                    cols = reader.columns(lean) if columnar and not triton else None
+                    if cols is not None and self._ingest_columns(ex, cols, spans, resource,
+                                                                 base):
+                        n += 1
+                        base += len(cols)
+                        continue
+                    records = reader.records(lean)
+                n += 1
+                if records is None:
+                    records = records_of(spans)
+                # Every span is accepted unless rejected (and counted) in _ingest_spans.
+                ex.seen += len(records)
+                self._ingest_spans(ex, records, spans, resource, triton, base)
+                base += len(records)
         accepted = ex.seen - ex.rejected
         self._created.add(ex.now, ex.created)
+        if ex.packed:  # in the order of the spans that made them due, as one pass would
+            order = sorted(range(len(ex.due_at)), key=ex.due_at.__getitem__)
+            ex.made_due = [ex.made_due[i] for i in order]
         self._due.add(ex.due, ex.made_due)
         self.received += accepted + ex.rejected
         self.accepted += accepted
         self.pending += accepted - ex.unpending + ex.link_pending
         return accepted, ex.rejected, ex.errors
 
+    def _ingest_columns(self, ex: _Export, cols: Columns, spans: Any, resource: tuple,
+                        base: int) -> bool:
+        """Take one scope's spans read as columns; False (nothing taken) when none of its
+        traces can be assembled by columns: then take its records.
+
+        A trace is assembled by columns, with numpy, when all it has in this export is in
+        this scope, it is new (not open, not finalised in the last ``trace_timeout_s``) and
+        it is the common case: one request span (SERVER or CONSUMER, no parent, no
+        stage), stage spans of known names, each a child of it and without links, maybe
+        other spans; valid ids and durations, no duplicate span id; only attributes of
+        ``_SIMPLE_KEYS``. It is then held as a :class:`_Packed` trace, exactly what
+        ``_ingest_spans`` would hold, in less memory, until it is due or another span of it
+        comes (``unpack``). The other spans go through ``_ingest_spans``, in order."""
+        entries = cols.entries
+        stage_index = self.stage_index
+        n_entries = len(entries)
+        e_sn = np.full(n_entries, -1, np.int64)
+        e_ok = np.ones(n_entries, bool)
+        e_extra = np.zeros(n_entries, bool)
+        e_simple = np.ones(n_entries, bool)
+        unknown: list[int] = []  # entries of valid stage names not seen before
+        for i, (stage, extra, n_links, _, _) in enumerate(entries):
+            if extra is not None:
+                e_extra[i] = True
+                if not extra.keys() <= _SIMPLE_KEYS:
+                    e_ok[i] = e_simple[i] = False
+            if stage is not None:
+                try:
+                    sidx = stage_index.get(stage)
+                except TypeError:
+                    sidx = None
+                if sidx is None:
+                    e_ok[i] = False
+                    if (
+                        isinstance(stage, str)
+                        and sc.STAGE_NAME_PATTERN.match(stage)
+                        and stage != sc.STAGE_UNATTRIBUTED
+                    ):
+                        unknown.append(i)
+                    e_sn[i] = -2
+                elif n_links:
+                    e_ok[i] = False
+                else:
+                    e_sn[i] = sidx
+        tail = cols.tail
+        start, end, sid, parent = cols.start, cols.end, cols.sid, cols.parent
+        kind = cols.kind
+        cand = (kind == _KIND_SERVER) | (kind == _KIND_CONSUMER)
+        valid = (end >= start) & (end - start <= _DAY_NS) & (sid != 0) & (
+            cols.tid != _ZERO_TRACE_V)
+        if unknown:
+            self._number_stages(cols, unknown, valid & e_simple[tail], e_sn, e_ok, e_simple)
+        sn = e_sn[tail]
+        is_stage = sn >= 0
+        good = e_ok[tail] & valid & ~(cand & is_stage)
+        uniq, first, inv = np.unique(cols.tid, return_index=True, return_inverse=True)
+        inv = inv.ravel()
+        n_groups = uniq.size
+        ok = np.bincount(inv, ~good, n_groups) == 0
+        ok &= np.bincount(inv, cand, n_groups) == 1
+        ok &= np.bincount(inv, is_stage, n_groups) >= 1
+        ok &= np.bincount(inv, minlength=n_groups) <= self.max_spans_per_trace
+        cand_at = np.zeros(n_groups, np.int64)
+        where_cand = np.flatnonzero(cand)
+        cand_at[inv[where_cand]] = where_cand
+        ok &= parent[cand_at] == 0
+        ok &= np.bincount(inv, is_stage & (parent != sid[cand_at][inv]), n_groups) == 0
+        o = np.lexsort((sid, inv))
+        dup = (inv[o][1:] == inv[o][:-1]) & (sid[o][1:] == sid[o][:-1])
+        ok[inv[o][1:][dup]] = False
+        groups = np.flatnonzero(ok)
+        if not groups.size:
+            return False
+        groups = groups[np.argsort(first[groups], kind="stable")]
+        tid_bytes = uniq[groups].tobytes()
+        tids = [tid_bytes[i:i + 16] for i in range(0, len(tid_bytes), 16)]
+        traces = self.traces
+        recent_done = self.recent_done
+        new = [not (t in traces or t in recent_done) for t in tids]
+        if not all(new):
+            groups = groups[np.asarray(new, bool)]
+            if not groups.size:
+                return False
+            tids = [t for t, keep in zip(tids, new, strict=True) if keep]
+        n_packed = groups.size
+        j_of = np.full(n_groups, -1, np.int64)
+        j_of[groups] = np.arange(n_packed)
+        span_j = j_of[inv]
+        packed = span_j >= 0
+        at = np.flatnonzero(packed)
+        pos = at[np.argsort(span_j[at], kind="stable")]
+        ptr = np.zeros(n_packed + 1, np.int64)
+        np.cumsum(np.bincount(span_j[at], minlength=n_packed), out=ptr[1:])
+        st_pos = pos[is_stage[pos]]
+        st_ptr = np.zeros(n_packed + 1, np.int64)
+        np.cumsum(np.bincount(span_j[st_pos], minlength=n_packed), out=st_ptr[1:])
+        work_of = np.fromiter((name in _WORK_STAGES for name in self.stage_names), bool,
+                              len(self.stage_names))
+        block = _Block(cols, resource, tids, cand_at[groups], pos, ptr, st_pos, st_ptr, sn,
+                       work_of[sn[st_pos]], e_extra[tail[st_pos]])
+        ex.seen += len(cols)
+        ex.packed = True
+        now, due = ex.now, ex.due
+        made = [_Packed(block, j, due, now) for j in range(n_packed)]
+        ex.made_due.extend(tids)
+        ex.due_at.extend((block.cand + base).tolist())
+        # Traces open in the order of their first span, between the other spans', as one
+        # pass over the scope would open them.
+        if packed.all():
+            traces.update(zip(tids, made, strict=True))
+            ex.created.extend(tids)
+            return True
+        other = np.flatnonzero(~packed)
+        records = [cols.record(k) for k in other.tolist()]
+        cut = np.searchsorted(other, first[groups]).tolist()
+        done = 0
+        j = 0
+        while j < n_packed:
+            c = cut[j]
+            if c > done:
+                self._ingest_spans(ex, records[done:c], spans, resource, False, base)
+                done = c
+            j_end = j + 1
+            while j_end < n_packed and cut[j_end] == c:
+                j_end += 1
+            traces.update(zip(tids[j:j_end], made[j:j_end], strict=True))
+            ex.created.extend(tids[j:j_end])
+            j = j_end
+        if done < len(records):
+            self._ingest_spans(ex, records[done:], spans, resource, False, base)
+        return True
+
+    def _number_stages(self, cols: Columns, unknown: list[int], checked: np.ndarray,
+                       e_sn: np.ndarray, e_ok: np.ndarray, e_simple: np.ndarray) -> None:
+        """Number the valid stage names of entries ``unknown`` in the order one pass over
+        the scope would (at its first span of each name), where each such span is one
+        ``checked``: the pass reads its stage (valid ids and times, not an engine step);
+        else number none (the pass will)."""
+        tail = cols.tail
+        name_of = {i: cols.entries[i][0] for i in unknown}
+        firsts: dict[str, int] = {}
+        for i in unknown:
+            k = int(np.argmax(tail == i))
+            name = name_of[i]
+            if name not in firsts or k < firsts[name]:
+                firsts[name] = k
+        if not all(checked[k] for k in firsts.values()):
+            return
+        for name in sorted(firsts, key=firsts.__getitem__):
+            self.stage_index[name] = len(self.stage_names)
+            self.stage_names.append(name)
+        for i in unknown:
+            e_sn[i] = self.stage_index[name_of[i]]
+            e_ok[i] = e_simple[i] and not cols.entries[i][2]
+
     def _ingest_spans(self, ex: _Export, records: list[SpanRecord], spans: Any,
-                      resource: tuple, triton: bool) -> None:
+                      resource: tuple, triton: bool, base: int = 0) -> None:
         """``records``: those of ``spans``, the ``Span`` messages, read only for links,
-        Triton's spans and what a record leaves out."""
+        Triton's spans and what a record leaves out. ``base``: the position of the scope's
+        first span in the export."""
         now = ex.now
         traces = self.traces
         stage_index = self.stage_index
@@ -471,6 +801,8 @@ class Assembler:
              extra, n_links, k) in records:
             # A trace already open has a valid id: only a new one is checked.
             trace = traces.get(tid)
+            if trace.__class__ is _Packed:  # another span of it: held span by span now
+                trace = traces[tid] = trace.unpack()
             if (
                 (trace is None and (len(tid) != 16 or tid == _ZERO_TRACE))
                 or len(sid) != 8
@@ -541,6 +873,7 @@ class Assembler:
                 if trace.due is None or ex.due > trace.due:
                     trace.due = ex.due
                     ex.made_due.append(tid)
+                    ex.due_at.append(base + k)
                 # Only request spans need the trace state, the is-remote bits and the
                 # status.
                 if status is None:  # a record of the message: read there
@@ -664,12 +997,27 @@ class Assembler:
         traces = self.traces
         recent_done = self.recent_done
         counted = self.counted
+        # Packed traces to finalise, in order: together, with numpy (``_finalise_packed``).
+        run: list[tuple[bytes, _Packed]] = []
+        links = self.links
+
+        def finalise(tid: bytes, trace: Any) -> None:
+            if trace.__class__ is _Packed:
+                if not (links and (tid, trace.rid) in links):
+                    run.append((tid, trace))
+                    return
+                trace = trace.unpack()  # with linked batch spans: the general way
+            if run:
+                self._finalise_packed(run, out, now)
+                run.clear()
+            self._finalise(tid, trace, out, now)
+
         if everything:
             while traces and left > 0:
                 tid, trace = traces.popitem()
-                left -= len(trace.spans) + self.link_count.get(tid, 0)
+                left -= len(trace) + self.link_count.get(tid, 0)
                 if trace.due is not None:
-                    self._finalise(tid, trace, out, now)
+                    finalise(tid, trace)
                 else:
                     self._expire(tid, trace)
             if not traces:
@@ -681,8 +1029,8 @@ class Assembler:
                 left -= 1
                 if trace is not None and trace.due == due:
                     del traces[tid]
-                    left -= len(trace.spans) + self.link_count.get(tid, 0)
-                    self._finalise(tid, trace, out, now)
+                    left -= len(trace) + self.link_count.get(tid, 0)
+                    finalise(tid, trace)
                 # else: finalised already, or due later (it has another entry)
                 if left <= 0:
                     break
@@ -697,6 +1045,8 @@ class Assembler:
                     # else: finalised already, or a later trace of that id, or due
                     if left <= 0:
                         break
+        if run:
+            self._finalise_packed(run, out, now)
         # Linked batch spans whose member requests never came (or came and went).
         if left > 0:
             link_horizon = math.inf if everything else now - self.trace_timeout_s
@@ -740,6 +1090,121 @@ class Assembler:
         recent_done = self.recent_done
         recent_done[tid] = now
         recent_done.move_to_end(tid)  # keeps clock order
+
+    def _finalise_packed(self, run: list[tuple[bytes, _Packed]], out: Finalised,
+                         now: float) -> None:
+        """``_finalise`` of each packed trace of ``run``, in order: the same columns, with
+        numpy for all but the stage spans that carry attributes."""
+        i = 0
+        while i < len(run):
+            block = run[i][1].block
+            k = i + 1
+            while k < len(run) and run[k][1].block is block:
+                k += 1
+            self._finalise_block(block, [t.j for _, t in run[i:k]], out, now)
+            i = k
+
+    def _finalise_block(self, block: _Block, js: list[int], out: Finalised,
+                        now: float) -> None:
+        cols = block.cols
+        n = len(js)
+        jj = np.asarray(js, np.int64)
+        tids = [block.tids[j] for j in js]
+        rids = [block.rid[j] for j in js]
+        # Bookkeeping per trace, as ``_finalise``.
+        self.pending -= int(block.n[jj].sum())
+        self.ignored += int(block.ignored[jj].sum())
+        counted = self.counted
+        recent_done = self.recent_done
+        for tid, rid in zip(tids, rids, strict=True):
+            counted[tid] = (rid,)
+            recent_done[tid] = now
+            recent_done.move_to_end(tid)
+        # One row per request, as ``_open_row``.
+        r0 = len(out.start)
+        cand = block.cand[jj]
+        entries = cols.entries
+        ctail = cols.tail[cand].tolist()
+        states = cols.trace_state
+        memo: dict[Any, tuple] = {}
+        fields = []
+        for t, k in zip(ctail, cand.tolist(), strict=True):
+            key = t if states is None else (t, states[k])
+            f = memo.get(key)
+            if f is None:
+                _, extra, _, code, flags = entries[t]
+                flags &= _OTLP_FLAGS
+                if code == _STATUS_ERROR:
+                    flags |= _FLAG_ERROR
+                f = memo[key] = _request_fields(extra, flags,
+                                                states[k] if states is not None else "")
+            fields.append(f)
+        resource = block.resource
+        out.service.extend([resource[0]] * n)
+        out.instance.extend([resource[1:]] * n)
+        model, weight, error, is_counted, tokens = zip(*fields, strict=True)
+        out.model.extend(model)
+        out.weight.extend(weight)
+        out.start.frombytes(cols.start[cand].tobytes())
+        out.end.frombytes(cols.end[cand].tobytes())
+        out.error.extend(error)
+        out.counted.extend(is_counted)
+        out.tokens.extend(tokens)
+        out.trace_id.extend(tids)
+        # The stage spans, per request in order, as ``_own_stages``.
+        st_lo = block.st_ptr[jj]
+        cnt = block.st_ptr[jj + 1] - st_lo
+        each = np.repeat(np.arange(n), cnt)
+        total = int(cnt.sum())
+        q = st_lo[each] + (np.arange(total) - (np.cumsum(cnt) - cnt)[each])
+        at = block.st_pos[q]
+        rows = r0 + each
+        stage = block.sn[at]
+        s = cols.start[at]
+        e = cols.end[at]
+        k0 = len(out.span_key)
+        out.span_key.frombytes(((rows << 32) | stage).tobytes())
+        out.span_start.frombytes(s.tobytes())
+        out.span_end.frombytes(e.tobytes())
+        work = block.st_work[q]
+        extra_at = np.flatnonzero(block.st_extra[q])
+        if work.any():
+            dur = np.where(e > s, (e - s).astype(np.float64) * 1e-9, 0.0)
+            share = np.ones(total)
+        else:
+            dur = share = None
+        if extra_at.size:
+            rows_l = rows[extra_at].tolist()
+            stage_l = stage[extra_at].tolist()
+            s_l = s[extra_at].tolist()
+            e_l = e[extra_at].tolist()
+            at_l = at[extra_at].tolist()
+            each_l = each[extra_at].tolist()
+            tail = cols.tail
+            sid = cols.sid
+            stage_attrs = self._stage_attrs
+            for x, row, st, s1, e1, k, j in zip(extra_at.tolist(), rows_l, stage_l, s_l, e_l,
+                                               at_l, each_l, strict=True):
+                got = stage_attrs(out, row, st, s1, e1, resource, entries[int(tail[k])][1],
+                                  (tids[j], id_bytes(sid[k])), now, k0 + x)
+                if got is not None:
+                    share[x] = got
+        if dur is not None:
+            w = np.flatnonzero(work)
+            device = np.empty((w.size, 4))
+            device[:, 0] = rows[w]
+            device[:, 1] = stage[w]
+            device[:, 2] = dur[w]
+            device[:, 3] = share[w]
+            out.device.frombytes(device.tobytes())
+            # Bare work spans; those with attributes went through _stage_attrs.
+            bare = w[~block.st_extra[q][w]]
+            if bare.size:
+                windows = np.empty((bare.size, 3))
+                windows[:, 0] = rows[bare]
+                windows[:, 1] = s[bare].astype(np.float64) * 1e-9
+                windows[:, 2] = e[bare].astype(np.float64) * 1e-9
+                out.work.frombytes(windows.tobytes())
 
     def _expire(self, tid: bytes, trace: _Trace) -> None:
         n = len(trace.spans)
@@ -851,7 +1316,10 @@ class Assembler:
             add_start(s)
             add_end(e)
             if extra is not None:
-                self._stage_attrs(out, row, stage, s, e, res, extra, (tid, sid), now)
+                share = self._stage_attrs(out, row, stage, s, e, res, extra, (tid, sid), now,
+                                          len(out.span_key) - 1)
+                if share is not None:
+                    out.device.extend((row, stage, (e - s) * 1e-9 if e > s else 0.0, share))
             elif self.stage_names[stage] in _WORK_STAGES:  # a bare work span: no batch
                 out.work.extend((row, s * 1e-9, e * 1e-9))
                 out.device.extend((row, stage, (e - s) * 1e-9 if e > s else 0.0, 1.0))
@@ -886,7 +1354,10 @@ class Assembler:
             out.span_start.append(s)
             out.span_end.append(e)
             if extra is not None:
-                self._stage_attrs(out, row, stage, s, e, res, extra, ident, now)
+                share = self._stage_attrs(out, row, stage, s, e, res, extra, ident, now,
+                                          len(out.span_key) - 1)
+                if share is not None:
+                    out.device.extend((row, stage, (e - s) * 1e-9 if e > s else 0.0, share))
             elif self.stage_names[stage] in _WORK_STAGES:
                 out.work.extend((row, s * 1e-9, e * 1e-9))
                 out.device.extend((row, stage, (e - s) * 1e-9 if e > s else 0.0, 1.0))
@@ -938,20 +1409,7 @@ class Assembler:
     @staticmethod
     def _open_row(req: tuple, out: Finalised) -> int:
         _, start, end, _, resource, extra, _, flags, trace_state = req
-        model = extra.get(sc.ATTR_MODEL_NAME) if extra else None
-        if model is None and extra:
-            model = _gen.model_of(extra)
-        weight = None
-        if extra:
-            w = extra.get(sc.ATTR_SAMPLE_WEIGHT)
-            if (
-                isinstance(w, (int, float))
-                and not isinstance(w, bool)
-                and 1 <= w <= _MAX_WEIGHT
-            ):
-                weight = float(w)
-        if weight is None:
-            weight = (trace_state and trace_state_weight(trace_state)) or 1.0
+        model, weight, error, counted, tokens = _request_fields(extra, flags, trace_state)
         row = len(out.start)
         out.service.append(resource[0])
         out.instance.append(resource[1:])
@@ -959,14 +1417,11 @@ class Assembler:
         out.weight.append(weight)
         out.start.append(start)
         out.end.append(end)
-        out.error.append(1 if flags & _FLAG_ERROR else 0)
-        out.counted.append(1 if extra and extra.get(sc.ATTR_SUMMARY_COUNTED) is True else 0)
+        out.error.append(error)
+        out.counted.append(counted)
         if extra and _gen.is_generating(extra):
             out.gen.append((row, extra))
-        tokens = extra.get(_PROMPT_TOKENS) if extra else None
-        if tokens is None and extra:
-            tokens = extra.get(_GEN_AI_PROMPT_TOKENS)
-        out.tokens.append(tokens if type(tokens) is int and tokens > 0 else 0)
+        out.tokens.append(tokens)
         return row
 
     def _stage_attrs(
@@ -980,18 +1435,20 @@ class Assembler:
         extra: dict,
         ident: tuple,
         now: float,
-    ) -> None:
+        position: int,
+    ) -> float | None:
         """Model fallback, padding, batch work and compute windows from a stage span's
-        attributes."""
+        attributes; ``position``: the span's in ``out.span_key``. Returns, for a work
+        stage, the request's share of the span (for ``out.device``, which the caller
+        extends), else None."""
         stage = self.stage_names[stage_id]
         if out.model[row] is None:
             out.model[row] = extra.get(_MODEL)
         if stage == _QUEUE:
             behind = extra.get(_BEHIND_S)
             if type(behind) in (float, int) and math.isfinite(behind) and behind >= 0:
-                # the stage span was appended just before this call
-                out.queue_behind.extend((len(out.span_key) - 1, float(behind)))
-            return
+                out.queue_behind.extend((position, float(behind)))
+            return None
         batch_id = extra.get(_BATCH_ID)
         if stage in _PADDING_STAGES:
             eff = extra.get(_EFFECTIVE)
@@ -1003,35 +1460,36 @@ class Assembler:
                 if key not in self.seen_batches:
                     self.seen_batches[key] = now
                     out.batches.append((row, eff, pad))
-        if stage in _WORK_STAGES:
-            # Every member's share of the span (cost): not once per batch like the rest.
-            share = member_share(out.tokens[row], extra.get(_EFFECTIVE), extra.get(_BATCH_SIZE))
-            out.device.extend((row, stage_id, (e - s) * 1e-9 if e > s else 0.0, share))
-            # Once per batch: its id within the service instance (service.name,
-            # host.name, service.instance.id). A span of no batch id is not remembered,
-            # unless it names a GPU (a linked span joins the GPU samples once: remembered
-            # as itself), and adds nothing to the work estimate: without an id, copies of
-            # one batch's span cannot be told from the spans of several batches.
-            gpu = extra.get(_GPU_ID) if stage in _COMPUTE_STAGES else None
-            if batch_id is not None:
-                key: Any = (*res, "c", stage, batch_id)
-            else:
-                key = ident if gpu else None
-            first = key is None or key not in self.seen_batches
-            if batch_id is not None:
-                size = extra.get(_BATCH_SIZE)
-                seconds = (e - s) * 1e-9 if e > s else 0.0
-                if type(size) is int and size > 0:  # not a bool
-                    out.work_share.extend((row, seconds / size))
-                elif first:
-                    out.work_share.extend((row, seconds))
-            if first:
-                if key is not None:
-                    self.seen_batches[key] = now
-                out.work.extend((row, s * 1e-9, e * 1e-9))
-                if gpu:
-                    out.compute.append((row, (res[1], normalize_gpu_id(str(gpu)), s * 1e-9,
-                                              e * 1e-9)))
+        if stage not in _WORK_STAGES:
+            return None
+        # Every member's share of the span (cost): not once per batch like the rest.
+        share = member_share(out.tokens[row], extra.get(_EFFECTIVE), extra.get(_BATCH_SIZE))
+        # Once per batch: its id within the service instance (service.name,
+        # host.name, service.instance.id). A span of no batch id is not remembered,
+        # unless it names a GPU (a linked span joins the GPU samples once: remembered
+        # as itself), and adds nothing to the work estimate: without an id, copies of
+        # one batch's span cannot be told from the spans of several batches.
+        gpu = extra.get(_GPU_ID) if stage in _COMPUTE_STAGES else None
+        if batch_id is not None:
+            key: Any = (*res, "c", stage, batch_id)
+        else:
+            key = ident if gpu else None
+        first = key is None or key not in self.seen_batches
+        if batch_id is not None:
+            size = extra.get(_BATCH_SIZE)
+            seconds = (e - s) * 1e-9 if e > s else 0.0
+            if type(size) is int and size > 0:  # not a bool
+                out.work_share.extend((row, seconds / size))
+            elif first:
+                out.work_share.extend((row, seconds))
+        if first:
+            if key is not None:
+                self.seen_batches[key] = now
+            out.work.extend((row, s * 1e-9, e * 1e-9))
+            if gpu:
+                out.compute.append((row, (res[1], normalize_gpu_id(str(gpu)), s * 1e-9,
+                                          e * 1e-9)))
+        return share
 
     @staticmethod
     def _owner(sid: bytes, spans: dict, requests: set, memo: dict) -> bytes | None:

@@ -1,11 +1,13 @@
-"""Assembly tests run twice: with the engine reading each export's decoded message, and
-with it reading the export's protobuf bytes (``wire.SpanReader``), as the receivers have
-it do. Both must give the same figures."""
+"""Assembly tests run twice: with the engine reading each export's decoded message span
+by span (``Assembler.columnar`` off: the reference), and with it reading the export's
+protobuf bytes as columns (``wire.SpanReader.columns``, ``Assembler._ingest_columns``),
+as the receivers have it do. Both must give the same figures."""
 
 from __future__ import annotations
 
 import pytest
 
+from inferprof.collector.assembly import Assembler
 from inferprof.collector.engine import Engine
 
 #: Test modules whose engine tests run on both paths.
@@ -34,8 +36,11 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 @pytest.fixture(autouse=True)
 def ingest_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """``bytes``: ``Engine.ingest_traces`` is handed the export's serialized bytes with
-    it, as the receivers hand what they received."""
+    it, as the receivers hand what they received; ``message`` (of the modules above): the
+    span-by-span reference. Other tests run the engine as it is."""
     path = getattr(request, "param", "message")
+    if getattr(request, "param", None) == "message":
+        monkeypatch.setattr(Assembler, "columnar", False)
     if path == "bytes":
         ingest = Engine.ingest_traces
 

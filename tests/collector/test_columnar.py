@@ -1,0 +1,230 @@
+"""The columnar ingest path (``Assembler._ingest_columns`` / ``_finalise_packed``) against
+the span-by-span one, on random mixed workloads: what the engine folds (every column of
+every finalised batch, in order), its counters and its documents must be identical.
+
+The workloads mix the common case the columnar path takes with every case it leaves to
+the span-by-span path or must hand back to it: traces split over exports, late and
+duplicate spans, re-sent exports, linked batch spans (before and after their members),
+stages under other spans, extra spans, orphans, invalid ids, times and stage names, new
+stage names, generating requests, trace states, error statuses, several resources and
+scopes per export, Triton's scope, the clock advancing between exports and a last flush.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+from inferprof import semconv as sc
+from inferprof.collector.engine import Engine
+from tests.collector.synth import CLIENT, INTERNAL, Ref, TraceBuilder
+
+_STAGES = ["receive", "tokenize", "queue", "batch_assembly", "compute", "d2h", "h2d",
+           "serialize", "postprocess", "custom_step"]
+_COLUMNS = ("service", "model", "weight", "start", "end", "error", "counted", "span_key",
+            "span_start", "span_end", "batches", "compute", "instance", "work", "work_share",
+            "queue_behind", "trace_id", "tokens", "device")
+
+
+def _request(rng: random.Random, b: TraceBuilder, t: float, batch: list[str]) -> list[Any]:
+    """One request's spans (the builder's span messages), in a random variant."""
+    first = len(b.spans)
+    variant = rng.random()
+    attrs: dict[str, Any] = {}
+    if rng.random() < 0.2:
+        attrs[sc.ATTR_TOKENS_PROMPT] = rng.randint(1, 50)
+    if rng.random() < 0.05:
+        attrs[sc.ATTR_SUMMARY_COUNTED] = True
+    if rng.random() < 0.04:
+        attrs[sc.ATTR_TOKENS_OUTPUT] = 7  # generating: not the common case
+    e2e = rng.uniform(0.01, 0.2)
+    req = b.request(
+        t, t + e2e,
+        model=rng.choice(["m", "m", "n", None]),
+        weight=rng.choice([None, None, 4.0, 0.5]),
+        trace_state=rng.choice(["", "", "", "ot=th:8", "ot=th:c;rv:1"]),
+        status=2 if rng.random() < 0.1 else 0,
+        kind=rng.choice([2, 2, 2, 2, 5, 1]),
+        **attrs,
+    )
+    if variant < 0.05:
+        return b.spans[first:]  # a request span alone
+    parent: Ref = req
+    if variant < 0.12:  # stages under an internal span
+        parent = b.span("handler", t, t + e2e, parent=req, kind=INTERNAL)
+    if rng.random() < 0.1:
+        b.span("http send", t, t + 0.001, parent=req, kind=CLIENT)
+    cursor = t
+    for stage in rng.sample(_STAGES, rng.randint(1, 6)):
+        d = rng.uniform(0.0, e2e / 3) if rng.random() > 0.05 else 0.0
+        s = cursor - rng.uniform(0, 0.01) if rng.random() < 0.15 else cursor  # overlaps
+        extra: dict[str, Any] = {}
+        if stage in ("batch_assembly", "compute", "d2h", "h2d") and rng.random() < 0.7:
+            extra = {
+                "batch_id": rng.choice(batch) if rng.random() < 0.9 else None,
+                "batch_size": rng.choice([None, 4, 8]),
+                "effective": rng.choice([None, 90, 100]),
+                "padded": rng.choice([None, 128]),
+                "gpu_id": rng.choice([None, "0", "GPU-1"]) if stage == "compute" else None,
+                "model": rng.choice([None, "m2"]),
+            }
+        if stage == "queue" and rng.random() < 0.5:
+            extra[sc.ATTR_QUEUE_BEHIND_BATCHES_S] = rng.uniform(0, 0.01)
+        if rng.random() < 0.02:
+            stage = "Bad Stage!"
+        if rng.random() < 0.02:
+            stage = f"new_{rng.randint(0, 3)}"
+        b.stage(parent, stage, s, s + d, **extra)
+        cursor += d
+    spans = b.spans[first:]
+    roll = rng.random()
+    if roll < 0.02:  # a zero span id
+        spans[-1].span_id = bytes(8)
+    elif roll < 0.04:  # ends before it starts
+        spans[-1].end_time_unix_nano = spans[-1].start_time_unix_nano - 1
+    elif roll < 0.06:  # a duplicate span id
+        spans.append(type(spans[-1])())
+        spans[-1].CopyFrom(spans[0])
+    return spans
+
+
+def _workload(seed: int) -> list[tuple[float, ExportTraceServiceRequest]]:
+    """(collector time, export) pairs."""
+    rng = random.Random(seed)
+    builders = [TraceBuilder("svc-a", host="h1", instance="i1"),
+                TraceBuilder("svc-b", host="h2", instance="i2"),
+                TraceBuilder("svc-a", host="h3", instance="i3", scope="triton-server")]
+    carry: dict[int, list[Any]] = {0: [], 1: []}
+    sent: list[ExportTraceServiceRequest] = []
+    out: list[tuple[float, ExportTraceServiceRequest]] = []
+    now = 1000.0
+    links: list[Ref] = []
+    for e in range(rng.randint(8, 16)):
+        export = ExportTraceServiceRequest()
+        batch = [f"b{e}-{i}" for i in range(3)] + ["shared"]
+        for which in (0, 1):
+            b = builders[which]
+            spans = carry[which]
+            carry[which] = []
+            for i in range(rng.randint(0, 25)):
+                t = e * 0.5 + i * 0.003
+                got = _request(rng, b, t, batch)
+                if rng.random() < 0.15:  # the rest of this trace comes in a later export
+                    cut = rng.randint(0, len(got))
+                    carry[which].extend(got[cut:])
+                    got = got[:cut]
+                spans.extend(got)
+                req = got[0] if got else None
+                if req is not None and rng.random() < 0.1:
+                    links.append(Ref(req.trace_id, req.span_id))
+            if links and rng.random() < 0.5:  # linked batch spans (encoding b)
+                members = rng.sample(links, min(len(links), rng.randint(1, 4)))
+                b.stage(None, "compute", e * 0.5, e * 0.5 + 0.01, links=members,
+                        batch_id=f"L{e}", batch_size=len(members))
+                spans.append(b.spans.pop())
+            if spans and rng.random() < 0.1:  # a late span of a trace sent before
+                late = type(spans[0])()
+                late.CopyFrom(rng.choice(spans))
+                late.span_id = rng.randbytes(8)
+                carry[which].append(late)
+            if rng.random() < 0.3:
+                rng.shuffle(spans)
+            b.spans = []
+            part = b.export(spans)
+            if rng.random() < 0.3 and len(spans) > 4:  # two scopes
+                half = len(spans) // 2
+                part = b.export(spans[:half])
+                part.resource_spans[0].scope_spans.add().spans.extend(spans[half:])
+            export.resource_spans.extend(part.resource_spans)
+        if rng.random() < 0.3:
+            tb = builders[2]
+            tb.triton_request(None, e * 0.5, e * 0.5 + 0.01, compute=[e * 0.5 + 0.001,
+                              e * 0.5 + 0.002, e * 0.5 + 0.003, e * 0.5 + 0.004])
+            export.resource_spans.extend(tb.export().resource_spans)
+        out.append((now, export))
+        sent.append(export)
+        if rng.random() < 0.1 and sent:  # an export re-sent
+            out.append((now, rng.choice(sent)))
+        now += rng.choice([0.2, 0.7, 1.5, 3.0, 30.0, 70.0])
+    return out
+
+
+def _run(work: list, *, columnar: bool, payload: bool) -> tuple[Engine, list[dict]]:
+    clock = [0.0]
+    engine = Engine(settle_s=2.0, trace_timeout_s=60.0, clock=lambda: clock[0],
+                    retention_s=float("inf"))
+    engine._asm.columnar = columnar
+    folded: list[dict] = []
+    fold = engine._fold
+
+    def record(fin: Any, now: float) -> None:
+        if not len(fin):  # readers catch up too: nothing to compare there
+            fold(fin, now)
+            return
+        columns = {name: list(getattr(fin, name)) for name in _COLUMNS}
+        # Work windows are a set to the fold (sorted, copies merged): their order may differ.
+        work = columns["work"]
+        columns["work"] = sorted(zip(work[::3], work[1::3], work[2::3], strict=True))
+        folded.append(columns)
+        fold(fin, now)
+
+    engine._fold = record  # type: ignore[method-assign]
+    for now, export in work:
+        clock[0] = now
+        engine.ingest_traces(export, payload=export.SerializeToString() if payload else None)
+    clock[0] += 1000.0
+    engine.flush()
+    asm = engine._asm
+    folded.append({"stats": engine.stats, "stage_names": list(asm.stage_names),
+                   "seen_batches": list(asm.seen_batches.items()),
+                   "recent_done": list(asm.recent_done.items()),
+                   "counted": sorted(asm.counted.items())})
+    return engine, folded
+
+
+def _documents(engine: Engine) -> list:
+    docs = []
+    for service, model in sorted(engine.series()):
+        docs.append(engine.breakdown(service, model, window_s=None))
+    return docs
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_columnar_equals_span_by_span(seed: int) -> None:
+    work = _workload(seed)
+    ref, ref_folded = _run(work, columnar=False, payload=False)
+    assert ref.stats.requests_finalised > 0
+    for payload in (True, False):
+        got, got_folded = _run(work, columnar=True, payload=payload)
+        assert len(got_folded) == len(ref_folded)
+        for i, (a, b) in enumerate(zip(got_folded[:-1], ref_folded[:-1], strict=True)):
+            for name in _COLUMNS:
+                assert a[name] == b[name], (i, name)
+        assert got_folded[-1] == ref_folded[-1]  # counters and what the assembler keeps
+        assert _documents(got) == _documents(ref)
+        for a, b in zip(got.histograms(), ref.histograms(), strict=True):
+            assert a[:3] == b[:3] and np.array_equal(a[3], b[3]) and a[4] == b[4]
+
+
+def test_columnar_path_taken() -> None:
+    """The common case is assembled by columns (else the test above compares nothing)."""
+    work = _workload(3)
+    engine = Engine(settle_s=2.0, clock=lambda: 1000.0)
+    packed = 0
+    take = engine._asm._ingest_columns
+
+    def count(*args: Any) -> bool:
+        nonlocal packed
+        before = len(engine._asm.traces)
+        taken = take(*args)
+        packed += len(engine._asm.traces) - before
+        return taken
+
+    engine._asm._ingest_columns = count  # type: ignore[method-assign]
+    for _, export in work:
+        engine.ingest_traces(export, payload=export.SerializeToString())
+    assert packed > 50
