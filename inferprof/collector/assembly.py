@@ -394,19 +394,20 @@ class _Packed:
     """A trace of a :class:`_Block`, held as such until it is finalised or another span
     of it comes (``unpack``)."""
 
-    __slots__ = ("block", "created", "due", "j")
+    __slots__ = ("block", "created", "due", "j", "n")
 
     late = False
     triton = None
 
-    def __init__(self, block: _Block, j: int, due: float, created: float) -> None:
+    def __init__(self, block: _Block, j: int, n: int, due: float, created: float) -> None:
         self.block = block
         self.j = j
+        self.n = n
         self.due: float | None = due
         self.created = created
 
     def __len__(self) -> int:
-        return int(self.block.n[self.j])
+        return self.n
 
     @property
     def rid(self) -> bytes:
@@ -697,9 +698,11 @@ class Assembler:
         cand_at[inv[where_cand]] = where_cand
         ok &= parent[cand_at] == 0
         ok &= np.bincount(inv, is_stage & (parent != sid[cand_at][inv]), n_groups) == 0
-        o = np.lexsort((sid, inv))
-        dup = (inv[o][1:] == inv[o][:-1]) & (sid[o][1:] == sid[o][:-1])
-        ok[inv[o][1:][dup]] = False
+        by_sid = np.sort(sid)
+        if (by_sid[1:] == by_sid[:-1]).any():  # a span id twice: in the same trace?
+            o = np.lexsort((sid, inv))
+            dup = (inv[o][1:] == inv[o][:-1]) & (sid[o][1:] == sid[o][:-1])
+            ok[inv[o][1:][dup]] = False
         groups = np.flatnonzero(ok)
         if not groups.size:
             return False
@@ -733,7 +736,7 @@ class Assembler:
         ex.seen += len(cols)
         ex.packed = True
         now, due = ex.now, ex.due
-        made = [_Packed(block, j, due, now) for j in range(n_packed)]
+        made = [_Packed(block, j, n, due, now) for j, n in enumerate(block.n.tolist())]
         ex.made_due.extend(tids)
         ex.due_at.extend((block.cand + base).tolist())
         # Traces open in the order of their first span, between the other spans', as one
@@ -1174,21 +1177,8 @@ class Assembler:
         else:
             dur = share = None
         if extra_at.size:
-            rows_l = rows[extra_at].tolist()
-            stage_l = stage[extra_at].tolist()
-            s_l = s[extra_at].tolist()
-            e_l = e[extra_at].tolist()
-            at_l = at[extra_at].tolist()
-            each_l = each[extra_at].tolist()
-            tail = cols.tail
-            sid = cols.sid
-            stage_attrs = self._stage_attrs
-            for x, row, st, s1, e1, k, j in zip(extra_at.tolist(), rows_l, stage_l, s_l, e_l,
-                                               at_l, each_l, strict=True):
-                got = stage_attrs(out, row, st, s1, e1, resource, entries[int(tail[k])][1],
-                                  (tids[j], id_bytes(sid[k])), now, k0 + x)
-                if got is not None:
-                    share[x] = got
+            self._extra_spans(out, block, tids, extra_at, rows, each, at, stage, s, e,
+                              list(model), list(tokens), share, k0, now)
         if dur is not None:
             w = np.flatnonzero(work)
             device = np.empty((w.size, 4))
@@ -1205,6 +1195,170 @@ class Assembler:
                 windows[:, 1] = s[bare].astype(np.float64) * 1e-9
                 windows[:, 2] = e[bare].astype(np.float64) * 1e-9
                 out.work.frombytes(windows.tobytes())
+
+    def _extra_spans(self, out: Finalised, block: _Block, tids: list[bytes],
+                     xs: np.ndarray, rows: np.ndarray, each: np.ndarray, at: np.ndarray,
+                     stage: np.ndarray, s: np.ndarray, e: np.ndarray, model: list,
+                     tokens: list[int], share: np.ndarray | None, k0: int,
+                     now: float) -> None:
+        """``_stage_attrs`` of the stage spans ``xs`` (positions in the run's stage spans
+        ``rows``, ``stage``, ``s``, ``e``; ``at`` in the scope, ``each`` the trace in the
+        run) of a packed run, which carry attributes, in order, at once: what each entry
+        of attributes gives is read once; only "seen before" (``seen_batches``) is
+        decided in order, per batch. ``model`` / ``tokens``: the run's requests'. Writes
+        each work span's share into ``share``."""
+        cols = block.cols
+        entries = cols.entries
+        res = block.resource
+        n = xs.size
+        ent_u, ent_inv = np.unique(cols.tail[at[xs]], return_inverse=True)
+        n_ent = ent_u.size
+        # Per entry: what _stage_attrs reads of the attributes.
+        behind = np.full(n_ent, np.nan)
+        is_queue = np.zeros(n_ent, bool)
+        pad_ok = np.zeros(n_ent, bool)
+        eff_pad = np.zeros((n_ent, 2), np.int64)
+        is_work = np.zeros(n_ent, bool)
+        has_bid = np.zeros(n_ent, bool)
+        size = np.zeros(n_ent)  # > 0: a valid batch size
+        by_size = np.ones(n_ent)  # member_share without tokens
+        eff_share = np.zeros(n_ent, np.int64)  # > 0: effective tokens for member_share
+        gpu: list[Any] = [None] * n_ent
+        model_of: list[Any] = [None] * n_ent
+        b_key: list[Any] = [None] * n_ent
+        c_key: list[Any] = [None] * n_ent
+        for i, ent in enumerate(ent_u.tolist()):
+            st_name, extra = entries[ent][0], entries[ent][1]
+            model_of[i] = extra.get(_MODEL)
+            if st_name == _QUEUE:
+                is_queue[i] = True
+                b = extra.get(_BEHIND_S)
+                if type(b) in (float, int) and math.isfinite(b) and b >= 0:
+                    behind[i] = float(b)
+                continue
+            batch_id = extra.get(_BATCH_ID)
+            has_bid[i] = batch_id is not None
+            eff = extra.get(_EFFECTIVE)
+            if st_name in _PADDING_STAGES:
+                pad = extra.get(_PADDED)
+                if isinstance(eff, int) and isinstance(pad, int) and pad > 0:
+                    pad_ok[i] = True
+                    eff_pad[i] = (eff, pad)
+                    if batch_id is not None:
+                        b_key[i] = (*res, "b", batch_id)
+            if st_name in _WORK_STAGES:
+                is_work[i] = True
+                bs = extra.get(_BATCH_SIZE)
+                if type(bs) is int and bs > 0:
+                    size[i] = bs
+                    by_size[i] = 1.0 / bs
+                if type(eff) is int and eff > 0:
+                    eff_share[i] = eff
+                if st_name in _COMPUTE_STAGES:
+                    gpu[i] = extra.get(_GPU_ID)
+                if batch_id is not None:
+                    c_key[i] = (*res, "c", st_name, batch_id)
+        rows_x = rows[xs]
+        # Model fallback, in order, for requests that name none.
+        if any(m is None for m in model):
+            for x, row in enumerate(rows_x.tolist()):
+                if out.model[row] is None:
+                    out.model[row] = model_of[ent_inv[x]]
+        pos_x = k0 + xs
+        q = is_queue[ent_inv] & ~np.isnan(behind[ent_inv])
+        if q.any():
+            pairs = np.empty((int(q.sum()), 2))
+            pairs[:, 0] = pos_x[q]
+            pairs[:, 1] = behind[ent_inv][q]
+            out.queue_behind.frombytes(pairs.tobytes())
+        # "Seen before", in order: a key per (span, b: padding / c: work), first use only.
+        pad_x = pad_ok[ent_inv]
+        work_x = is_work[ent_inv]
+        if not (pad_x.any() or work_x.any()):
+            return
+        # Key numbers: per entry where the batch id makes the key, per span (the span
+        # itself) where there is none.
+        key_ids: dict[Any, int] = {}
+        keys: list[Any] = []
+
+        def number(key: Any) -> int:
+            k = key_ids.get(key)
+            if k is None:
+                k = key_ids[key] = len(keys)
+                keys.append(key)
+            return k
+
+        b_num = np.fromiter((-1 if k is None else number(k) for k in b_key), np.int64, n_ent)
+        c_num = np.fromiter((-1 if k is None else number(k) for k in c_key), np.int64, n_ent)
+        has_gpu = np.fromiter((bool(g) for g in gpu), bool, n_ent)
+        ev_b = np.flatnonzero(pad_x)
+        ev_c = np.flatnonzero(work_x & ((c_num >= 0) | has_gpu)[ent_inv])
+        kb = b_num[ent_inv[ev_b]]
+        kc = c_num[ent_inv[ev_c]]
+        if (kb < 0).any() or (kc < 0).any():  # keyed by the span itself
+            sid = cols.sid
+            for ev, kk in ((ev_b, kb), (ev_c, kc)):
+                for y in np.flatnonzero(kk < 0).tolist():
+                    x = int(ev[y])
+                    kk[y] = number((tids[int(each[xs[x]])], id_bytes(sid[at[xs[x]]])))
+        ev_x = np.concatenate([ev_b, ev_c])
+        ev_kind = np.concatenate([np.zeros(ev_b.size, np.int64), np.ones(ev_c.size, np.int64)])
+        order = np.lexsort((ev_kind, ev_x))
+        ev_x, ev_kind, ev_key = ev_x[order], ev_kind[order], np.concatenate([kb, kc])[order]
+        first_b = np.zeros(n, bool)
+        first_c = np.ones(n, bool)  # a work span of no key is always "first"
+        if ev_key.size:
+            ek, ex_, ekind = ev_key, ev_x, ev_kind
+            uk, fi = np.unique(ek, return_index=True)
+            new_key = np.fromiter((keys[k] not in self.seen_batches for k in uk.tolist()),
+                                  bool, uk.size)
+            is_first = np.zeros(ek.size, bool)
+            is_first[fi[new_key]] = True
+            first_b[ex_[(ekind == 0) & is_first]] = True
+            first_c[ex_[(ekind == 1) & ~is_first]] = False
+            seen = self.seen_batches
+            for k in ek[np.sort(fi[new_key])].tolist():  # in the order they came
+                seen[keys[k]] = now
+        if pad_x.any():
+            b = np.flatnonzero(pad_x & first_b)
+            out.batches.extend(zip(rows_x[b].tolist(), eff_pad[ent_inv[b], 0].tolist(),
+                                   eff_pad[ent_inv[b], 1].tolist(), strict=True))
+        if not work_x.any():
+            return
+        w = np.flatnonzero(work_x)
+        we = ent_inv[w]
+        ws, wend = s[xs[w]], e[xs[w]]
+        seconds = np.where(wend > ws, (wend - ws).astype(np.float64) * 1e-9, 0.0)
+        # member_share: by tokens where the request's and the batch's are known
+        tok = np.asarray(tokens, np.int64)[each[xs[w]]]
+        sh = by_size[we].copy()
+        by_tok = (tok > 0) & (eff_share[we] > 0)
+        for y in np.flatnonzero(by_tok).tolist():
+            sh[y] = min(1.0, int(tok[y]) / int(eff_share[we[y]]))
+        assert share is not None
+        share[xs[w]] = sh
+        # work share: per member where the size is known, else once per batch
+        bid = has_bid[we]
+        sized = size[we] > 0
+        fc = first_c[w]
+        keep = bid & (sized | fc)
+        if keep.any():
+            part = np.empty((int(keep.sum()), 2))
+            part[:, 0] = rows_x[w][keep]
+            part[:, 1] = np.where(sized, seconds / np.where(sized, size[we], 1.0), seconds)[keep]
+            out.work_share.frombytes(part.tobytes())
+        if fc.any():
+            win = np.empty((int(fc.sum()), 3))
+            win[:, 0] = rows_x[w][fc]
+            win[:, 1] = ws[fc].astype(np.float64) * 1e-9
+            win[:, 2] = wend[fc].astype(np.float64) * 1e-9
+            out.work.frombytes(win.tobytes())
+            for y in np.flatnonzero(fc).tolist():
+                g = gpu[we[y]]
+                if g:
+                    out.compute.append((int(rows_x[w[y]]), (res[1], normalize_gpu_id(str(g)),
+                                                            int(ws[y]) * 1e-9,
+                                                            int(wend[y]) * 1e-9)))
 
     def _expire(self, tid: bytes, trace: _Trace) -> None:
         n = len(trace.spans)

@@ -273,6 +273,9 @@ class SpanReader:
         # A span's bytes after its times -> (stage, wanted values, links, status code,
         # flags), or None where fields read before the times come again.
         self._tails: dict[bytes, tuple | None] = {}
+        # The same for ``columns``: tail -> its number in a table of entries.
+        self._tail_index: dict[bytes, int] = {}
+        self._tail_table: list[tuple] = []
 
     def scan(self, request: Any, payload: bytes) -> list[list[SpanRecord]] | None:
         """The records of each ``ScopeSpans`` of ``request``, in order, read off
@@ -377,20 +380,33 @@ class SpanReader:
         start = buf[(p + 1)[:, None] + _R8].view("<u8").ravel()
         end = buf[(p + 10)[:, None] + _R8].view("<u8").ravel()
         # Each span's tail once as bytes: the distinct ones are decoded (or found).
-        each = list(map(joined.__getitem__, map(slice, (p + 18).tolist(), stop.tolist())))
-        number: dict[bytes, Any] = dict.fromkeys(each)
-        for i, tail in enumerate(number):
-            number[tail] = i
-        ids = np.fromiter(map(number.__getitem__, each), np.int64, n)
-        tails = self._tails.get
-        entries: list[tuple] = []
-        for tail in number:
-            t: Any = tails(tail, _NO_TAIL)
-            if t is _NO_TAIL:
-                t = self._tail(tail)
-            if t is None or not _immutable(t):
-                return None
-            entries.append(t)
+        each = [joined[a:b] for a, b in zip((p + 18).tolist(), stop.tolist(), strict=True)]
+        # Each tail's entry, by its number in the reader's table of entries.
+        index = self._tail_index
+        table = self._tail_table
+        if len(table) >= _TAIL_CACHE_MAX:
+            index.clear()
+            table.clear()
+        numbers = list(map(index.get, each))
+        if None in numbers:
+            for k in [k for k, i in enumerate(numbers) if i is None]:
+                tail = each[k]
+                i = index.get(tail)
+                if i is None:
+                    t = self._decode_tail(tail)
+                    if t is None or t is _UNPARSED or not _immutable(t):
+                        return None
+                    i = len(table)
+                    table.append(t)
+                    if len(tail) <= _TAIL_CACHE_ENTRY_BYTES:
+                        index[tail] = i
+                numbers[k] = i
+        at_table = np.fromiter(numbers, np.int64, n)
+        present = np.zeros(len(table), bool)
+        present[at_table] = True
+        used = np.flatnonzero(present)
+        ids = (np.cumsum(present) - 1)[at_table]
+        entries = [table[i] for i in used.tolist()]
         trace_state: list[str] | None = None
         if has_ts.any():
             try:
@@ -471,22 +487,26 @@ class SpanReader:
                 out.append(self._span(sb, k))
         return out
 
-    def _tail(self, tail: bytes) -> tuple | None:
+    def _decode_tail(self, tail: bytes) -> Any:
         """What the part of a span after its times gives; None when it holds a field
-        read before them."""
+        read before them; :data:`_UNPARSED` when it does not parse."""
         try:
             m = _TailSpan.FromString(tail)
         except DecodeError:
-            return None
+            return _UNPARSED
         if any(m.HasField(f) for f in _HEAD_FIELDS):
-            entry = None
-        else:
-            stage, extra = self.attributes.read(m.attributes)
-            entry = (stage, extra, len(m.links), m.status.code, m.flags)
-            if type(stage) not in _SHAREABLE or (
-                extra is not None and any(type(v) not in _SHAREABLE for v in extra.values())
-            ):
-                return entry  # not remembered: a mutable value is decoded for each span
+            return None
+        stage, extra = self.attributes.read(m.attributes)
+        return (stage, extra, len(m.links), m.status.code, m.flags)
+
+    def _tail(self, tail: bytes) -> tuple | None:
+        """:meth:`_decode_tail`, remembered (when small and immutable); None for a tail
+        that does not parse as well."""
+        entry = self._decode_tail(tail)
+        if entry is _UNPARSED:
+            return None
+        if entry is not None and not _immutable(entry):
+            return entry  # not remembered: a mutable value is decoded for each span
         if len(tail) <= _TAIL_CACHE_ENTRY_BYTES:
             tails = self._tails
             if len(tails) >= _TAIL_CACHE_MAX:
@@ -561,6 +581,7 @@ class _Other(Exception):
 
 
 _NO_TAIL = object()
+_UNPARSED = object()
 
 
 __all__ = [
