@@ -363,7 +363,8 @@ class _Block:
         self.resource = resource
         self.tids = tids
         self.cand = cand
-        self.rid = [id_bytes(x) for x in cols.sid[cand].tolist()]
+        rid = cols.sid[cand].astype("<u8").tobytes()
+        self.rid = [rid[i:i + 8] for i in range(0, len(rid), 8)]
         self.pos = pos
         self.ptr = ptr
         self.n = np.diff(ptr)
