@@ -242,7 +242,7 @@ class Summaries:
 
     def _fold_entries(self, entries: list[tuple[Any, ...]]) -> int:
         """Fold requests into the state; returns how many were dropped (past the key
-        bound: a request is counted by its request-duration data point)."""
+        bound, whole: ``_past_bound``)."""
         # C-level passes over the entries (map, itemgetter, chain): a Python loop per
         # request or per span would cost more than the rest of the fold.
         n = len(entries)
@@ -286,13 +286,56 @@ class Summaries:
         pair_keys = [(*series_keys[g // n_codes], names_by_code[g % n_codes])
                      for g in range(len(series) * n_codes)]
 
-        lost = self._fold_values(self._requests, req_keys, req_group, e2e)
-        self._fold_values(self._stages, pair_keys, pair_group, stage_ns * _NS)
         amounts = np.rint(excl_ns)
         some = amounts > 0
+        lost = self._past_bound(req_keys, req_group, pair_keys, pair_group, pair_req, some)
+        e2e_req = e2e
+        if lost is not None:
+            req_group, e2e_req = req_group[~lost], e2e[~lost]
+            kept = ~lost[pair_req]
+            pair_req, pair_group, stage_ns = pair_req[kept], pair_group[kept], stage_ns[kept]
+            amounts, some = amounts[kept], some[kept]
+        self._fold_values(self._requests, req_keys, req_group, e2e_req)
+        self._fold_values(self._stages, pair_keys, pair_group, stage_ns * _NS)
         self._fold_values(self._tail, pair_keys, pair_group[some], e2e[pair_req[some]],
                           amounts[some], extreme_unit=1e9)
-        return int(np.isin(req_group, list(lost)).sum()) if lost else 0
+        return int(lost.sum()) if lost is not None else 0
+
+    def _past_bound(self, req_keys: list[_Key], req_group: npt.NDArray[np.int64],
+                    pair_keys: list[_Key], pair_group: npt.NDArray[np.int64],
+                    pair_req: npt.NDArray[np.int64],
+                    tail: npt.NDArray[np.bool_]) -> npt.NDArray[np.bool_] | None:
+        """The requests not folded because a data point of theirs is past the key bound
+        (None when every one fits). A request is folded whole or not at all, first come
+        first served: a data point holding a part of the requests another one counts
+        would bias the collector's shares and tail attribution."""
+        tables = (self._requests, self._stages, self._tail)
+        used = sum(map(len, tables))
+        new = {(t, g) for t, keys, gid in ((0, req_keys, req_group),
+                                           (1, pair_keys, pair_group),
+                                           (2, pair_keys, pair_group[tail]))
+               for g in np.flatnonzero(np.bincount(gid)).tolist() if keys[g] not in tables[t]}
+        if used + len(new) <= self._max_keys:
+            return None
+        # Past the bound (rare: keys are few): request by request, in order.
+        n = len(req_group)
+        order = np.argsort(pair_req, kind="stable")
+        bounds = np.searchsorted(pair_req[order], np.arange(n + 1)).tolist()
+        groups, tails = pair_group[order].tolist(), tail[order].tolist()
+        lost = np.zeros(n, dtype=bool)
+        for i, g in enumerate(req_group.tolist()):
+            need = {(0, g)}
+            for j in range(bounds[i], bounds[i + 1]):
+                need.add((1, groups[j]))
+                if tails[j]:
+                    need.add((2, groups[j]))
+            fresh = need & new
+            if used + len(fresh) <= self._max_keys:
+                used += len(fresh)
+                new -= fresh
+            else:
+                lost[i] = True
+        return lost
 
     def _fold_values(self, table: dict[_Key, _Buckets], keys: list[_Key],
                      gid: npt.NDArray[np.int64], values: npt.NDArray[np.float64],

@@ -23,6 +23,7 @@ from opentelemetry.sdk.metrics.export import (
     MetricExporter,
     MetricExportResult,
 )
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanKind, StatusCode
 
 import inferprof
@@ -461,6 +462,72 @@ def test_a_full_buffer_drops_and_counts_and_never_blocks():
                 for sm in rm.scope_metrics for m in sm.metrics
                 if m.name == semconv.METRIC_SUMMARY_REQUEST_DURATION for p in m.data.data_points)
     assert total == 51
+
+
+_SCOPE = InstrumentationScope(semconv.INSTRUMENTATION_SCOPE)
+
+
+def _stage_entry(i: int, model: str, stage: str) -> tuple:
+    start = 10**18 + i * MS
+    return (start, start + MS, False, model, 1.0, (stage, start, start + MS))
+
+
+def test_a_request_past_the_key_bound_is_dropped_whole_not_partly_folded():
+    # Request 0 needs 4 data points (its duration, its stage and unattributed times, its
+    # stage's tail); request 1 shares two of them and needs two more: past max_keys=4, so
+    # it is dropped whole (counted), never counted in the duration without its stages.
+    exporter = MemoryExporter()
+    stats = Stats()
+    s = Summaries(exporter, None, _SCOPE, stats, interval_s=3600, max_keys=4)
+    assert s.add(_stage_entry(0, "m", "compute"))
+    assert s.add(_stage_entry(1, "m", "queue"))
+    s.close(10)
+    assert stats.summarised == 2 and stats.summary_dropped == 1
+    got = decode(exporter.exports)
+    assert [d["count"] for d in got[semconv.METRIC_SUMMARY_REQUEST_DURATION].values()] == [1]
+    stages = {dict(k)[semconv.ATTR_STAGE]: d["count"]
+              for k, d in got[semconv.METRIC_SUMMARY_STAGE_DURATION].items()}
+    assert stages == {"compute": 1, "unattributed": 1}
+    tail = {dict(k)[semconv.ATTR_STAGE]: sum(d["buckets"].values())
+            for k, d in got[semconv.METRIC_SUMMARY_STAGE_TAIL].items()}
+    assert tail == {"compute": MS}
+
+
+@pytest.mark.parametrize("folds", [1, 3])
+def test_requests_past_the_key_bound_leave_every_data_point_consistent(folds):
+    # Many models and stages, a small bound: whatever is folded is whole requests (each
+    # model's duration count equals its unattributed count, its tail ns sum to its
+    # requests' end-to-end ns), and folded + dropped is every request.
+    import random
+
+    rng = random.Random(7)
+    exporter = MemoryExporter()
+    stats = Stats()
+    s = Summaries(exporter, None, _SCOPE, stats, interval_s=3600, max_keys=40)
+    n = 300
+    entries = [_stage_entry(i, f"m{rng.randrange(12)}", f"s{rng.randrange(6)}")
+               for i in range(n)]
+    for part in range(folds):
+        for e in entries[part * n // folds:(part + 1) * n // folds]:
+            assert s.add(e)
+        s._fold()  # the export thread's fold, between the adds
+    s.close(10)
+    got = decode(exporter.exports)
+    by_model: dict = defaultdict(Counter)
+    for k, d in got[semconv.METRIC_SUMMARY_REQUEST_DURATION].items():
+        by_model[dict(k)[semconv.ATTR_MODEL_NAME]]["requests"] += d["count"]
+    for k, d in got[semconv.METRIC_SUMMARY_STAGE_DURATION].items():
+        a = dict(k)
+        by_model[a[semconv.ATTR_MODEL_NAME]][a[semconv.ATTR_STAGE]] += d["count"]
+    for k, d in got[semconv.METRIC_SUMMARY_STAGE_TAIL].items():
+        by_model[dict(k)[semconv.ATTR_MODEL_NAME]]["tail_ns"] += sum(d["buckets"].values())
+    folded = sum(c["requests"] for c in by_model.values())
+    assert 0 < folded < n
+    assert folded + stats.summary_dropped == n
+    for c in by_model.values():
+        assert c["unattributed"] == c["requests"]
+        assert sum(v for k, v in c.items() if k.startswith("s")) == c["requests"]
+        assert c["tail_ns"] == c["requests"] * MS
 
 
 def test_a_failing_exporter_is_counted_and_the_service_runs_on(clock):
