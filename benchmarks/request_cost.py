@@ -13,6 +13,8 @@ leaves nearly all of them untimed: its row is the cost of a request not timed, a
 ``production-timed`` (``max_timed_rate=0``) that of one timed, with its summary
 (contract §15, folded on the summaries' thread and exported into a metric exporter that
 discards it); ``production-timed-nosum`` is the same without summaries (``summaries=False``).
+``--breakdown`` adds the parts of a timed request's cost: never kept, with and without its
+summary, and always kept (``BREAKDOWN``).
 
 CPU is ``time.process_time()`` over the requests plus a flush of the export queue, so the
 export thread's work is included; ``loop`` is the requesting thread's alone. Rounds are
@@ -52,6 +54,17 @@ CONFIGS: dict[str, dict | None] = {
     "full": {"mode": "full"},
 }
 MODES = tuple(CONFIGS)
+#: --breakdown: the parts of a timed request's cost. Never kept (the tail sampler keeps
+#: a request at or above the window's maximum only, and one in 10**9 by chance), with and
+#: without its summary; and every request kept.
+_NEVER_KEPT = {"mode": "production", "max_timed_rate": 0, "sample_rate": 1e-9,
+               "tail_quantile": 1.0}
+BREAKDOWN: dict[str, dict | None] = {
+    "timed-unkept-nosum": {**_NEVER_KEPT, "summaries": False},
+    "timed-unkept": _NEVER_KEPT,
+    "timed-all-kept-nosum": {"mode": "production", "max_timed_rate": 0, "sample_rate": 1.0,
+                             "summaries": False},
+}
 
 
 class DiscardEncoded(SpanExporter):
@@ -133,17 +146,23 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=20000)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also the parts of a timed request's cost (BREAKDOWN)")
     args = ap.parse_args()
-    results: dict[str, list[tuple[float, float]]] = {m: [] for m in MODES}
+    modes = MODES
+    if args.breakdown:
+        CONFIGS.update(BREAKDOWN)
+        modes = MODES + tuple(BREAKDOWN)
+    results: dict[str, list[tuple[float, float]]] = {m: [] for m in modes}
     for r in range(args.rounds):
-        order = MODES[r % len(MODES):] + MODES[:r % len(MODES)]
+        order = modes[r % len(modes):] + modes[:r % len(modes)]
         for mode in order:
             results[mode].append(one_round(mode, args.requests))
     off = statistics.median(c for c, _ in results["off"])
     print(f"{args.requests} requests x {args.rounds} interleaved rounds; medians.\n")
     print("| configuration | CPU per request (µs) | of which the requesting thread | extra over off |")
     print("|---|---:|---:|---:|")
-    for mode in MODES:
+    for mode in modes:
         cpu = statistics.median(c for c, _ in results[mode])
         loop = statistics.median(t for _, t in results[mode])
         print(f"| {mode} | {cpu:.1f} | {loop:.1f} | {cpu - off:+.1f} |")
