@@ -156,11 +156,17 @@ def compact_steps(
         if v is None:
             return f"{key} is not an array of numbers"
         cols.append(np.frombuffer(v, np.float64))
-    if sc.ATTR_STEPS_REQUESTS in extra and extra[sc.ATTR_STEPS_REQUESTS] is None:
-        return f"{sc.ATTR_STEPS_REQUESTS} is not an array of numbers"
+    # the members' counts: checked as the others (§14), not read
+    members = np.zeros(n)
+    if sc.ATTR_STEPS_REQUESTS in extra:
+        v = extra[sc.ATTR_STEPS_REQUESTS]
+        if v is None:
+            return f"{sc.ATTR_STEPS_REQUESTS} is not an array of numbers"
+        members = np.frombuffer(v, np.float64)
     for key, col in zip((sc.ATTR_STEPS_DURATIONS_S, sc.ATTR_STEPS_PREFILL_TOKENS,
-                         sc.ATTR_STEPS_DECODE_TOKENS, sc.ATTR_STEPS_KV_CACHE_USAGE),
-                        cols[1:], strict=True):
+                         sc.ATTR_STEPS_DECODE_TOKENS, sc.ATTR_STEPS_KV_CACHE_USAGE,
+                         sc.ATTR_STEPS_REQUESTS),
+                        [*cols[1:], members], strict=True):
         if col.size != n:
             return f"{key} has {col.size} entries, {sc.ATTR_STEPS_START_OFFSETS_S} {n}"
     off, dur, p, d, kv = cols
@@ -170,10 +176,13 @@ def compact_steps(
         if not (np.isfinite(off).all() and np.isfinite(dur).all() and (off >= 0).all()
                 and (dur >= 0).all() and (off + dur <= span_s + 1e-6).all()):
             return "a step is negative, not finite, or outside the span"
-        if not ((p >= 0).all() and (d >= 0).all() and np.isfinite(p).all()
-                and np.isfinite(d).all()):
-            return "a token count is negative or not finite"
-    st = start + np.rint(off * _NS).astype(np.int64)
+        if not ((p >= 0).all() and (d >= 0).all() and (members >= 0).all()
+                and np.isfinite(p).all() and np.isfinite(d).all()
+                and np.isfinite(members).all()):
+            return "a token or request count is negative or not finite"
+    # a start in the slack past the span's end: at its end (a step never ends before it
+    # starts)
+    st = np.minimum(start + np.rint(off * _NS).astype(np.int64), end)
     en = np.minimum(st + np.rint(dur * _NS).astype(np.int64), end)
     kv = np.where((kv >= 0) & (kv <= 1), kv, np.nan)
     return st, en, p, d, kv

@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import time
+from array import array
 
 import pytest
 
 import inferprof
 from inferprof import semconv as sc
+from inferprof.collector import gen_spans as gs
 from inferprof.collector.engine import Engine
 from tests.collector.synth import FakeClock
 from tests.otlp_sink import attributes
@@ -297,6 +299,8 @@ def test_a_malformed_compact_step_span_is_rejected_with_its_reason_the_rest_kept
         spec(**{sc.ATTR_STEPS_DECODE_TOKENS: ["4", "4"]}),  # not numbers
         spec(**{sc.ATTR_STEPS_PREFILL_TOKENS: [0, -16]}),  # a negative count
         spec(**{sc.ATTR_STEPS_START_OFFSETS_S: [], sc.ATTR_STEPS_DURATIONS_S: []}),  # empty
+        spec(**{sc.ATTR_STEPS_REQUESTS: [4]}),  # one entry short
+        spec(**{sc.ATTR_STEPS_REQUESTS: [4, -5]}),  # a negative count
     ]
     request = ExportTraceServiceRequest()
     ss = request.resource_spans.add().scope_spans.add()
@@ -314,3 +318,13 @@ def test_a_malformed_compact_step_span_is_rejected_with_its_reason_the_rest_kept
         assert collector.stats.spans_dropped == {sc.DROP_INVALID_STEPS: len(bad)}
         assert collector.stats.engine_steps_received == 2  # the good span's steps
         assert collector.pending_spans() == 0
+
+
+def test_a_compact_step_starting_in_the_rounding_slack_past_its_span_ends_no_earlier():
+    # Within the 1 us of slack a step may start after its span's end: read as starting
+    # and ending there, never as a step that ends before it starts.
+    t0 = 10**18
+    extra = {sc.ATTR_STEPS_START_OFFSETS_S: array("d", [0.0, 0.0200009]),
+             sc.ATTR_STEPS_DURATIONS_S: array("d", [0.01, 0.0])}
+    st, en, *_ = gs.compact_steps(extra, t0, t0 + 20_000_000)
+    assert (en >= st).all() and en.max() == t0 + 20_000_000 and st.max() <= en.max()
