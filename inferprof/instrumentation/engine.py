@@ -28,7 +28,8 @@ timestamp (:mod:`inferprof.instrumentation.generation`). Contract §14 is the en
 The buffer is sent when it holds ``STEPS_PER_SPAN`` steps, when its oldest step is
 ``STEPS_MAX_WAIT_S`` old at a step's end, when a request of the engine is kept (before its
 trace: the collector splits that request's gaps by these steps), when the engine's last
-open request ends (an engine going idle), and on :meth:`Engine.flush`.
+open request ends (an engine going idle), on :meth:`Engine.flush` and on
+``inferprof.shutdown()``.
 
 Cost: per token, a few attribute updates and one list append (no span, no lock); per step,
 in ``full`` one span built like the request spans (runtime module docstring), less than the
@@ -89,8 +90,8 @@ class Engine:
     the step attribute ``Engine.step(kv_cache_usage=)`` is the cheaper alternative).
     """
 
-    __slots__ = ("_flush_lock", "_gauge_on", "_live", "_rows", "_rows_rt", "_warned_second",
-                 "engine_id", "kv_cache_usage", "model")
+    __slots__ = ("__weakref__", "_flush_lock", "_gauge_on", "_live", "_rows", "_rows_rt",
+                 "_warned_second", "engine_id", "kv_cache_usage", "model")
 
     def __init__(self, engine_id: str = semconv.DEFAULT_ENGINE_ID, *, model: str | None = None,
                  kv_cache_usage: Callable[[], float] | None = None) -> None:
@@ -211,6 +212,7 @@ class Engine:
         if rt is not self._rows_rt:  # reconfigured: the old rows go to their runtime
             self.flush()
             self._rows_rt = rt
+            rt.step_buffers.add(self)  # what it holds then goes out on shutdown
         rows = self._rows
         end = step.end
         rows.append((step.start, end, step.prefill_tokens, step.decode_tokens, step.requests,

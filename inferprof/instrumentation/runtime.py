@@ -19,6 +19,7 @@ import itertools
 import logging
 import random
 import time
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -181,6 +182,9 @@ class Runtime:
         self.tracer: Any = None
         #: production mode's summaries of every timed request (contract §15), or None
         self.summaries: Summaries | None = None
+        #: production mode's engines (``Engine``) that recorded steps under this runtime:
+        #: the steps they hold go out on close (weak: an engine's life is the application's)
+        self.step_buffers: weakref.WeakSet[Any] = weakref.WeakSet()
         if not self.enabled:
             return
         self.tracer = tracer_provider.get_tracer(semconv.INSTRUMENTATION_SCOPE, __version__)
@@ -708,6 +712,8 @@ class Runtime:
         if tp is None:
             return
         deadline = time.monotonic() + timeout_millis / 1000
+        for engine in list(self.step_buffers):  # requests still generating: their steps
+            engine.flush()
         summaries = self.summaries
         if summaries is not None:  # the last interval's summaries; a share of the time
             summaries.close(timeout_millis * _SUMMARY_CLOSE_SHARE / 1000)

@@ -511,6 +511,18 @@ def test_production_sends_the_steps_before_a_kept_request_and_on_flush():
         other.finish()
 
 
+def test_production_sends_the_steps_still_held_at_shutdown():
+    # A request still generating when the service stops: its engine's steps recorded so
+    # far go out with the last spans, as a span per step would have.
+    with captured(mode="production", sample_rate=1.0) as cap:
+        engine, gen = _production_engine(cap)
+        _one_step(engine, gen, decode=False)
+        _one_step(engine, gen)
+        assert cap.by_name(semconv.ENGINE_STEPS_SPAN_NAME) == []
+        inferprof.shutdown()
+        assert len(_step_rows(cap)) == 2
+
+
 def test_production_sends_a_failed_step_as_a_span_of_its_own_with_its_error():
     with captured(mode="production", sample_rate=1.0) as cap:
         engine, gen = _production_engine(cap)
