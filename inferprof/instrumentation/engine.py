@@ -42,8 +42,10 @@ configured) every call returns at once.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import Any, Literal
@@ -115,6 +117,16 @@ class Engine:
         self._rows_rt: Any = None
         self._flush_lock = threading.Lock()
         #: timed requests opened and not ended (0: the engine is idle, its steps go out)
+        self._live = 0
+        if hasattr(os, "register_at_fork"):
+            weak = weakref.WeakMethod(self._after_fork)
+            os.register_at_fork(after_in_child=lambda: (m := weak()) and m())
+
+    def _after_fork(self) -> None:
+        # The steps held at the fork are the parent's to send (as its span queue is); the
+        # parent's flushing thread may have held the lock.
+        self._rows = deque()
+        self._flush_lock = threading.Lock()
         self._live = 0
 
     def request(self, *, prompt_tokens: int | None = None) -> Generation:

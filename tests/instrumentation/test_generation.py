@@ -2,6 +2,7 @@
 attributes of contract §14, from the steps an engine loop reports."""
 
 import logging
+import os
 import time
 
 import pytest
@@ -520,6 +521,30 @@ def test_production_sends_the_steps_still_held_at_shutdown():
         _one_step(engine, gen)
         assert cap.by_name(semconv.ENGINE_STEPS_SPAN_NAME) == []
         inferprof.shutdown()
+        assert len(_step_rows(cap)) == 2
+
+
+def test_a_forked_child_sends_its_own_steps_not_the_parents():
+    # The steps the parent held at the fork are the parent's to send (as its span queue
+    # is): a child sending them too would count them twice.
+    with captured(mode="production", sample_rate=1.0) as cap:
+        engine, gen = _production_engine(cap)
+        _one_step(engine, gen, decode=False)
+        _one_step(engine, gen)
+        pid = os.fork()
+        if pid == 0:  # the child: exit status 0 if it sends its one step and no other
+            ok = False
+            try:
+                mine = engine.request(prompt_tokens=1)
+                _one_step(engine, mine, decode=False)
+                mine.finish()
+                engine.flush()
+                ok = len(_step_rows(cap)) == 1
+            finally:
+                os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        gen.finish()
         assert len(_step_rows(cap)) == 2
 
 
