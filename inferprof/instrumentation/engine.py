@@ -27,7 +27,8 @@ timestamp (:mod:`inferprof.instrumentation.generation`). Contract §14 is the en
 
 The buffer is sent when it holds ``STEPS_PER_SPAN`` steps, when its oldest step is
 ``STEPS_MAX_WAIT_S`` old at a step's end, when a request of the engine is kept (before its
-trace: the collector splits that request's gaps by these steps), when the engine's last
+trace: the collector splits that request's gaps by these steps; at the end of a step it
+was a member of that still ran then), when the engine's last
 open request ends (an engine going idle), on :meth:`Engine.flush` and on
 ``inferprof.shutdown()``.
 
@@ -361,6 +362,10 @@ class Step:
             elif self.timed:
                 if self.error is None:
                     self.engine._add_row(self)
+                    if self._member_kept():
+                        # its trace went out while the step ran, with the steps held then:
+                        # this one covers its last gap (§14), so it follows at once
+                        self.engine.flush()
                 else:  # a failed step keeps a span of its own, with its error
                     self._emit()
         except Exception:
@@ -394,6 +399,11 @@ class Step:
             gen.prefill_end = end
             if emit is not None:
                 gen._prefill_done(end, emit)
+
+    def _member_kept(self) -> bool:
+        """Whether the request of a member was kept (its trace sent) before the row."""
+        return any(gen.rec.kept for gen, _ in self._decoders) or any(
+            gen.rec.kept for gen, _ in self._prefills)
 
     # --- the step's span -------------------------------------------------------------------
     def _emit(self) -> None:

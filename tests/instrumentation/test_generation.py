@@ -512,6 +512,25 @@ def test_production_sends_the_steps_before_a_kept_request_and_on_flush():
         other.finish()
 
 
+def test_production_sends_a_step_at_once_when_a_members_request_ended_while_it_ran():
+    # The request was kept (its trace sent) while the step ran: a chunk streamed from
+    # inside the step. The step covers its last gap, so it goes out with the steps sent
+    # before that trace, not up to STEPS_MAX_WAIT_S later, whatever else still runs.
+    with captured(mode="production", sample_rate=1.0) as cap:
+        engine = inferprof.Engine("e1")
+        other = engine.request(prompt_tokens=1)  # keeps the engine busy throughout
+        with inferprof.request(model="m"):
+            gen = engine.request(prompt_tokens=1)
+            _one_step(engine, gen, decode=False)
+            step = engine.step().__enter__()
+            step.decode(gen)
+            step.decode(other)
+        assert len(_step_rows(cap)) == 1  # sent before the trace
+        step.__exit__(None, None, None)
+        assert len(_step_rows(cap)) == 2
+        other.finish()
+
+
 def test_production_sends_the_steps_still_held_at_shutdown():
     # A request still generating when the service stops: its engine's steps recorded so
     # far go out with the last spans, as a span per step would have.
