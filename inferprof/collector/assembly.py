@@ -732,14 +732,24 @@ class Assembler:
         np.cumsum(np.bincount(span_j[st_pos], minlength=n_packed), out=st_ptr[1:])
         work_of = np.fromiter((name in _WORK_STAGES for name in self.stage_names), bool,
                               len(self.stage_names))
-        block = _Block(cols, resource, tids, cand_at[groups], pos, ptr, st_pos, st_ptr, sn,
-                       work_of[sn[st_pos]], e_extra[tail[st_pos]])
+        cand = cand_at[groups]
+        work, has_extra = work_of[sn[st_pos]], e_extra[tail[st_pos]]
+        ex.due_at.extend((cand + base).tolist())
+        if packed.all():
+            block = _Block(cols, resource, tids, cand, pos, ptr, st_pos, st_ptr, sn, work,
+                           has_extra)
+        else:
+            # Held until due: the packed traces' spans only, not the rest of the scope
+            # (rejected, or pending elsewhere), whose memory the pending count leaves out.
+            new_at = np.empty(len(cols), np.int64)
+            new_at[pos] = np.arange(pos.size)
+            block = _Block(cols.take(pos), resource, tids, new_at[cand], new_at[pos], ptr,
+                           new_at[st_pos], st_ptr, sn[pos], work, has_extra)
         ex.seen += len(cols)
         ex.packed = True
         now, due = ex.now, ex.due
         made = [_Packed(block, j, n, due, now) for j, n in enumerate(block.n.tolist())]
         ex.made_due.extend(tids)
-        ex.due_at.extend((block.cand + base).tolist())
         # Traces open in the order of their first span, between the other spans', as one
         # pass over the scope would open them.
         if packed.all():

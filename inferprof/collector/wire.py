@@ -551,6 +551,15 @@ class Columns:
     def __len__(self) -> int:
         return int(self.sid.size)
 
+    def take(self, at: np.ndarray) -> Columns:
+        """The spans at positions ``at``, in that order, with only the entries they use."""
+        used, tail = np.unique(self.tail[at], return_inverse=True)
+        ts = self.trace_state
+        return Columns(self.tid[at], self.sid[at], self.parent[at], self.has_parent[at],
+                       self.start[at], self.end[at], self.kind[at], tail.ravel(),
+                       [self.entries[i] for i in used.tolist()],
+                       None if ts is None else [ts[k] for k in at.tolist()])
+
     def record(self, k: int) -> SpanRecord:
         """Span ``k``'s record, as :meth:`SpanReader._records` reads it."""
         stage, extra, n_links, code, flags = self.entries[int(self.tail[k])]

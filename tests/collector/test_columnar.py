@@ -228,3 +228,44 @@ def test_columnar_path_taken() -> None:
     for _, export in work:
         engine.ingest_traces(export, payload=export.SerializeToString())
     assert packed > 50
+
+
+def test_packed_trace_holds_only_its_spans() -> None:
+    """A packed trace held until due keeps its own spans, not the rest of its scope's:
+    spans rejected (or not pending) beside it must not stay in memory with it, or memory
+    would no longer be bounded by the pending spans (docs/collector.md, sizing)."""
+    import gc
+    import tracemalloc
+
+    from inferprof.collector.assembly import Assembler
+
+    def export() -> ExportTraceServiceRequest:
+        b = TraceBuilder("svc")
+        req = b.request(0.0, 0.1, trace_state="ot=th:8")
+        b.stage(req, "compute", 0.0, 0.05)
+        for _ in range(20_000):  # ends before it starts: rejected
+            b.span("bad", 0.2, 0.1, trace_state="ot=th:8")
+        return b.export()
+
+    held = {}
+    for columnar in (False, True):
+        asm = Assembler(settle_s=2.0, trace_timeout_s=60.0, max_spans_per_trace=100,
+                        clock=lambda: 0.0)
+        asm.columnar = columnar
+        warm = export()  # the readers' caches filled first
+        asm.ingest(warm, warm.SerializeToString())
+        asm.advance(0.0, everything=True)
+        work = export()
+        payload = work.SerializeToString()
+        gc.collect()
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            assert asm.ingest(work, payload)[:2] == (2, 20_000)
+            gc.collect()
+            held[columnar] = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+        assert asm.pending == 2
+    # Two pending spans: a few KiB at most either way, not a share of the 20,000 rejected.
+    assert held[True] < 64 * 1024, held
