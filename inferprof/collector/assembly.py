@@ -782,11 +782,14 @@ class Assembler:
         the scope would (at its first span of each name), where each such span is one
         ``checked``: the pass reads its stage (valid ids and times, not an engine step);
         else number none (the pass will)."""
-        tail = cols.tail
         name_of = {i: cols.entries[i][0] for i in unknown}
+        # Each entry's first span, in one pass: one scan per entry would cost the scope's
+        # length once per new name.
+        used, first_span = np.unique(cols.tail, return_index=True)
+        first_of = dict(zip(used.tolist(), first_span.tolist(), strict=True))
         firsts: dict[str, int] = {}
         for i in unknown:
-            k = int(np.argmax(tail == i))
+            k = first_of[i]
             name = name_of[i]
             if name not in firsts or k < firsts[name]:
                 firsts[name] = k
