@@ -1,6 +1,7 @@
 """The step API for continuous-batching engines (``inferprof.Engine``): the spans and
 attributes of contract §14, from the steps an engine loop reports."""
 
+import contextvars
 import logging
 import os
 import time
@@ -516,7 +517,7 @@ def test_production_sends_a_step_at_once_when_a_members_request_ended_while_it_r
     # The request was kept (its trace sent) while the step ran: a chunk streamed from
     # inside the step. The step covers its last gap, so it goes out with the steps sent
     # before that trace, not up to STEPS_MAX_WAIT_S later, whatever else still runs.
-    with captured(mode="production", sample_rate=1.0) as cap:
+    def run(cap):
         engine = inferprof.Engine("e1")
         other = engine.request(prompt_tokens=1)  # keeps the engine busy throughout
         with inferprof.request(model="m"):
@@ -529,6 +530,10 @@ def test_production_sends_a_step_at_once_when_a_members_request_ended_while_it_r
         step.__exit__(None, None, None)
         assert len(_step_rows(cap)) == 2
         other.finish()
+
+    with captured(mode="production", sample_rate=1.0) as cap:
+        # a context of its own: the step outlives the request it was entered in
+        contextvars.Context().run(run, cap)
 
 
 def test_production_sends_the_steps_still_held_at_shutdown():
