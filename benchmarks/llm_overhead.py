@@ -2,14 +2,17 @@
 ``full`` against ``off``, measured in the same run.
 
     python3 benchmarks/llm_overhead.py [--rounds 3] [--slices 8] [--duration 5]
-                                       [--concurrency 16] [--only off,production,full]
+                                       [--concurrency 16]
+                                       [--only off,production,production-http,full]
 
 The LLM demo service (docs/demo.md, "The LLM demo") under uvicorn on 127.0.0.1, driven by
 the streaming load generator (closed loop, httpx, the default prompt and output mixes).
 Each round starts a fresh service process per configuration, each exporting OTLP/gRPC to
 an inferprof collector of its own in the benchmark process (which folds what it receives,
-as a deployment's would); ``off`` configures inferprof with ``mode="off"`` (the
-middleware, the step API and the stages all present and returning at once). The service
+as a deployment's would); ``production-http`` is ``production`` exporting OTLP/HTTP
+(``http/protobuf``, the recommended production setting of docs/overhead.md) instead of
+gRPC; ``off`` configures inferprof with ``mode="off"`` (the middleware, the step API and
+the stages all present and returning at once). The service
 processes run the inferprof of this checkout (``PYTHONPATH``), not whichever one is
 installed. Every process is warmed with at least ``--warmup-requests`` requests (128: past
 the 64 during which ``production``'s tail sampler keeps every trace, so that the figures
@@ -49,7 +52,14 @@ from inferprof.collector.settings import CollectorSettings  # noqa: E402
 from inferprof.demo.llm.processes import LLMServiceProcess, run_llm_loadgen  # noqa: E402
 from inferprof.demo.llm.settings import LLMSettings  # noqa: E402
 
-CONFIGS = ("off", "production", "full")
+CONFIGS = ("off", "production", "production-http", "full")
+#: Configuration -> (inferprof mode, OTLP protocol of its exporter).
+_WIRING = {
+    "off": ("off", "grpc"),
+    "production": ("production", "grpc"),
+    "production-http": ("production", "http/protobuf"),
+    "full": ("full", "grpc"),
+}
 BASELINE = "off"
 #: Warm-up load runs per process at most (each ``--warmup`` seconds).
 _MAX_WARMUP_RUNS = 8
@@ -74,12 +84,16 @@ def _round(configs: list[str], args: argparse.Namespace, r: int) -> dict[str, li
             for c in configs}
         services = {}
         for c in configs:
-            settings = LLMSettings(instrumentation=c,
-                                   endpoint=collectors[c].otlp_grpc_endpoint,
+            mode, protocol = _WIRING[c]
+            http = protocol == "http/protobuf"
+            settings = LLMSettings(instrumentation=mode,
+                                   endpoint=collectors[c].otlp_http_endpoint if http
+                                   else collectors[c].otlp_grpc_endpoint,
                                    kv_blocks=args.kv_blocks, model_size=args.model_size)
             # the service runs this checkout's inferprof, as this process does
             services[c] = stack.enter_context(
-                LLMServiceProcess(settings, extra_env={"PYTHONPATH": _code_path()}))
+                LLMServiceProcess(settings, extra_env={"PYTHONPATH": _code_path(),
+                                                       "OTEL_EXPORTER_OTLP_PROTOCOL": protocol}))
         warm = {c: _warm(services[c], args, seed=r) for c in configs}
         time.sleep(_EXPORT_DRAIN_S)  # the warm-up's spans leave before the count starts
         spans = {c: _spans_received(collectors[c]) for c in configs}
