@@ -31,9 +31,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import inferprof  # noqa: E402
-from inferprof.collector.app import CollectorApp  # noqa: E402
-from inferprof.collector.settings import CollectorSettings  # noqa: E402
+import inferprof
+from inferprof.collector.app import CollectorApp
+from inferprof.collector.settings import CollectorSettings
 
 CONFIGS = ("off", "production", "full")
 
