@@ -12,6 +12,8 @@ exports, pins the process to one core and measures, interleaved per round, decod
 
 * ``generation``         — the run as inferprof's producer exports it (step spans, token
   times on the request spans): what the collector does per generated token;
+* ``generation, compact steps`` — the same, the steps as compact step spans of 256 steps
+  each (``production``'s encoding);
 * ``generation, no steps`` — the same requests without the engine's step spans (gaps not
   joined to steps: the cost of the per-token arrays alone);
 * ``baseline``           — the same number of spans, the same request spans and stages, but
@@ -68,8 +70,10 @@ def build(requests: int, tokens: int) -> tuple[dict[str, list[bytes]], int, int]
                     prefill_every=0.05, output_tokens=(tokens, tokens + 1))
     gen = inferprof_exports(scen, per_export=2000)
     no_steps = inferprof_exports(scen, steps=False, per_export=2000)
+    compact = inferprof_exports(scen, per_export=2000, compact=256)
     paths = {
         "generation": [e.SerializeToString() for e in gen],
+        "generation, compact steps": [e.SerializeToString() for e in compact],
         "generation, no steps": [e.SerializeToString() for e in no_steps],
         "baseline": [_strip(e).SerializeToString() for e in gen],
     }

@@ -17,7 +17,8 @@ over rounds, medians reported, CPU of the measuring thread (``time.thread_time``
 * inferprof off: ``configure(mode="off")``, the loop reporting to ``inferprof.Engine``;
 * inferprof full: every request and step recorded and emitted;
 * inferprof production: ``configure(mode="production")`` defaults (timing budget, tail
-  sampling: most request traces are not kept; every step with a timed member is).
+  sampling: most request traces are not kept; every step with a timed member is recorded,
+  and sent as compact step spans of up to 256 steps, contract §14).
 
 Spans go through a ``SimpleSpanProcessor`` into an exporter that discards them, so their
 CPU is on the measured thread. Request spans, their stages and the step spans are all in
@@ -169,6 +170,25 @@ def request_bytes(args) -> list[tuple[str, int, int]]:
     def size(group):
         return len(encode_spans(group).SerializeToString())
 
+    # production mode: the same request's steps as compact step spans (§14)
+    exporter.spans = []
+    inferprof.configure(tracer_provider=tp, mode="production", sample_rate=1.0,
+                        set_global=False)
+    engine = inferprof.Engine()
+    with inferprof.request(model="m"):
+        gen = engine.request(prompt_tokens=args.prompt_tokens)
+        for i in range(args.output_tokens):
+            with engine.step(kv_cache_usage=0.5) as step:
+                if i == 0:
+                    step.prefill(gen, args.prompt_tokens)
+                else:
+                    step.decode(gen)
+                with inferprof.stage("compute"):
+                    pass
+        gen.finish()
+    inferprof.shutdown()
+    compact = [s for s in exporter.spans if s.name == semconv.ENGINE_STEPS_SPAN_NAME]
+
     one_step = size([steps[1]])
     one_step_with_stage = size([steps[1], next(s for s in step_stages
                                                if s.parent.span_id == steps[1].context.span_id)])
@@ -180,6 +200,8 @@ def request_bytes(args) -> list[tuple[str, int, int]]:
          len(steps) + len(step_stages), size(steps + step_stages)),
         (f"its share of those steps in a batch of 32 (1/32 of them)",
          round((len(steps) + len(step_stages)) / 32), size(steps + step_stages) // 32),
+        (f"production: its {len(steps)} steps as compact step spans",
+         len(compact), size(compact)),
     ]
 
 

@@ -174,13 +174,38 @@ def _attrs(mapping: dict) -> list[KeyValue]:
 
 def inferprof_exports(
     sc_: Scenario, *, service: str = "llm", model: str = "m", engine_id: str | None = None,
-    steps: bool = True, per_export: int = 200,
+    steps: bool = True, per_export: int = 200, compact: int = 0,
 ) -> list:
     """The scenario as inferprof's producer exports it (§14), in several OTLP exports:
-    step spans first (they end first), then the requests."""
+    step spans first (they end first), then the requests. ``compact`` > 0: the steps as
+    compact step spans of that many steps each (production mode's encoding)."""
     b = TraceBuilder(service)
     out = []
-    if steps:
+    if steps and compact:
+        for i in range(0, len(sc_.steps), compact):
+            group = sc_.steps[i:i + compact]
+            ns = [(b.ns(s.start), b.ns(s.end)) for s in group]
+            first = min(a for a, _ in ns)
+            ref = b.span(sc.ENGINE_STEPS_SPAN_NAME, group[0].start,
+                         max(s.end for s in group))
+            pb = b.spans[-1]
+            pb.start_time_unix_nano = first
+            pb.end_time_unix_nano = max(e for _, e in ns)
+            del pb.attributes[:]
+            pb.attributes.extend(_attrs({
+                sc.ATTR_ENGINE_ID: engine_id,
+                sc.ATTR_STEPS_START_OFFSETS_S: [(a - first) / 1e9 for a, _ in ns],
+                sc.ATTR_STEPS_DURATIONS_S: [(e - a) / 1e9 for a, e in ns],
+                sc.ATTR_STEPS_PREFILL_TOKENS: [s.prefill for s in group],
+                sc.ATTR_STEPS_DECODE_TOKENS: [s.decode for s in group],
+                sc.ATTR_STEPS_REQUESTS: [s.decode + (1 if s.prefill else 0) for s in group],
+                sc.ATTR_STEPS_KV_CACHE_USAGE: [s.kv if s.kv is not None else -1.0
+                                               for s in group],
+            }))
+            del ref
+            if len(b.spans) >= per_export:
+                out.append(b.export())
+    elif steps:
         for s in sc_.steps:
             _span(b, sc.ENGINE_STEP_SPAN_NAME, s.start, s.end, None, {
                 sc.ATTR_ENGINE_ID: engine_id,

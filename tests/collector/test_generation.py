@@ -269,6 +269,45 @@ def test_step_spans_and_their_device_stages_are_never_pending():
     assert stats.engine_steps_received == 500 + 50 and stats.engine_steps_dropped == 0
 
 
+@pytest.mark.parametrize("scenario", ["scheduling", "kv_pressure"])
+def test_compact_step_spans_fold_exactly_as_a_span_per_step(scenario, request):
+    # Production mode's encoding (§14): the same steps, 64 to a span, give the same
+    # figures, attributions, KV-cache usage, verdict and cost to the last bit.
+    scen = request.getfixturevalue(scenario)
+    per_step = _fold(inferprof_exports(scen))
+    compact = _fold(inferprof_exports(scen, compact=64))
+    assert compact.stats.engine_steps_received == per_step.stats.engine_steps_received \
+        == len(scen.steps)
+    assert not compact.stats.spans_dropped
+    doc_a, doc_b = per_step.breakdown("llm"), compact.breakdown("llm")
+    assert doc_b["generation"] == doc_a["generation"]
+    assert doc_b["cost"] == doc_a["cost"]
+    assert doc_a["generation"]["requests"] > 0
+
+
+def test_step_index_bounds_the_steps_of_a_compact_span_as_single_steps():
+    from array import array
+
+    index = StepIndex(10.0, max_engines=100, max_rows=1000, max_total_rows=250)
+    n = 100
+    compact = {
+        sc.ATTR_STEPS_START_OFFSETS_S: array("d", [i * 1e-8 for i in range(n)]),
+        sc.ATTR_STEPS_DURATIONS_S: array("d", [5e-9] * n),
+        sc.ATTR_STEPS_DECODE_TOKENS: array("d", [1.0] * n),
+        sc.ATTR_STEPS_KV_CACHE_USAGE: array("d", [0.5, -1.0] * (n // 2)),
+    }
+    for e in range(3):
+        assert index.add_step(("s", "h", str(e)), compact, 0, 10 * n, 0.0) is None
+    # 3 x (100 steps + 50 readings) offered, 250 held: the rest refused and counted
+    assert index.total == 250 and index.steps_received == 3 * n
+    assert index.dropped == 3 * n - sum(len(tl.pending) for tl in index.engines.values())
+    st, en, p, d, _ = index.steps(("s", "h", "0", "0"), 0.0)
+    assert st.tolist() == [10 * i for i in range(n)] and (en - st == 5).all()
+    assert (d == 1).all() and (p == 0).all()
+    assert index.add_step(("s", "h", "x"), {**compact, sc.ATTR_STEPS_DURATIONS_S: None},
+                          0, 10 * n, 0.0) is not None  # malformed: a reason, nothing held
+
+
 def test_step_index_is_bounded_and_expires():
     index = StepIndex(10.0, max_engines=2, max_rows=100)
     for i in range(1000):
