@@ -266,8 +266,9 @@ def fold_counting(request, monkeypatch):
 def test_summaries_equal_exact_figures_from_every_requests_timings(clock, encoding,
                                                                    fold_counting):
     exporter = MemoryExporter()
-    with captured(mode="production", sample_rate=1.0, batch_encoding=encoding,
-                  summary_exporter=exporter, summary_interval_s=3600) as cap:
+    with captured(mode="production", max_timed_rate=0, sample_rate=1.0,
+                  batch_encoding=encoding, summary_exporter=exporter,
+                  summary_interval_s=3600) as cap:
         asyncio.run(_service(clock, 40, errors={5, 11, 30}))
         inferprof.shutdown()  # flushes the last interval's summaries
         spans = cap.spans()
@@ -342,7 +343,7 @@ def test_weights_of_the_timing_budget_split_the_data_points(clock):
 
 def test_requests_not_kept_are_counted_and_kept_ones_carry_the_mark(clock):
     exporter = MemoryExporter()
-    with captured(mode="production", sample_rate=0.05, tail_quantile=0.9,
+    with captured(mode="production", max_timed_rate=0, sample_rate=0.05, tail_quantile=0.9,
                   summary_exporter=exporter, summary_interval_s=3600) as cap:
         for i in range(500):
             with inferprof.request(model="m"):
@@ -532,7 +533,7 @@ def test_requests_past_the_key_bound_leave_every_data_point_consistent(folds):
 
 def test_a_failing_exporter_is_counted_and_the_service_runs_on(clock):
     exporter = MemoryExporter(fail=True)
-    with captured(mode="production", sample_rate=0.05, summary_exporter=exporter,
+    with captured(mode="production", max_timed_rate=0, sample_rate=0.05, summary_exporter=exporter,
                   summary_interval_s=3600):
         for _ in range(30):
             with inferprof.request(model="m"):
@@ -549,7 +550,8 @@ def test_a_hanging_exporter_costs_shutdown_its_timeout_only(clock):
     release = threading.Event()
     exporter = MemoryExporter(block=release)
     try:
-        with captured(mode="production", summary_exporter=exporter, summary_interval_s=0.05):
+        with captured(mode="production", max_timed_rate=0, summary_exporter=exporter,
+                      summary_interval_s=0.05):
             with inferprof.request(model="m"):
                 with inferprof.stage("compute"):
                     clock.tick(MS)
