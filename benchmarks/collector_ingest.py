@@ -18,7 +18,11 @@ them, pins the process to one core and measures, all in the same run:
   bytes, as the receivers do (spans read off the bytes, ``wire.SpanReader``) +
   finalisation (``flush``): what the collector does per export, sketches included;
 * ``engine, message only`` — the same, handed the message alone (spans read off the
-  message: OTLP/JSON bodies, ``inferprof report`` on files).
+  message: OTLP/JSON bodies, ``inferprof report`` on files);
+* ``engine, span by span`` — ``engine`` with the columnar ingest path off
+  (``Assembler.columnar``): every span read and assembled one at a time. Small exports
+  (``--requests-per-export 1``) show where that path is the faster one
+  (``Assembler.columnar_min_spans``).
 
 Times are the process's CPU time (``time.process_time``), so rates are spans per
 CPU-second and time spent waiting for the core on a shared machine is not counted.
@@ -171,8 +175,11 @@ def bench_engine_reads(blobs: list[bytes]) -> tuple[int, float]:
     return n, _cpu() - t0
 
 
-def bench_engine(blobs: list[bytes], *, with_payload: bool = True) -> tuple[int, float]:
+def bench_engine(
+    blobs: list[bytes], *, with_payload: bool = True, columnar: bool = True
+) -> tuple[int, float]:
     engine = Engine(settle_s=0.0, max_pending_spans=10_000_000)
+    engine._asm.columnar = columnar
     t0 = _cpu()
     for blob in blobs:
         req = ExportTraceServiceRequest.FromString(blob)
@@ -196,6 +203,7 @@ PATHS = (
     ("engine reads", bench_engine_reads),
     ("engine", bench_engine),
     ("engine, message only", lambda blobs: bench_engine(blobs, with_payload=False)),
+    ("engine, span by span", lambda blobs: bench_engine(blobs, columnar=False)),
 )
 
 

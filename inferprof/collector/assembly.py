@@ -518,6 +518,10 @@ class Assembler:
     #: Read exports as columns and assemble the common case with numpy
     #: (``_ingest_columns``); False: span by span (the reference the tests compare with).
     columnar = True
+    #: Scopes of fewer spans go span by span even so: there, numpy's cost per call is
+    #: more than what reading columns saves (``benchmarks/collector_ingest.py`` with
+    #: small exports).
+    columnar_min_spans = 384
 
     def __init__(
         self,
@@ -607,7 +611,11 @@ class Assembler:
                 records = None
                 if scopes is not None:
                     lean = scopes[n]
-                    cols = reader.columns(lean) if columnar and not triton else None
+                    cols = (
+                        reader.columns(lean)
+                        if columnar and not triton and len(lean) >= self.columnar_min_spans
+                        else None
+                    )
                     if cols is not None and self._ingest_columns(ex, cols, spans, resource,
                                                                  base):
                         n += 1

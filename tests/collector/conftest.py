@@ -42,6 +42,8 @@ def ingest_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
     if getattr(request, "param", None) == "message":
         monkeypatch.setattr(Assembler, "columnar", False)
     if path == "bytes":
+        # Every scope by columns, however small (test exports are).
+        monkeypatch.setattr(Assembler, "columnar_min_spans", 1)
         ingest = Engine.ingest_traces
 
         def with_bytes(self, request, peer=None, payload=None):  # type: ignore[no-untyped-def]

@@ -20,6 +20,7 @@ import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from inferprof import semconv as sc
+from inferprof.collector.assembly import Assembler
 from inferprof.collector.engine import Engine
 from tests.collector.synth import CLIENT, INTERNAL, Ref, TraceBuilder
 
@@ -28,6 +29,15 @@ _STAGES = ["receive", "tokenize", "queue", "batch_assembly", "compute", "d2h", "
 _COLUMNS = ("service", "model", "weight", "start", "end", "error", "counted", "span_key",
             "span_start", "span_end", "batches", "compute", "instance", "work", "work_share",
             "queue_behind", "trace_id", "tokens", "device")
+
+
+_MIN_SPANS = Assembler.columnar_min_spans
+
+
+@pytest.fixture(autouse=True)
+def _every_scope_by_columns(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The columnar path on every scope, however small (``columnar_min_spans``)."""
+    monkeypatch.setattr(Assembler, "columnar_min_spans", 1)
 
 
 def _request(rng: random.Random, b: TraceBuilder, t: float, batch: list[str]) -> list[Any]:
@@ -237,8 +247,6 @@ def test_packed_trace_holds_only_its_spans() -> None:
     import gc
     import tracemalloc
 
-    from inferprof.collector.assembly import Assembler
-
     def export() -> ExportTraceServiceRequest:
         b = TraceBuilder("svc")
         req = b.request(0.0, 0.1, trace_state="ot=th:8")
@@ -357,8 +365,6 @@ def _odd_export(rng: random.Random, base: int, t: int, links: list) -> ExportTra
 
 
 def _odd_run(work: list, *, columnar: bool, seed: int) -> list:
-    from inferprof.collector.assembly import Assembler
-
     rng = random.Random(seed)
     clock = [0.0]
     asm = Assembler(settle_s=rng.choice([0.0, 2.0]), trace_timeout_s=rng.choice([1.0, 60.0]),
@@ -407,3 +413,36 @@ def test_columnar_equals_span_by_span_odd_inputs(seed: int) -> None:
     got = _odd_run(work, columnar=True, seed=seed)
     assert repr(got) == repr(ref)
     assert any(isinstance(step, dict) and step["start"] for step in ref)
+
+
+def test_small_scopes_go_span_by_span() -> None:
+    """A scope of fewer than ``columnar_min_spans`` spans is read span by span (numpy's
+    cost per call outweighs the columns there); a larger one by columns; same figures."""
+    def export(n: int) -> ExportTraceServiceRequest:
+        b = TraceBuilder("svc")
+        for i in range(n):
+            req = b.request(i * 0.001, i * 0.001 + 0.1)
+            b.stage(req, "queue", i * 0.001, i * 0.001 + 0.01)
+            b.stage(req, "compute", i * 0.001 + 0.01, i * 0.001 + 0.05, batch_id=f"b{i}")
+        return b.export()
+
+    small, large = export(2), export(_MIN_SPANS // 3 + 1)
+    for work, by_columns in ((small, False), (large, True)):
+        docs = []
+        for columnar in (False, True):
+            engine = Engine(settle_s=0.0, clock=lambda: 1000.0)
+            asm = engine._asm
+            asm.columnar = columnar
+            asm.columnar_min_spans = _MIN_SPANS
+            taken: list[int] = []
+
+            def count(*args: Any, _taken: list = taken, _take: Any = asm._ingest_columns) -> bool:
+                _taken.append(1)
+                return bool(_take(*args))
+
+            asm._ingest_columns = count  # type: ignore[method-assign]
+            engine.ingest_traces(work, payload=work.SerializeToString())
+            engine.flush()
+            assert bool(taken) == (columnar and by_columns)
+            docs.append(_documents(engine))
+        assert docs[0] == docs[1]
