@@ -135,6 +135,7 @@ class Summaries:
         self._stages: dict[_Key, _Buckets] = {}
         self._tail: dict[_Key, _Buckets] = {}
         self._folded = 0  # requests in the state above
+        self._folding = 0  # requests taken off the queue by the fold under way
         self._in_flight = 0  # requests in the export under way
         #: close() gave up waiting for the export thread and counted what it held
         self._abandoned = False
@@ -167,7 +168,7 @@ class Summaries:
             return
         self._pending = deque()
         self._requests, self._stages, self._tail = {}, {}, {}
-        self._folded = self._in_flight = 0
+        self._folded = self._folding = self._in_flight = 0
         self._account = threading.Lock()  # the parent's export thread may have held it
         self._last_export = time.time_ns()
         self._start_thread()
@@ -230,15 +231,20 @@ class Summaries:
         n = len(pending)
         if not n:
             return
-        entries = [pending.popleft() for _ in range(n)]
+        with self._account:  # close() counts them whichever side of the fold they are
+            entries = [pending.popleft() for _ in range(n)]
+            self._folding = n
         try:
             dropped = self._fold_entries(entries)
         except Exception:
             _logger.exception("inferprof could not summarise %d requests", n)
-            self._stats.summary_dropped += n
-            return
-        self._stats.summary_dropped += dropped
-        self._folded += n - dropped
+            dropped = n
+        with self._account:
+            self._folding = 0
+            if self._abandoned:  # close() counted these as dropped when it gave up
+                return
+            self._stats.summary_dropped += dropped
+            self._folded += n - dropped
 
     def _fold_entries(self, entries: list[tuple[Any, ...]]) -> int:
         """Fold requests into the state; returns how many were dropped (past the key
@@ -398,12 +404,14 @@ class Summaries:
         now = time.time_ns()
         start, self._last_export = self._last_export, now
         requests, stages, tail = self._requests, self._stages, self._tail
-        folded, self._folded = self._folded, 0
+        with self._account:  # in the export from now on, for close()
+            folded, self._folded = self._folded, 0
+            self._in_flight = folded
         self._requests, self._stages, self._tail = {}, {}, {}
         if not requests:
+            self._in_flight = 0
             return
         data = self._metrics_data(requests, stages, tail, start, now)
-        self._in_flight = folded
         try:
             result = self._exporter.export(
                 data, timeout_millis=self._export_timeout_s * 1000
@@ -492,7 +500,7 @@ class Summaries:
             # dropped with the rest, and the export, should it end later, counts nothing.
             with self._account:
                 self._abandoned = True
-                left = len(self._pending) + self._folded + self._in_flight
+                left = len(self._pending) + self._folding + self._folded + self._in_flight
             self._stats.summary_dropped += left
             _logger.warning(
                 "inferprof's summary exporter did not finish within %.1f s: %d requests "

@@ -577,6 +577,36 @@ def test_a_hanging_exporter_costs_shutdown_its_timeout_only(clock):
     assert (after.summaries_dropped, after.summary_exports) == (201, 0)
 
 
+def test_requests_being_folded_when_close_gives_up_count_as_dropped_once(monkeypatch):
+    # close() gives up while the export thread folds (not yet exporting): the requests it
+    # took off the queue count as dropped, and nothing more when the fold and its export
+    # end later: every request summarised is counted once, exported or dropped.
+    release = threading.Event()
+    folding = threading.Event()
+    real = summaries_module.partition_many
+
+    def slow_partition(*args):
+        folding.set()
+        release.wait(30)
+        return real(*args)
+
+    monkeypatch.setattr(summaries_module, "partition_many", slow_partition)
+    exporter = MemoryExporter()
+    stats = Stats()
+    s = Summaries(exporter, None, _SCOPE, stats, interval_s=3600)
+    try:
+        for i in range(3):
+            assert s.add(_entry(i))
+        s._wake.set()
+        assert folding.wait(10)
+        s.close(0.2)
+        assert stats.summary_dropped == 3
+    finally:
+        release.set()
+    s._thread.join(10)
+    assert (stats.summarised, stats.summary_dropped, stats.summary_exports) == (3, 3, 0)
+
+
 def test_settings_and_environment(monkeypatch, caplog):
     exporter = MemoryExporter()
     with captured(mode="production", summary_exporter=exporter):
