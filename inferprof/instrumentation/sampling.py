@@ -37,10 +37,13 @@ from __future__ import annotations
 
 import array
 import math
+import os
 import random
 import threading
 import time
+import weakref
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -54,6 +57,20 @@ _GUARD_PERIODS = 4
 #: Distinct (name, model) keys with their own threshold (16 KiB each); later keys share one.
 _MAX_KEYS = 256
 _OVERFLOW_KEY = ("<overflow>",)
+
+
+#: Samplers and budgets whose lock a forked child must not inherit held (a thread of the
+#: parent's inside ``decide()`` or ``_roll()`` at the fork would leave it held for ever).
+_LOCKED: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _fresh_locks_after_fork() -> None:
+    for obj in list(_LOCKED):
+        obj._lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh_locks_after_fork)
 
 
 class _Window:
@@ -95,6 +112,7 @@ class TailSampler:
         self._tail_budget = _TAIL_BUDGET * (1.0 - tail_quantile)
         self._windows: dict[object, _Window] = {}
         self._lock = threading.Lock()
+        _LOCKED.add(self)
 
     def threshold(self, key: object = None) -> int | None:
         """Current latency threshold (ns) for ``key``; None while warming up."""
@@ -228,8 +246,9 @@ class TimingBudget:
     the guard alone.
     """
 
-    __slots__ = ("_clock", "_counts", "_cpu_clock", "_cpu_start", "_default", "_guard",
-                 "_lock", "_period_end", "_period_start", "_shares", "max_cpu", "rate")
+    __slots__ = ("__weakref__", "_clock", "_counts", "_cpu_clock", "_cpu_start", "_default",
+                 "_guard", "_lock", "_period_end", "_period_start", "_shares", "max_cpu",
+                 "rate")
 
     def __init__(
         self,
@@ -264,6 +283,7 @@ class TimingBudget:
         self._period_start = now
         self._period_end = now + _BUDGET_PERIOD_S
         self._lock = threading.Lock()
+        _LOCKED.add(self)
 
     def share(self, key: object) -> float:
         """Probability with which this request of ``key`` is to be timed (1: always).

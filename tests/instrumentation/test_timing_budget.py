@@ -5,6 +5,7 @@ weights include the share so that weighted figures stay unbiased."""
 import asyncio
 import logging
 import math
+import os
 import random
 
 import httpx
@@ -471,3 +472,21 @@ def test_the_cpu_guard_setting_and_its_weights(monkeypatch):
         assert inferprof._config.active_runtime().timing_budget is None  # every request
     with pytest.raises(ValueError, match="max_timing_cpu"):
         inferprof.configure(mode="production", max_timing_cpu=1.5)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX-only")
+def test_a_child_forked_while_a_thread_holds_the_budgets_lock_can_still_time_requests():
+    budget = TimingBudget(100)
+    tail = sampling.TailSampler(0.05, 0.9)
+    budget._lock.acquire()  # a thread of the parent's inside _roll() / decide() at the fork
+    tail._lock.acquire()
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: both must answer, not wait for ever
+            ok = budget._lock.acquire(timeout=2) and tail._lock.acquire(timeout=2)
+            os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        budget._lock.release()
+        tail._lock.release()
+    assert os.waitstatus_to_exitcode(status) == 0
