@@ -1120,60 +1120,68 @@ class Assembler:
                          now: float) -> None:
         """``_finalise`` of each packed trace of ``run``, in order: the same columns, with
         numpy for all but the stage spans that carry attributes."""
+        blocks = [t.block for _, t in run]
         i = 0
-        while i < len(run):
-            block = run[i][1].block
+        n = len(run)
+        while i < n:
+            block = blocks[i]
             k = i + 1
-            while k < len(run) and run[k][1].block is block:
+            while k < n and blocks[k] is block:
                 k += 1
-            self._finalise_block(block, [t.j for _, t in run[i:k]], out, now)
+            part = run[i:k]
+            self._finalise_block(block, [t.j for _, t in part], [tid for tid, _ in part], out,
+                                 now)
             i = k
 
-    def _finalise_block(self, block: _Block, js: list[int], out: Finalised,
-                        now: float) -> None:
+    def _finalise_block(self, block: _Block, js: list[int], tids: list[bytes],
+                        out: Finalised, now: float) -> None:
         cols = block.cols
         n = len(js)
         jj = np.asarray(js, np.int64)
-        tids = [block.tids[j] for j in js]
-        rids = [block.rid[j] for j in js]
-        # Bookkeeping per trace, as ``_finalise``.
+        rid = block.rid
+        # Bookkeeping per trace, as ``_finalise``: none of these traces was counted or
+        # finalised in the last trace_timeout_s (else it would not be packed).
         self.pending -= int(block.n[jj].sum())
         self.ignored += int(block.ignored[jj].sum())
-        counted = self.counted
-        recent_done = self.recent_done
-        for tid, rid in zip(tids, rids, strict=True):
-            counted[tid] = (rid,)
-            recent_done[tid] = now
-            recent_done.move_to_end(tid)
-        # One row per request, as ``_open_row``.
+        self.counted.update(zip(tids, [(rid[j],) for j in js], strict=True))
+        self.recent_done.update(dict.fromkeys(tids, now))
+        # One row per request, as ``_open_row``: its fields once per distinct request
+        # span attributes (and trace state).
         r0 = len(out.start)
         cand = block.cand[jj]
         entries = cols.entries
-        ctail = cols.tail[cand].tolist()
         states = cols.trace_state
-        memo: dict[Any, tuple] = {}
+        if states is None:
+            used, which = np.unique(cols.tail[cand], return_inverse=True)
+            keys: list[Any] = used.tolist()
+            states_u: list[str] = [""] * len(keys)
+        else:
+            pairs = list(zip(cols.tail[cand].tolist(), [states[k] for k in cand.tolist()],
+                             strict=True))
+            number = {p: i for i, p in enumerate(dict.fromkeys(pairs))}
+            which = np.fromiter(map(number.__getitem__, pairs), np.int64, n)
+            keys = [t for t, _ in number]
+            states_u = [st for _, st in number]
         fields = []
-        for t, k in zip(ctail, cand.tolist(), strict=True):
-            key = t if states is None else (t, states[k])
-            f = memo.get(key)
-            if f is None:
-                _, extra, _, code, flags = entries[t]
-                flags &= _OTLP_FLAGS
-                if code == _STATUS_ERROR:
-                    flags |= _FLAG_ERROR
-                f = memo[key] = _request_fields(extra, flags,
-                                                states[k] if states is not None else "")
-            fields.append(f)
+        for t, st in zip(keys, states_u, strict=True):
+            _, extra, _, code, flags = entries[t]
+            flags &= _OTLP_FLAGS
+            if code == _STATUS_ERROR:
+                flags |= _FLAG_ERROR
+            fields.append(_request_fields(extra, flags, st))
+        which = which.ravel()
+        model_u, weight_u, error_u, counted_u, tokens_u = zip(*fields, strict=True)
+        model = [model_u[i] for i in which.tolist()]
+        tokens = np.asarray(tokens_u, np.int64)[which].tolist()
         resource = block.resource
         out.service.extend([resource[0]] * n)
         out.instance.extend([resource[1:]] * n)
-        model, weight, error, is_counted, tokens = zip(*fields, strict=True)
         out.model.extend(model)
-        out.weight.extend(weight)
+        out.weight.frombytes(np.asarray(weight_u, np.float64)[which].tobytes())
         out.start.frombytes(cols.start[cand].tobytes())
         out.end.frombytes(cols.end[cand].tobytes())
-        out.error.extend(error)
-        out.counted.extend(is_counted)
+        out.error.frombytes(np.asarray(error_u, np.uint8)[which].tobytes())
+        out.counted.frombytes(np.asarray(counted_u, np.uint8)[which].tobytes())
         out.tokens.extend(tokens)
         out.trace_id.extend(tids)
         # The stage spans, per request in order, as ``_own_stages``.
@@ -1200,7 +1208,7 @@ class Assembler:
             dur = share = None
         if extra_at.size:
             self._extra_spans(out, block, tids, extra_at, rows, each, at, stage, s, e,
-                              list(model), list(tokens), share, k0, now)
+                              model, tokens, share, k0, now)
         if dur is not None:
             w = np.flatnonzero(work)
             device = np.empty((w.size, 4))
@@ -1282,7 +1290,7 @@ class Assembler:
                     c_key[i] = (*res, "c", st_name, batch_id)
         rows_x = rows[xs]
         # Model fallback, in order, for requests that name none.
-        if any(m is None for m in model):
+        if None in model:
             for x, row in enumerate(rows_x.tolist()):
                 if out.model[row] is None:
                     out.model[row] = model_of[ent_inv[x]]
