@@ -15,10 +15,11 @@ them, pins the process to one core and measures, all in the same run:
   else (ids, times, kind, the values of the eight ``inferprof.*`` attributes, links of
   stage spans): the floor of a Python engine, before it does anything with the values;
 * ``engine``       — decode + ``Engine.ingest_traces`` handed the decoded message and its
-  bytes, as the receivers do (spans read off the bytes, ``wire.SpanReader``) +
-  finalisation (``flush``): what the collector does per export, sketches included;
-* ``engine, message only`` — the same, handed the message alone (spans read off the
-  message: OTLP/JSON bodies, ``inferprof report`` on files);
+  bytes, as the receivers do (spans read off the bytes as columns, ``wire.SpanReader``,
+  the common traces assembled with numpy) + finalisation (``flush``): what the collector
+  does per export, sketches included;
+* ``engine, message only`` — the same, handed the message alone (OTLP/JSON bodies,
+  ``inferprof report`` on files): the engine serializes it and reads the bytes;
 * ``engine, span by span`` — ``engine`` with the columnar ingest path off
   (``Assembler.columnar``): every span read and assembled one at a time. Small exports
   (``--requests-per-export 1``) show where that path is the faster one
