@@ -391,6 +391,64 @@ class _Block:
                 True, flags, trace_state)
 
 
+class _EntryReads:
+    """What ``Assembler._stage_attrs`` reads of each entry of attributes (stage and wanted
+    values) of ``entries`` numbered ``used``, as arrays over them; ``res``: the resource."""
+
+    __slots__ = ("b_key", "behind", "by_size", "c_key", "eff_pad", "eff_share", "gpu",
+                 "has_bid", "is_queue", "is_work", "model_of", "pad_ok", "size")
+
+    def __init__(self, used: list[int], entries: list[tuple], res: tuple) -> None:
+        n_ent = len(used)
+        self.behind = np.full(n_ent, np.nan)  # a valid inferprof.queue.behind_batches_s
+        self.is_queue = np.zeros(n_ent, bool)
+        self.pad_ok = np.zeros(n_ent, bool)  # effective and padded tokens counted
+        self.eff_pad = np.zeros((n_ent, 2), np.int64)
+        self.is_work = np.zeros(n_ent, bool)
+        self.has_bid = np.zeros(n_ent, bool)
+        self.size = np.zeros(n_ent)  # > 0: a valid batch size
+        self.by_size = np.ones(n_ent)  # member_share without tokens
+        self.eff_share = np.zeros(n_ent, np.int64)  # > 0: effective tokens for member_share
+        self.gpu: list[Any] = [None] * n_ent
+        self.model_of: list[Any] = [None] * n_ent
+        #: the batch's padding and work keys in ``seen_batches`` (None: no batch id)
+        self.b_key: list[Any] = [None] * n_ent
+        self.c_key: list[Any] = [None] * n_ent
+        for i, ent in enumerate(used):
+            self._read(i, entries[ent][0], entries[ent][1], res)
+
+    def _read(self, i: int, st_name: str, extra: dict, res: tuple) -> None:
+        self.model_of[i] = extra.get(_MODEL)
+        if st_name == _QUEUE:
+            self.is_queue[i] = True
+            b = extra.get(_BEHIND_S)
+            if type(b) in (float, int) and math.isfinite(b) and b >= 0:
+                self.behind[i] = float(b)
+            return
+        batch_id = extra.get(_BATCH_ID)
+        self.has_bid[i] = batch_id is not None
+        eff = extra.get(_EFFECTIVE)
+        if st_name in _PADDING_STAGES:
+            pad = extra.get(_PADDED)
+            if isinstance(eff, int) and isinstance(pad, int) and pad > 0:
+                self.pad_ok[i] = True
+                self.eff_pad[i] = (eff, pad)
+                if batch_id is not None:
+                    self.b_key[i] = (*res, "b", batch_id)
+        if st_name in _WORK_STAGES:
+            self.is_work[i] = True
+            bs = extra.get(_BATCH_SIZE)
+            if type(bs) is int and bs > 0:
+                self.size[i] = bs
+                self.by_size[i] = 1.0 / bs
+            if type(eff) is int and eff > 0:
+                self.eff_share[i] = eff
+            if st_name in _COMPUTE_STAGES:
+                self.gpu[i] = extra.get(_GPU_ID)
+            if batch_id is not None:
+                self.c_key[i] = (*res, "c", st_name, batch_id)
+
+
 class _Packed:
     """A trace of a :class:`_Block`, held as such until it is finalised or another span
     of it comes (``unpack``)."""
@@ -653,37 +711,7 @@ class Assembler:
         ``_SIMPLE_KEYS``. It is then held as a :class:`_Packed` trace, exactly what
         ``_ingest_spans`` would hold, in less memory, until it is due or another span of it
         comes (``unpack``). The other spans go through ``_ingest_spans``, in order."""
-        entries = cols.entries
-        stage_index = self.stage_index
-        n_entries = len(entries)
-        e_sn = np.full(n_entries, -1, np.int64)
-        e_ok = np.ones(n_entries, bool)
-        e_extra = np.zeros(n_entries, bool)
-        e_simple = np.ones(n_entries, bool)
-        unknown: list[int] = []  # entries of valid stage names not seen before
-        for i, (stage, extra, n_links, _, _) in enumerate(entries):
-            if extra is not None:
-                e_extra[i] = True
-                if not extra.keys() <= _SIMPLE_KEYS:
-                    e_ok[i] = e_simple[i] = False
-            if stage is not None:
-                try:
-                    sidx = stage_index.get(stage)
-                except TypeError:
-                    sidx = None
-                if sidx is None:
-                    e_ok[i] = False
-                    if (
-                        isinstance(stage, str)
-                        and sc.STAGE_NAME_PATTERN.match(stage)
-                        and stage != sc.STAGE_UNATTRIBUTED
-                    ):
-                        unknown.append(i)
-                    e_sn[i] = -2
-                elif n_links:
-                    e_ok[i] = False
-                else:
-                    e_sn[i] = sidx
+        e_sn, e_ok, e_extra, e_simple, unknown = self._entry_table(cols.entries)
         tail = cols.tail
         start, end, sid, parent = cols.start, cols.end, cols.sid, cols.parent
         kind = cols.kind
@@ -758,15 +786,25 @@ class Assembler:
         now, due = ex.now, ex.due
         made = [_Packed(block, j, n, due, now) for j, n in enumerate(block.n.tolist())]
         ex.made_due.extend(tids)
-        # Traces open in the order of their first span, between the other spans', as one
-        # pass over the scope would open them.
+        self._open_packed(ex, cols, spans, resource, base, packed, tids, made,
+                          first[groups])
+        return True
+
+    def _open_packed(self, ex: _Export, cols: Columns, spans: Any, resource: tuple,
+                     base: int, packed: np.ndarray, tids: list[bytes], made: list[_Packed],
+                     firsts: np.ndarray) -> None:
+        """Open the packed traces ``made`` (ids ``tids``, first spans at ``firsts``) in the
+        order of their first span, between the scope's other spans (those not
+        ``packed``), taken span by span, as one pass over the scope would open them."""
+        traces = self.traces
         if packed.all():
             traces.update(zip(tids, made, strict=True))
             ex.created.extend(tids)
-            return True
+            return
+        n_packed = len(made)
         other = np.flatnonzero(~packed)
         records = [cols.record(k) for k in other.tolist()]
-        cut = np.searchsorted(other, first[groups]).tolist()
+        cut = np.searchsorted(other, firsts).tolist()
         done = 0
         j = 0
         while j < n_packed:
@@ -782,7 +820,43 @@ class Assembler:
             j = j_end
         if done < len(records):
             self._ingest_spans(ex, records[done:], spans, resource, False, base)
-        return True
+
+    def _entry_table(self, entries: list[tuple]) -> tuple:
+        """Per entry of a scope's columns: its stage number (-1: none; -2: a name not
+        numbered), whether a span of it may be in a packed trace, whether it has wanted
+        attributes, whether only those of ``_SIMPLE_KEYS``; and the entries of valid stage
+        names not numbered yet."""
+        stage_index = self.stage_index
+        n_entries = len(entries)
+        e_sn = np.full(n_entries, -1, np.int64)
+        e_ok = np.ones(n_entries, bool)
+        e_extra = np.zeros(n_entries, bool)
+        e_simple = np.ones(n_entries, bool)
+        unknown: list[int] = []  # entries of valid stage names not seen before
+        for i, (stage, extra, n_links, _, _) in enumerate(entries):
+            if extra is not None:
+                e_extra[i] = True
+                if not extra.keys() <= _SIMPLE_KEYS:
+                    e_ok[i] = e_simple[i] = False
+            if stage is not None:
+                try:
+                    sidx = stage_index.get(stage)
+                except TypeError:
+                    sidx = None
+                if sidx is None:
+                    e_ok[i] = False
+                    if (
+                        isinstance(stage, str)
+                        and sc.STAGE_NAME_PATTERN.match(stage)
+                        and stage != sc.STAGE_UNATTRIBUTED
+                    ):
+                        unknown.append(i)
+                    e_sn[i] = -2
+                elif n_links:
+                    e_ok[i] = False
+                else:
+                    e_sn[i] = sidx
+        return e_sn, e_ok, e_extra, e_simple, unknown
 
     def _number_stages(self, cols: Columns, unknown: list[int], checked: np.ndarray,
                        e_sn: np.ndarray, e_ok: np.ndarray, e_simple: np.ndarray) -> None:
@@ -1145,45 +1219,8 @@ class Assembler:
         self.ignored += int(block.ignored[jj].sum())
         self.counted.update(zip(tids, [(rid[j],) for j in js], strict=True))
         self.recent_done.update(dict.fromkeys(tids, now))
-        # One row per request, as ``_open_row``: its fields once per distinct request
-        # span attributes (and trace state).
         r0 = len(out.start)
-        cand = block.cand[jj]
-        entries = cols.entries
-        states = cols.trace_state
-        if states is None:
-            used, which = np.unique(cols.tail[cand], return_inverse=True)
-            keys: list[Any] = used.tolist()
-            states_u: list[str] = [""] * len(keys)
-        else:
-            pairs = list(zip(cols.tail[cand].tolist(), [states[k] for k in cand.tolist()],
-                             strict=True))
-            number = {p: i for i, p in enumerate(dict.fromkeys(pairs))}
-            which = np.fromiter(map(number.__getitem__, pairs), np.int64, n)
-            keys = [t for t, _ in number]
-            states_u = [st for _, st in number]
-        fields = []
-        for t, st in zip(keys, states_u, strict=True):
-            _, extra, _, code, flags = entries[t]
-            flags &= _OTLP_FLAGS
-            if code == _STATUS_ERROR:
-                flags |= _FLAG_ERROR
-            fields.append(_request_fields(extra, flags, st))
-        which = which.ravel()
-        model_u, weight_u, error_u, counted_u, tokens_u = zip(*fields, strict=True)
-        model = [model_u[i] for i in which.tolist()]
-        tokens = np.asarray(tokens_u, np.int64)[which].tolist()
-        resource = block.resource
-        out.service.extend([resource[0]] * n)
-        out.instance.extend([resource[1:]] * n)
-        out.model.extend(model)
-        out.weight.frombytes(np.asarray(weight_u, np.float64)[which].tobytes())
-        out.start.frombytes(cols.start[cand].tobytes())
-        out.end.frombytes(cols.end[cand].tobytes())
-        out.error.frombytes(np.asarray(error_u, np.uint8)[which].tobytes())
-        out.counted.frombytes(np.asarray(counted_u, np.uint8)[which].tobytes())
-        out.tokens.extend(tokens)
-        out.trace_id.extend(tids)
+        model, tokens = self._request_rows(block, jj, tids, out)
         # The stage spans, per request in order, as ``_own_stages``.
         st_lo = block.st_ptr[jj]
         cnt = block.st_ptr[jj + 1] - st_lo
@@ -1226,6 +1263,52 @@ class Assembler:
                 windows[:, 2] = e[bare].astype(np.float64) * 1e-9
                 out.work.frombytes(windows.tobytes())
 
+    @staticmethod
+    def _request_rows(block: _Block, jj: np.ndarray, tids: list[bytes],
+                      out: Finalised) -> tuple[list, list[int]]:
+        """One row per request of traces ``jj`` of ``block``, as ``_open_row`` opens it:
+        its fields read once per distinct request-span attributes (and trace state).
+        Returns the rows' models and prompt tokens."""
+        cols = block.cols
+        n = jj.size
+        cand = block.cand[jj]
+        entries = cols.entries
+        states = cols.trace_state
+        if states is None:
+            used, which = np.unique(cols.tail[cand], return_inverse=True)
+            keys: list[Any] = used.tolist()
+            states_u: list[str] = [""] * len(keys)
+        else:
+            pairs = list(zip(cols.tail[cand].tolist(), [states[k] for k in cand.tolist()],
+                             strict=True))
+            number = {p: i for i, p in enumerate(dict.fromkeys(pairs))}
+            which = np.fromiter(map(number.__getitem__, pairs), np.int64, n)
+            keys = [t for t, _ in number]
+            states_u = [st for _, st in number]
+        fields = []
+        for t, st in zip(keys, states_u, strict=True):
+            _, extra, _, code, flags = entries[t]
+            flags &= _OTLP_FLAGS
+            if code == _STATUS_ERROR:
+                flags |= _FLAG_ERROR
+            fields.append(_request_fields(extra, flags, st))
+        which = which.ravel()
+        model_u, weight_u, error_u, counted_u, tokens_u = zip(*fields, strict=True)
+        model = [model_u[i] for i in which.tolist()]
+        tokens = np.asarray(tokens_u, np.int64)[which].tolist()
+        resource = block.resource
+        out.service.extend([resource[0]] * n)
+        out.instance.extend([resource[1:]] * n)
+        out.model.extend(model)
+        out.weight.frombytes(np.asarray(weight_u, np.float64)[which].tobytes())
+        out.start.frombytes(cols.start[cand].tobytes())
+        out.end.frombytes(cols.end[cand].tobytes())
+        out.error.frombytes(np.asarray(error_u, np.uint8)[which].tobytes())
+        out.counted.frombytes(np.asarray(counted_u, np.uint8)[which].tobytes())
+        out.tokens.extend(tokens)
+        out.trace_id.extend(tids)
+        return model, tokens
+
     def _extra_spans(self, out: Finalised, block: _Block, tids: list[bytes],
                      xs: np.ndarray, rows: np.ndarray, each: np.ndarray, at: np.ndarray,
                      stage: np.ndarray, s: np.ndarray, e: np.ndarray, model: list,
@@ -1240,54 +1323,11 @@ class Assembler:
         cols = block.cols
         entries = cols.entries
         res = block.resource
-        n = xs.size
         ent_u, ent_inv = np.unique(cols.tail[at[xs]], return_inverse=True)
-        n_ent = ent_u.size
-        # Per entry: what _stage_attrs reads of the attributes.
-        behind = np.full(n_ent, np.nan)
-        is_queue = np.zeros(n_ent, bool)
-        pad_ok = np.zeros(n_ent, bool)
-        eff_pad = np.zeros((n_ent, 2), np.int64)
-        is_work = np.zeros(n_ent, bool)
-        has_bid = np.zeros(n_ent, bool)
-        size = np.zeros(n_ent)  # > 0: a valid batch size
-        by_size = np.ones(n_ent)  # member_share without tokens
-        eff_share = np.zeros(n_ent, np.int64)  # > 0: effective tokens for member_share
-        gpu: list[Any] = [None] * n_ent
-        model_of: list[Any] = [None] * n_ent
-        b_key: list[Any] = [None] * n_ent
-        c_key: list[Any] = [None] * n_ent
-        for i, ent in enumerate(ent_u.tolist()):
-            st_name, extra = entries[ent][0], entries[ent][1]
-            model_of[i] = extra.get(_MODEL)
-            if st_name == _QUEUE:
-                is_queue[i] = True
-                b = extra.get(_BEHIND_S)
-                if type(b) in (float, int) and math.isfinite(b) and b >= 0:
-                    behind[i] = float(b)
-                continue
-            batch_id = extra.get(_BATCH_ID)
-            has_bid[i] = batch_id is not None
-            eff = extra.get(_EFFECTIVE)
-            if st_name in _PADDING_STAGES:
-                pad = extra.get(_PADDED)
-                if isinstance(eff, int) and isinstance(pad, int) and pad > 0:
-                    pad_ok[i] = True
-                    eff_pad[i] = (eff, pad)
-                    if batch_id is not None:
-                        b_key[i] = (*res, "b", batch_id)
-            if st_name in _WORK_STAGES:
-                is_work[i] = True
-                bs = extra.get(_BATCH_SIZE)
-                if type(bs) is int and bs > 0:
-                    size[i] = bs
-                    by_size[i] = 1.0 / bs
-                if type(eff) is int and eff > 0:
-                    eff_share[i] = eff
-                if st_name in _COMPUTE_STAGES:
-                    gpu[i] = extra.get(_GPU_ID)
-                if batch_id is not None:
-                    c_key[i] = (*res, "c", st_name, batch_id)
+        r = _EntryReads(ent_u.tolist(), entries, res)
+        behind, is_queue, pad_ok, eff_pad = r.behind, r.is_queue, r.pad_ok, r.eff_pad
+        is_work, has_bid, size, by_size = r.is_work, r.has_bid, r.size, r.by_size
+        eff_share, gpu, model_of = r.eff_share, r.gpu, r.model_of
         rows_x = rows[xs]
         # Model fallback, in order, for requests that name none.
         if None in model:
@@ -1306,49 +1346,8 @@ class Assembler:
         work_x = is_work[ent_inv]
         if not (pad_x.any() or work_x.any()):
             return
-        # Key numbers: per entry where the batch id makes the key, per span (the span
-        # itself) where there is none.
-        key_ids: dict[Any, int] = {}
-        keys: list[Any] = []
-
-        def number(key: Any) -> int:
-            k = key_ids.get(key)
-            if k is None:
-                k = key_ids[key] = len(keys)
-                keys.append(key)
-            return k
-
-        b_num = np.fromiter((-1 if k is None else number(k) for k in b_key), np.int64, n_ent)
-        c_num = np.fromiter((-1 if k is None else number(k) for k in c_key), np.int64, n_ent)
-        has_gpu = np.fromiter((bool(g) for g in gpu), bool, n_ent)
-        ev_b = np.flatnonzero(pad_x)
-        ev_c = np.flatnonzero(work_x & ((c_num >= 0) | has_gpu)[ent_inv])
-        kb = b_num[ent_inv[ev_b]]
-        kc = c_num[ent_inv[ev_c]]
-        if (kb < 0).any() or (kc < 0).any():  # keyed by the span itself
-            sid = cols.sid
-            for ev, kk in ((ev_b, kb), (ev_c, kc)):
-                for y in np.flatnonzero(kk < 0).tolist():
-                    x = int(ev[y])
-                    kk[y] = number((tids[int(each[xs[x]])], id_bytes(sid[at[xs[x]]])))
-        ev_x = np.concatenate([ev_b, ev_c])
-        ev_kind = np.concatenate([np.zeros(ev_b.size, np.int64), np.ones(ev_c.size, np.int64)])
-        order = np.lexsort((ev_kind, ev_x))
-        ev_x, ev_kind, ev_key = ev_x[order], ev_kind[order], np.concatenate([kb, kc])[order]
-        first_b = np.zeros(n, bool)
-        first_c = np.ones(n, bool)  # a work span of no key is always "first"
-        if ev_key.size:
-            ek, ex_, ekind = ev_key, ev_x, ev_kind
-            uk, fi = np.unique(ek, return_index=True)
-            new_key = np.fromiter((keys[k] not in self.seen_batches for k in uk.tolist()),
-                                  bool, uk.size)
-            is_first = np.zeros(ek.size, bool)
-            is_first[fi[new_key]] = True
-            first_b[ex_[(ekind == 0) & is_first]] = True
-            first_c[ex_[(ekind == 1) & ~is_first]] = False
-            seen = self.seen_batches
-            for k in ek[np.sort(fi[new_key])].tolist():  # in the order they came
-                seen[keys[k]] = now
+        first_b, first_c = self._first_uses(r, ent_inv, pad_x, work_x, tids, each[xs],
+                                             cols.sid[at[xs]], now)
         if pad_x.any():
             b = np.flatnonzero(pad_x & first_b)
             out.batches.extend(zip(rows_x[b].tolist(), eff_pad[ent_inv[b], 0].tolist(),
@@ -1389,6 +1388,59 @@ class Assembler:
                     out.compute.append((int(rows_x[w[y]]), (res[1], normalize_gpu_id(str(g)),
                                                             int(ws[y]) * 1e-9,
                                                             int(wend[y]) * 1e-9)))
+
+    def _first_uses(self, r: _EntryReads, ent_inv: np.ndarray, pad_x: np.ndarray,
+                    work_x: np.ndarray, tids: list[bytes], trace_of: np.ndarray,
+                    sid: np.ndarray, now: float) -> tuple[np.ndarray, np.ndarray]:
+        """Per stage span of ``_extra_spans`` (``ent_inv``: its entry of ``r``), whether it
+        is the first use of its batch's padding key (``pad_x`` spans) and of its work key
+        (``work_x`` spans; True where it has none), as ``_stage_attrs`` decides them in
+        order; the new keys are remembered in ``seen_batches``, in that order.
+        ``trace_of`` / ``sid``: each span's trace in ``tids`` and span id, the key of a
+        span without a batch id."""
+        n = ent_inv.size
+        n_ent = len(r.gpu)
+        b_key, c_key = r.b_key, r.c_key
+        # Key numbers: per entry where the batch id makes the key, per span (the span
+        # itself) where there is none.
+        key_ids: dict[Any, int] = {}
+        keys: list[Any] = []
+
+        def number(key: Any) -> int:
+            k = key_ids.get(key)
+            if k is None:
+                k = key_ids[key] = len(keys)
+                keys.append(key)
+            return k
+
+        b_num = np.fromiter((-1 if k is None else number(k) for k in b_key), np.int64, n_ent)
+        c_num = np.fromiter((-1 if k is None else number(k) for k in c_key), np.int64, n_ent)
+        has_gpu = np.fromiter((bool(g) for g in r.gpu), bool, n_ent)
+        ev_b = np.flatnonzero(pad_x)
+        ev_c = np.flatnonzero(work_x & ((c_num >= 0) | has_gpu)[ent_inv])
+        kb = b_num[ent_inv[ev_b]]
+        kc = c_num[ent_inv[ev_c]]
+        for ev, kk in ((ev_b, kb), (ev_c, kc)):  # keyed by the span itself
+            for y in np.flatnonzero(kk < 0).tolist():
+                x = int(ev[y])
+                kk[y] = number((tids[int(trace_of[x])], id_bytes(sid[x])))
+        ev_x = np.concatenate([ev_b, ev_c])
+        ev_kind = np.concatenate([np.zeros(ev_b.size, np.int64), np.ones(ev_c.size, np.int64)])
+        order = np.lexsort((ev_kind, ev_x))
+        ev_x, ev_kind, ev_key = ev_x[order], ev_kind[order], np.concatenate([kb, kc])[order]
+        first_b = np.zeros(n, bool)
+        first_c = np.ones(n, bool)  # a work span of no key is always "first"
+        if ev_key.size:
+            uk, fi = np.unique(ev_key, return_index=True)
+            seen = self.seen_batches
+            new_key = np.fromiter((keys[k] not in seen for k in uk.tolist()), bool, uk.size)
+            is_first = np.zeros(ev_key.size, bool)
+            is_first[fi[new_key]] = True
+            first_b[ev_x[(ev_kind == 0) & is_first]] = True
+            first_c[ev_x[(ev_kind == 1) & ~is_first]] = False
+            for k in ev_key[np.sort(fi[new_key])].tolist():  # in the order they came
+                seen[keys[k]] = now
+        return first_b, first_c
 
     def _expire(self, tid: bytes, trace: _Trace) -> None:
         n = len(trace.spans)

@@ -381,32 +381,10 @@ class SpanReader:
         end = buf[(p + 10)[:, None] + _R8].view("<u8").ravel()
         # Each span's tail once as bytes: the distinct ones are decoded (or found).
         each = [joined[a:b] for a, b in zip((p + 18).tolist(), stop.tolist(), strict=True)]
-        # Each tail's entry, by its number in the reader's table of entries.
-        index = self._tail_index
-        table = self._tail_table
-        if len(table) >= _TAIL_CACHE_MAX:
-            index.clear()
-            table.clear()
-        numbers = list(map(index.get, each))
-        if None in numbers:
-            for k in [k for k, i in enumerate(numbers) if i is None]:
-                tail = each[k]
-                i = index.get(tail)
-                if i is None:
-                    t = self._decode_tail(tail)
-                    if t is None or t is _UNPARSED or not _immutable(t):
-                        return None
-                    i = len(table)
-                    table.append(t)
-                    if len(tail) <= _TAIL_CACHE_ENTRY_BYTES:
-                        index[tail] = i
-                numbers[k] = i
-        at_table = np.fromiter(numbers, np.int64, n)
-        present = np.zeros(len(table), bool)
-        present[at_table] = True
-        used = np.flatnonzero(present)
-        ids = (np.cumsum(present) - 1)[at_table]
-        entries = [table[i] for i in used.tolist()]
+        got = self._tail_entries(each)
+        if got is None:
+            return None
+        ids, entries = got
         trace_state: list[str] | None = None
         if has_ts.any():
             try:
@@ -486,6 +464,39 @@ class SpanReader:
             except (_Other, IndexError, ValueError, struct.error):
                 out.append(self._span(sb, k))
         return out
+
+    def _tail_entries(self, each: list[bytes]) -> tuple[np.ndarray, list[tuple]] | None:
+        """Each tail's entry: (per tail, its number in the entries), the entries used;
+        each tail found by its bytes in the reader's bounded table, decoded when new. None
+        where one does not parse, repeats a field read before it or holds a mutable
+        value."""
+        n = len(each)
+        index = self._tail_index
+        table = self._tail_table
+        if len(table) >= _TAIL_CACHE_MAX:
+            index.clear()
+            table.clear()
+        numbers = list(map(index.get, each))
+        if None in numbers:
+            for k in [k for k, i in enumerate(numbers) if i is None]:
+                tail = each[k]
+                i = index.get(tail)
+                if i is None:
+                    t = self._decode_tail(tail)
+                    if t is None or t is _UNPARSED or not _immutable(t):
+                        return None
+                    i = len(table)
+                    table.append(t)
+                    if len(tail) <= _TAIL_CACHE_ENTRY_BYTES:
+                        index[tail] = i
+                numbers[k] = i
+        at_table = np.fromiter(numbers, np.int64, n)
+        present = np.zeros(len(table), bool)
+        present[at_table] = True
+        used = np.flatnonzero(present)
+        ids = (np.cumsum(present) - 1)[at_table]
+        entries = [table[i] for i in used.tolist()]
+        return ids, entries
 
     def _decode_tail(self, tail: bytes) -> Any:
         """What the part of a span after its times gives; None when it holds a field
