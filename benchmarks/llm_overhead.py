@@ -3,7 +3,7 @@
 
     python3 benchmarks/llm_overhead.py [--rounds 3] [--slices 8] [--duration 5]
                                        [--concurrency 16]
-                                       [--only off,production,production-http,full]
+                                       [--only off,off-control,production,production-http,full]
 
 The LLM demo service (docs/demo.md, "The LLM demo") under uvicorn on 127.0.0.1, driven by
 the streaming load generator (closed loop, httpx, the default prompt and output mixes).
@@ -12,7 +12,9 @@ an inferprof collector of its own in the benchmark process (which folds what it 
 as a deployment's would); ``production-http`` is ``production`` exporting OTLP/HTTP
 (``http/protobuf``, the recommended production setting of docs/overhead.md) instead of
 gRPC; ``off`` configures inferprof with ``mode="off"`` (the middleware, the step API and
-the stages all present and returning at once). The service
+the stages all present and returning at once); ``off-control`` is a second, identical
+``off`` process, whose ratios to ``off`` show what two processes of one configuration read
+apart (the noise floor of the other ratios). The service
 processes run the inferprof of this checkout (``PYTHONPATH``), not whichever one is
 installed. Every process is warmed with at least ``--warmup-requests`` requests (128: past
 the 64 during which ``production``'s tail sampler keeps every trace, so that the figures
@@ -52,10 +54,13 @@ from inferprof.collector.settings import CollectorSettings  # noqa: E402
 from inferprof.demo.llm.processes import LLMServiceProcess, run_llm_loadgen  # noqa: E402
 from inferprof.demo.llm.settings import LLMSettings  # noqa: E402
 
-CONFIGS = ("off", "production", "production-http", "full")
-#: Configuration -> (inferprof mode, OTLP protocol of its exporter).
+CONFIGS = ("off", "off-control", "production", "production-http", "full")
+#: Configuration -> (inferprof mode, OTLP protocol of its exporter). ``off-control`` is a
+#: second ``off`` process: its ratios to ``off`` are what separate processes of the same
+#: configuration read apart on this machine, the noise floor of the others' ratios.
 _WIRING = {
     "off": ("off", "grpc"),
+    "off-control": ("off", "grpc"),
     "production": ("production", "grpc"),
     "production-http": ("production", "http/protobuf"),
     "full": ("full", "grpc"),
