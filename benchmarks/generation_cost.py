@@ -141,13 +141,9 @@ def measure(args) -> dict:
     return {"results": results, "counts": counts, "rows": rows}
 
 
-def request_bytes(args) -> list[tuple[str, int, int]]:
-    """(what, spans, bytes) one request of ``--output-tokens`` tokens exports, in full mode."""
-    exporter = Discard()
-    exporter.keep = True
-    tp = TracerProvider(resource=Resource.create({"service.name": "bench"}))
-    tp.add_span_processor(SimpleSpanProcessor(exporter))
-    inferprof.configure(tracer_provider=tp, mode="full", set_global=False)
+def _generate_one(args: argparse.Namespace) -> None:
+    """One request of ``--output-tokens`` tokens through a fresh engine, a step (with its
+    ``compute`` stage) per token; then inferprof is shut down, which flushes its spans."""
     engine = inferprof.Engine()
     with inferprof.request(model="m"):
         gen = engine.request(prompt_tokens=args.prompt_tokens)
@@ -161,6 +157,16 @@ def request_bytes(args) -> list[tuple[str, int, int]]:
                     pass
         gen.finish()
     inferprof.shutdown()
+
+
+def request_bytes(args) -> list[tuple[str, int, int]]:
+    """(what, spans, bytes) one request of ``--output-tokens`` tokens exports, in full mode."""
+    exporter = Discard()
+    exporter.keep = True
+    tp = TracerProvider(resource=Resource.create({"service.name": "bench"}))
+    tp.add_span_processor(SimpleSpanProcessor(exporter))
+    inferprof.configure(tracer_provider=tp, mode="full", set_global=False)
+    _generate_one(args)
     spans = exporter.spans
     steps = [s for s in spans if s.name == semconv.ENGINE_STEP_SPAN_NAME]
     step_ids = {s.context.span_id for s in steps}
@@ -174,19 +180,7 @@ def request_bytes(args) -> list[tuple[str, int, int]]:
     exporter.spans = []
     inferprof.configure(tracer_provider=tp, mode="production", sample_rate=1.0,
                         set_global=False)
-    engine = inferprof.Engine()
-    with inferprof.request(model="m"):
-        gen = engine.request(prompt_tokens=args.prompt_tokens)
-        for i in range(args.output_tokens):
-            with engine.step(kv_cache_usage=0.5) as step:
-                if i == 0:
-                    step.prefill(gen, args.prompt_tokens)
-                else:
-                    step.decode(gen)
-                with inferprof.stage("compute"):
-                    pass
-        gen.finish()
-    inferprof.shutdown()
+    _generate_one(args)
     compact = [s for s in exporter.spans if s.name == semconv.ENGINE_STEPS_SPAN_NAME]
 
     one_step = size([steps[1]])
