@@ -474,7 +474,9 @@ def test_a_real_batcher_with_free_slots_is_not_read_as_waiting_behind_batches():
     measured, overlapped = queue_of(exports[0]), queue_of(stripped)
     assert measured["queue"]["reported_by_batcher"] == 1.0
     assert measured["queue"]["behind_batches"] < 0.1
-    assert overlapped["queue"]["behind_batches"] > 0.4  # what the overlap alone says
+    # what the overlap alone says: much of the queue behind batches (about half on a quiet
+    # machine; less where a loaded one stretches the sleeps between the stages)
+    assert overlapped["queue"]["behind_batches"] > 0.25
     assert measured["verdict"]["bottleneck"] == sc.VERDICT_BATCHING
 
 
