@@ -32,8 +32,8 @@ CLI = [sys.executable, "-c", "from inferprof.cli import main; main()"]
 RECORDING = DATA / "h200-nvml.jsonl"
 GPU = "GPU-8f2f6ba6-ce88-fd95-6f08-d2d1f1ecfb4a"  # the recording's H200
 REQUESTS = 150  # the verdict needs 100 traced requests
-#: Compute spans keep this far from a phase's edges: NVML's utilisation lags a change of
-#: load by up to 0.3 s in the recording, GPM by one reading.
+#: Compute spans keep this far from a phase's edges: the recording's figures follow a change
+#: of load up to about 0.3 s late.
 EDGE_S = 0.5
 U = sc.METRIC_GPU_UTILIZATION
 SM = sc.METRIC_DCGM_SM_ACTIVE

@@ -3,8 +3,10 @@ gpu`` sidecar reading NVML, a real ``inferprof collect``; the verdicts must name
 bottleneck each service was built to have.
 
 CI machines have no GPU: there this module is skipped, and the same path is covered with
-replayed samples in ``tests/gpu/test_end_to_end.py``. It is run on a GPU machine when one is
-lent (the note on issue 2 says what it saw there):
+replayed samples in ``tests/gpu/test_end_to_end.py`` (and real H200 readings replayed in
+``tests/gpu/test_recorded_h200.py``). It is run on a GPU machine when one is lent, alone or
+with the other GPU checks by ``bash scripts/gpu-checks OUTDIR`` (docs/gpu.md, "Checked on a
+real GPU", says what it saw on an H100 and an H200):
 
     python3 -m pytest -q tests/integration/test_gpu_verdicts_real.py
 
