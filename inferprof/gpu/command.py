@@ -159,6 +159,14 @@ def _describe(src: Source) -> str:
     return f" ({_plural(len(gpus), 'GPU')}: {', '.join(gpus)}{profiling})"
 
 
+def _gpm_dropped(src: Source) -> str:
+    """The summary's words on GPM figures dropped as untrustworthy (the NVML source)."""
+    dropped = getattr(src, "gpm_dropped", None)
+    if dropped is None:
+        return ""
+    return f", GPM figures dropped from {_plural(dropped, 'poll')} (a metric failed)"
+
+
 def _host_used(src: Source, st: _sampler.SamplerSettings) -> str:
     """The host.name the exports will carry, as the banner says it."""
     from inferprof.gpu.dcgm_exporter import HOST_LABELS, DcgmExporterSource
@@ -287,7 +295,7 @@ def gpu(source: str | None, once: bool, duration: float | None, log_level: str,
                f"{s.exported_samples} ({s.exported_points} data points; "
                f"{s.export_failures} exports failed), dropped {s.dropped_buffer_full} "
                f"(buffer full) + {s.dropped_export_failed} (export failed), buffered "
-               f"{s.buffered}")
+               f"{s.buffered}" + _gpm_dropped(src))
 
 
 def _read_once(sampler: _sampler.GpuSampler) -> None:

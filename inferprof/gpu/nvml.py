@@ -13,9 +13,11 @@ SM activity, SM occupancy, tensor-pipe and DRAM-bandwidth activity come from NVM
 Performance Monitoring (GPM) API where the GPU has it (Hopper and later data-centre GPUs;
 ``nvmlGpmQueryDeviceSupport``): the same hardware counters DCGM's profiling module reads,
 sent under the DCGM profiling names (``inferprof.gpu.dcgm.sm_active`` ...). Each is the
-share of the time between two polls, as utilisation is. Without GPM (older GPUs, older
-drivers or nvidia-ml-py) there are none, and the collector's verdict never says
-``hardware`` (docs/gpu.md).
+share of the time between two GPM samples, taken at least ``GPM_MIN_INTERVAL_S`` apart as
+NVML's documentation asks; when one of them fails, the pair is not trusted and none of
+its figures is sent (``NvmlSource.gpm_dropped`` counts such polls). Without GPM (older
+GPUs, older drivers or nvidia-ml-py) there are none, and the collector's verdict never
+says ``hardware`` (docs/gpu.md).
 
 Readings NVML reports as not supported on a GPU (power on some boards, utilisation on a
 MIG-enabled GPU) are left out for that GPU from then on; other per-field errors skip the
@@ -67,39 +69,56 @@ _GPM_METRICS = (
 )
 
 
-#: GPM's counters move about every 100 ms: on an H100 (2026-11-24, driver 580), under a
-#: steady load, samples 50 ms apart read 0% SM activity half of the time, 80 ms apart one
-#: time in five, 100 ms apart never. Polls closer than this to the last GPM sample give no
-#: GPM figures; the next poll's figures cover the whole time since that sample.
+#: NVML's GPM documentation: the interval between the two ``nvmlGpmSampleGet()`` calls of a
+#: pair "should be greater than 100ms due to the internal sample refresh rate". Closer, the
+#: pair may hold the same counters: SM activity, occupancy and tensor activity then read 0
+#: and DRAM bandwidth fails, whatever the load (docs/gpu.md, GPM). No GPM sample is taken
+#: closer than this to the last one (start to start).
 GPM_MIN_INTERVAL_S = 0.1
-#: Polls on a 0.1 s grid come a few microseconds early half of the time: still in time.
-_GPM_EARLY_S = 0.001
+#: A poll this much early or less waits for GPM_MIN_INTERVAL_S to pass before its GPM sample
+#: (polls on the sampler's 0.1 s grid come a few microseconds early half of the time, or
+#: right after a late one); one earlier takes no GPM figures and the next poll's cover the
+#: whole time since the last GPM sample.
+_GPM_MAX_WAIT_S = 0.005
 
 
 class _Gpm:
     """GPM on one GPU: two samples, the metrics computed between the last GPM sample and
-    this one, taken at least GPM_MIN_INTERVAL_S apart."""
+    this one, taken at least GPM_MIN_INTERVAL_S apart.
+
+    All the metrics of one poll come from the same two samples, so a metric that fails
+    (a return other than NVML_SUCCESS, or a value that is not finite) says the pair is not
+    to be trusted, and the poll's GPM figures are all dropped (``read`` returns None):
+    unless NVML says the metric is not supported and it never answered on this GPU, in
+    which case it is only left out."""
 
     def __init__(self, nvml: Any, handle: Any) -> None:
         self._nvml = nvml
         self._handle = handle
         self._ids = [getattr(nvml, name) for name, _ in _GPM_METRICS]
+        #: metrics that have answered on this GPU: one of them failing condemns the pair
+        self._answered: set[str] = set()
         self._prev = nvml.nvmlGpmSampleAlloc()
         try:
             self._cur = nvml.nvmlGpmSampleAlloc()
+            self._taken = time.monotonic()
             nvml.nvmlGpmSampleGet(handle, self._prev)
         except BaseException:
             self.close()
             raise
-        self._taken = time.monotonic()
 
-    def read(self) -> list[tuple[str, float]]:
-        now = time.monotonic()
-        if now - self._taken < GPM_MIN_INTERVAL_S - _GPM_EARLY_S:
+    def read(self) -> list[tuple[str, float]] | None:
+        """The figures since the last GPM sample: [] when too soon to take one, None when
+        the pair was taken but its figures are not to be trusted (dropped)."""
+        wait = GPM_MIN_INTERVAL_S - (time.monotonic() - self._taken)
+        if wait > _GPM_MAX_WAIT_S:
             return []
+        if wait > 0:
+            time.sleep(wait)
         nvml = self._nvml
+        taken = time.monotonic()
         nvml.nvmlGpmSampleGet(self._handle, self._cur)
-        self._taken = now
+        self._taken = taken
         request = nvml.c_nvmlGpmMetricsGet_t()
         request.version = nvml.NVML_GPM_METRICS_GET_VERSION
         request.numMetrics = len(self._ids)
@@ -115,6 +134,9 @@ class _Gpm:
             m = request.metrics[i]
             if m.nvmlReturn == nvml.NVML_SUCCESS and math.isfinite(m.value):
                 out.append((metric, min(1.0, max(0.0, m.value / 100.0))))
+            elif m.nvmlReturn != nvml.NVML_ERROR_NOT_SUPPORTED or metric in self._answered:
+                return None
+        self._answered.update(metric for metric, _ in out)
         return out
 
     def close(self) -> None:
@@ -147,6 +169,7 @@ class NvmlSource:
         # uuid -> readers switched off because NVML said "not supported" on that GPU
         self._unsupported: dict[str, set[str]] = {}
         self._errors = RateLimitedLog(_logger, "NVML reads")
+        self._gpm_dropped = 0
 
     @property
     def gpu_ids(self) -> list[str]:
@@ -214,6 +237,13 @@ class NvmlSource:
         return list(self._gpm)
 
     @property
+    def gpm_dropped(self) -> int:
+        """Polls whose GPM figures were dropped, one per GPU, since this source was made: a
+        GPM metric failed, so none of that pair's figures is trusted (the other readings
+        of the poll are kept)."""
+        return self._gpm_dropped
+
+    @property
     def first_read_delay_s(self) -> float:
         """How long after open() a read first carries every figure (GPM's: one interval)."""
         return GPM_MIN_INTERVAL_S if self._gpm else 0.0
@@ -230,8 +260,14 @@ class NvmlSource:
             gpm = self._gpm.get(uuid)
             readers = _READERS
             if gpm is not None:
-                def read_gpm(_n: Any, _h: Any, g: Any = gpm) -> Any:
-                    return g.read()
+                def read_gpm(_n: Any, _h: Any, g: _Gpm = gpm, u: str = uuid) -> Any:
+                    figures = g.read()
+                    if figures is None:
+                        self._gpm_dropped += 1
+                        _logger.debug("GPU %s: GPM figures of this poll dropped (a metric "
+                                      "failed: the pair is not to be trusted)", u)
+                        return []
+                    return figures
 
                 readers = (*_READERS, ("gpm", read_gpm))
             for reader_name, reader in readers:

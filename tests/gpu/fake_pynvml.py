@@ -12,6 +12,7 @@ constants are the real module's, so the code under test meets the real error typ
 
 from __future__ import annotations
 
+import time
 import types
 from dataclasses import dataclass, field
 
@@ -37,9 +38,19 @@ class FakeGpu:
     calls: int = 0
     #: GPM (Hopper and later): None for a GPU without it, else per nvmlGpmMetricsGet call
     #: the percentages of (SM util, SM occupancy, any tensor util, DRAM bandwidth util), the
-    #: last one repeating; None for a metric NVML answers with an error
-    gpm: list[tuple[float | None, ...]] | None = None
+    #: last one repeating; None for a metric NVML answers NVML_ERROR_NOT_SUPPORTED, a
+    #: Failed(code) for one it answers with that error return
+    gpm: list[tuple[float | Failed | None, ...]] | None = None
     gpm_calls: int = 0
+    #: time.monotonic() at each nvmlGpmSampleGet on this GPU
+    gpm_sample_times: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A GPM metric NVML answers with this error in its ``nvmlReturn`` (value 0)."""
+
+    code: int = real.NVML_ERROR_UNKNOWN
 
 
 def build(gpus: list[FakeGpu], *, init_error: type[real.NVMLError] | None = None,
@@ -165,6 +176,7 @@ def _add_gpm(mod: types.ModuleType, check, state: dict) -> None:
 
     def nvmlGpmSampleGet(gpu: FakeGpu, sample: _Sample) -> None:
         check(gpu, "nvmlGpmSampleGet")
+        gpu.gpm_sample_times.append(time.monotonic())
         sample.gpu = gpu
 
     def nvmlGpmMetricsGet(request: _MetricsGet) -> _MetricsGet:
@@ -176,8 +188,12 @@ def _add_gpm(mod: types.ModuleType, check, state: dict) -> None:
         gpu.gpm_calls += 1
         for m in request.metrics[: request.numMetrics]:
             value = row[_GPM_ORDER.index(m.metricId)]
-            m.nvmlReturn = real.NVML_ERROR_NOT_SUPPORTED if value is None else real.NVML_SUCCESS
-            m.value = 0.0 if value is None else value
+            if value is None:
+                m.nvmlReturn, m.value = real.NVML_ERROR_NOT_SUPPORTED, 0.0
+            elif isinstance(value, Failed):
+                m.nvmlReturn, m.value = value.code, 0.0
+            else:
+                m.nvmlReturn, m.value = real.NVML_SUCCESS, value
         return request
 
     for fn in (nvmlGpmQueryDeviceSupport, nvmlGpmSampleAlloc, nvmlGpmSampleFree,

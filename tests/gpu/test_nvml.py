@@ -3,7 +3,9 @@ without a GPU (this one: the real nvidia-ml-py finds no libnvidia-ml)."""
 
 from __future__ import annotations
 
+import itertools
 import logging
+import os
 import sys
 import threading
 import time
@@ -179,7 +181,8 @@ def test_nvml_uuid_is_the_gpu_id_the_cuda_stages_carry(fake_nvml, monkeypatch):
 def test_gpm_gives_sm_activity_and_occupancy_under_the_dcgm_names(fake_nvml, caplog):
     mod = fake_nvml([
         # (SM util, SM occupancy, tensor, DRAM bandwidth) %, per poll: SYNTHETIC
-        FakeGpu(UUID_A, gpm=[(95.3, 14.1, 92.5, 23.8), (40.0, 60.0, None, 10.0)]),
+        # this GPU's NVML does not support the tensor metric: left out, the rest kept
+        FakeGpu(UUID_A, gpm=[(95.3, 14.1, None, 23.8), (40.0, 60.0, None, 10.0)]),
         FakeGpu(UUID_B),  # an older GPU: no GPM
     ], gpm=True)
     src = NvmlSource()
@@ -201,13 +204,14 @@ def test_gpm_gives_sm_activity_and_occupancy_under_the_dcgm_names(fake_nvml, cap
     a = first[0].as_dict()
     assert a[sc.METRIC_DCGM_SM_ACTIVE] == pytest.approx(0.953)
     assert a[sc.METRIC_DCGM_SM_OCCUPANCY] == pytest.approx(0.141)
-    assert a[sc.METRIC_DCGM_TENSOR_ACTIVE] == pytest.approx(0.925)
     assert a[sc.METRIC_DCGM_DRAM_ACTIVE] == pytest.approx(0.238)
     assert a[sc.METRIC_GPU_UTILIZATION] == pytest.approx(0.0)  # the usual readings too
-    # each poll's figures cover the time since the last one; an unanswered metric is left out
+    # each poll's figures cover the time since the last one; a metric NVML does not
+    # support on this GPU is left out
     b = second[0].as_dict()
     assert b[sc.METRIC_DCGM_SM_ACTIVE] == pytest.approx(0.40)
-    assert sc.METRIC_DCGM_TENSOR_ACTIVE not in b
+    assert sc.METRIC_DCGM_TENSOR_ACTIVE not in a and sc.METRIC_DCGM_TENSOR_ACTIVE not in b
+    assert src.gpm_dropped == 0
     assert not any(k.startswith(sc.METRIC_DCGM_PREFIX + "sm") for k in first[1].as_dict())
     assert mod.state["gpm_samples"] == 0  # both samples freed on close
 
@@ -241,23 +245,105 @@ def test_a_failing_gpm_read_keeps_the_other_readings(fake_nvml):
     assert sc.METRIC_GPU_UTILIZATION in reading and sc.METRIC_DCGM_SM_ACTIVE not in reading
 
 
-def test_gpm_on_the_default_poll_grid_reads_every_poll(fake_nvml, monkeypatch):
-    # polls 0.1 s apart come a few microseconds early half of the time: still in time
-    from inferprof.gpu import nvml as nvml_source
-
+@pytest.fixture
+def clock(monkeypatch):
+    """A fake monotonic clock for the NVML source and the fake NVML alike; sleeping
+    advances it. ``clock[0]``: now."""
     now = [1000.0]
-    monkeypatch.setattr(nvml_source.time, "monotonic", lambda: now[0])
-    fake_nvml([FakeGpu(UUID_A, gpm=[(95.0, 14.0, 92.0, 24.0)])], gpm=True)
+
+    def sleep(seconds: float) -> None:
+        now[0] += seconds
+
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(time, "sleep", sleep)
+    return now
+
+
+def _gaps(times: list[float]) -> list[float]:
+    return [b - a for a, b in itertools.pairwise(times)]
+
+
+def test_gpm_on_the_default_poll_grid_reads_every_poll(fake_nvml, clock):
+    # polls 0.1 s apart come a few microseconds early half of the time: they wait those
+    # microseconds rather than take a GPM pair closer than NVML allows
+    gpu = FakeGpu(UUID_A, gpm=[(95.0, 14.0, 92.0, 24.0)])
+    fake_nvml([gpu], gpm=True)
     src = NvmlSource()
     src.open()
     try:
         with_gpm = 0
         for k in range(1, 21):
-            now[0] = 1000.0 + 0.1 * k - (0.000004 if k % 2 else 0.0)
+            clock[0] = 1000.0 + 0.1 * k - (0.000004 if k % 2 else 0.0)
             with_gpm += sc.METRIC_DCGM_SM_ACTIVE in src.read()[0].as_dict()
     finally:
         src.close()
     assert with_gpm == 20
+    assert len(gpu.gpm_sample_times) == 21
+    assert min(_gaps(gpu.gpm_sample_times)) > GPM_MIN_INTERVAL_S - 1e-9
+
+
+def test_a_gpm_pair_is_never_taken_closer_than_nvml_allows(fake_nvml, clock):
+    # The H200's bad reading was stamped 98.8 ms after the one before: such a poll now
+    # waits for its GPM sample until 100 ms have passed since the last one; a poll much
+    # earlier takes no GPM figures and leaves the pair to the next poll.
+    gpu = FakeGpu(UUID_A, util=[(99, 100)], gpm=[(98.3, 79.4, 0.0, 87.5)])
+    fake_nvml([gpu], gpm=True)
+    src = NvmlSource()
+    src.open()  # GPM sample at 1000.0
+    readings = []
+    try:
+        for at in (1000.1, 1000.1988, 1000.2992, 1000.35, 1000.4, 1000.5):
+            clock[0] = max(clock[0], at)
+            readings.append(src.read()[0].as_dict())
+    finally:
+        src.close()
+    has_gpm = [sc.METRIC_DCGM_SM_ACTIVE in r for r in readings]
+    assert has_gpm == [True, True, True, False, True, True]
+    assert all(r[sc.METRIC_GPU_UTILIZATION] == pytest.approx(0.99) for r in readings)
+    # the polls at 1000.1988 and 1000.2992 waited for 1000.2 and 1000.3; the one at
+    # 1000.35 took no sample
+    assert gpu.gpm_sample_times == pytest.approx([1000.0, 1000.1, 1000.2, 1000.3, 1000.4,
+                                                  1000.5])
+    assert min(_gaps(gpu.gpm_sample_times)) > GPM_MIN_INTERVAL_S - 1e-9
+    assert src.gpm_dropped == 0
+
+
+def test_a_gpm_pair_with_a_failed_metric_is_dropped_whole_the_rest_kept(fake_nvml, clock):
+    # The shape an H200 gave once under a saturating device-to-device copy (tests/gpu/data/
+    # h200-nvml.jsonl, t 1795857229.580): utilisation 99%, but SM activity, occupancy and
+    # tensor activity 0 and the DRAM metric failed. All four come from one pair of GPM
+    # samples: one failing says the pair holds no counter movement, and its zeros are not
+    # the GPU's. Readings every 100 ms as recorded; the rows are SYNTHETIC in that shape.
+    copy = (98.3, 79.4, 0.0, 87.5)
+    gpu = FakeGpu(UUID_A, util=[(99, 100)], gpm=[
+        copy, copy, (0.0, 0.0, 0.0, fake_pynvml.Failed()), copy,
+        # a non-finite value with NVML_SUCCESS: not trusted either
+        (float("nan"), 79.4, 0.0, 87.5),
+        # NOT_SUPPORTED from a metric that answered before: the pair, not the GPU
+        (98.3, 79.4, 0.0, None), copy])
+    fake_nvml([gpu], gpm=True)
+    src = NvmlSource()
+    src.open()
+    readings = []
+    try:
+        for k in range(1, 8):
+            clock[0] = 1000.0 + 0.1 * k
+            readings.append(src.read()[0].as_dict())
+    finally:
+        src.close()
+    gpm_names = {sc.METRIC_DCGM_SM_ACTIVE, sc.METRIC_DCGM_SM_OCCUPANCY,
+                 sc.METRIC_DCGM_TENSOR_ACTIVE, sc.METRIC_DCGM_DRAM_ACTIVE}
+    with_gpm = [gpm_names <= r.keys() for r in readings]
+    assert with_gpm == [True, True, False, True, False, False, True]
+    for r, kept in zip(readings, with_gpm, strict=True):
+        assert kept or not gpm_names & r.keys()  # dropped whole, never in part
+        # the reading's other NVML figures are kept either way
+        assert r[sc.METRIC_GPU_UTILIZATION] == pytest.approx(0.99)
+        assert r[sc.METRIC_GPU_POWER_DRAW] == pytest.approx(71.234)
+        if kept:
+            assert r[sc.METRIC_DCGM_SM_ACTIVE] == pytest.approx(0.983)
+            assert r[sc.METRIC_DCGM_DRAM_ACTIVE] == pytest.approx(0.875)
+    assert src.gpm_dropped == 3
 
 
 def test_gpm_once_reopened_and_switched_off_mid_run(fake_nvml, capsys):
@@ -305,3 +391,23 @@ def test_samples_name_the_gpu_model_as_hw_model(fake_nvml):
     }
     assert points == {UUID_A: "NVIDIA H100 80GB HBM3", UUID_B: "NVIDIA L4",
                       "GPU-00000000-0000-0000-0000-000000000003": None}
+
+
+def test_the_sidecar_says_how_many_polls_lost_their_gpm_figures(fake_nvml, monkeypatch):
+    from click.testing import CliRunner
+
+    from inferprof.gpu.command import gpu as gpu_command
+
+    for name in list(os.environ):
+        if name.startswith("OTEL_"):
+            monkeypatch.delenv(name)
+    copy = (98.3, 79.4, 0.0, 87.5)
+    fake_nvml([FakeGpu(UUID_A, util=[(99, 100)],
+                       gpm=[copy, (0.0, 0.0, 0.0, fake_pynvml.Failed()), copy])], gpm=True)
+    # a port nothing listens on: the exports fail, the sampling goes on
+    result = CliRunner().invoke(gpu_command, [
+        "--source", "nvml", "--interval", "0.1", "--duration", "1",
+        "--endpoint", "http://127.0.0.1:9"])
+    assert result.exit_code == 0, result.output
+    last = result.output.strip().splitlines()[-1]
+    assert last.endswith(", GPM figures dropped from 1 poll (a metric failed)"), last
