@@ -56,7 +56,14 @@ from opentelemetry.trace import SpanKind
 from inferprof import semconv
 from inferprof._version import __version__
 from inferprof.instrumentation.active import active_runtime
-from inferprof.instrumentation.generation import COMPACT_AT, DECODING, DONE, PREFILL, Generation
+from inferprof.instrumentation.generation import (
+    COMPACT_AT,
+    DECODING,
+    DONE,
+    PREFILL,
+    Generation,
+    token_count,
+)
 from inferprof.instrumentation.records import (
     SCOPE,
     UNTIMED,
@@ -138,11 +145,8 @@ class Engine:
         opens a request of its own (``inferprof.request``), ended by ``finish()`` or
         ``cancel()``. ``prompt_tokens`` lets the recorder see where prefill ends.
         """
-        if prompt_tokens is not None and (
-            isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int)
-            or prompt_tokens < 0
-        ):
-            raise ValueError(f"prompt_tokens must be a non-negative int, got {prompt_tokens!r}")
+        if prompt_tokens is not None and (type(prompt_tokens) is not int or prompt_tokens < 0):
+            prompt_tokens = token_count(prompt_tokens)
         scope = SCOPE.get()
         if scope is UNTIMED:
             return _UNTIMED
@@ -306,6 +310,8 @@ class Step:
         the tokens generated before an eviction, when it recomputes); else the prefill
         ends when the request first decodes.
         """
+        if type(tokens) is not int or tokens < 0:
+            tokens = token_count(tokens)
         self.prefill_tokens += tokens
         self.requests += 1
         if gen.rec is None:
@@ -327,6 +333,8 @@ class Step:
     def decode(self, gen: Generation, tokens: int = 1, *, emit: bool = True) -> None:
         """``gen`` generates ``tokens`` (usually 1; more with speculative decoding) in this
         step; emitted at the step's end unless ``emit=False`` (then ``gen.emit()``)."""
+        if type(tokens) is not int or tokens < 0:
+            tokens = token_count(tokens)
         self.decode_tokens += tokens
         self.requests += 1
         if gen.rec is None:

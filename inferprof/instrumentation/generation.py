@@ -18,6 +18,7 @@ time); else the engine's emissions (the end of the step that produced each token
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from typing import Any
 
@@ -118,6 +119,8 @@ class Generation:
     def emit(self, tokens: int = 1) -> None:
         """``tokens`` output tokens left the engine now (for engines that hand tokens out
         themselves: ``Step.decode(..., emit=False)``)."""
+        if type(tokens) is not int or tokens < 0:
+            tokens = token_count(tokens)
         if self.rec is None or self.state == DONE:
             return
         self._emit(_time_ns(), tokens)
@@ -314,6 +317,21 @@ def emission_attributes(
     return attrs
 
 
+def token_count(tokens: Any) -> int:
+    """A token count an engine passes, as an int: numpy's and torch's integers are read as
+    the ints they are (the OTLP encoding takes plain ints only); a bool, a fraction or a
+    negative count raises ``ValueError`` (as ``prompt_tokens`` does)."""
+    if not isinstance(tokens, bool):
+        try:
+            n = operator.index(tokens)
+        except TypeError:
+            pass
+        else:
+            if n >= 0:
+                return n
+    raise ValueError(f"a token count must be a non-negative int, got {tokens!r}")
+
+
 def generation_attributes(
     rec: Any, transport: tuple[list[int], list[int] | None, int] | None
 ) -> dict[str, Any]:
@@ -373,4 +391,5 @@ def _span_start(rec: Any) -> int:
     return int(rec.start)
 
 
-__all__ = ["Generation", "emission_attributes", "generation_attributes", "merge_pairs"]
+__all__ = ["Generation", "emission_attributes", "generation_attributes", "merge_pairs",
+           "token_count"]

@@ -589,8 +589,9 @@ def test_production_sends_a_failed_step_as_a_span_of_its_own_with_its_error():
 def test_bad_arguments_raise():
     with pytest.raises(ValueError):
         inferprof.Engine("")
-    with pytest.raises(ValueError):
-        inferprof.Engine().request(prompt_tokens=-1)
+    for tokens in (-1, 1.5, True, "2"):
+        with pytest.raises(ValueError):
+            inferprof.Engine().request(prompt_tokens=tokens)
     for usage in (1.5, -0.1, "0.5", True):
         with pytest.raises(ValueError):
             inferprof.Engine().step(kv_cache_usage=usage)
@@ -660,6 +661,64 @@ def test_the_encoding_reaches_an_otlp_receiver(otlp_sink):
     assert {attributes(s)[semconv.ATTR_ENGINE_ID] for s in steps} == {"e9"}
     (compute,) = [s for s in spans if s.name == "inferprof.compute"]
     assert compute.parent_span_id in {s.span_id for s in steps}
+
+
+def test_numpy_token_counts_reach_an_otlp_receiver_as_ints(otlp_sink):
+    """Engines count tokens with numpy: a numpy int passed as a member's or an emission's
+    tokens is read as the int it is. Kept as such, it made the request's trace and the
+    engine's compact step span fail to encode (both lost, the steps 256 at a time)."""
+    np = pytest.importorskip("numpy")
+    inferprof.configure(service_name="gen", endpoint=otlp_sink.endpoint, set_global=False,
+                        mode="production", sample_rate=1.0)
+    engine = inferprof.Engine("e9")
+    gen = engine.request(prompt_tokens=np.int64(2))
+    with engine.step() as step:
+        step.prefill(gen, np.int64(2))
+    with engine.step() as step:
+        step.decode(gen, np.int64(3))
+    with engine.step() as step:
+        step.decode(gen, np.int32(1), emit=False)
+    gen.emit(np.int64(1))
+    gen.finish()
+    inferprof.shutdown()
+    assert otlp_sink.wait_for(lambda s: {sp.name for _, sp in s.spans()} >= {
+        semconv.REQUEST_SPAN_NAME, semconv.ENGINE_STEPS_SPAN_NAME})
+    spans = [s for _, s in otlp_sink.spans()]
+    (request,) = [s for s in spans if s.name == semconv.REQUEST_SPAN_NAME]
+    attrs = attributes(request)
+    assert attrs[semconv.ATTR_TOKENS_OUTPUT] == 5 and attrs[semconv.ATTR_TOKENS_PROMPT] == 2
+    assert [v.int_value for v in attrs[semconv.ATTR_GEN_EMIT_TOKENS].values] == [1, 3, 1]
+    (steps,) = [s for s in spans if s.name == semconv.ENGINE_STEPS_SPAN_NAME]
+    steps_attrs = attributes(steps)
+    assert [(v.WhichOneof("value"), v.int_value)
+            for v in steps_attrs[semconv.ATTR_STEPS_PREFILL_TOKENS].values] == [
+        ("int_value", 2), ("int_value", 0), ("int_value", 0)]
+    assert [v.int_value for v in steps_attrs[semconv.ATTR_STEPS_DECODE_TOKENS].values] == [
+        0, 3, 1]
+
+
+def test_a_token_count_that_is_not_a_non_negative_int_raises():
+    """As ``prompt_tokens``: a negative, fractional or bool count is a caller's error. Taken
+    as given, one such step made the collector reject its whole compact span (up to 256
+    steps, ``invalid_steps``), or read the other steps' counts as 0 (an array of mixed
+    types)."""
+    with captured(mode="production", sample_rate=1.0):
+        engine = inferprof.Engine("e1")
+        gen = engine.request(prompt_tokens=4)
+        for bad in (-1, 1.5, True, "2", None):
+            with engine.step() as step:
+                with pytest.raises(ValueError):
+                    step.prefill(gen, bad)
+                with pytest.raises(ValueError):
+                    step.decode(gen, bad)
+            with pytest.raises(ValueError):
+                gen.emit(bad)
+        with engine.step() as step:
+            step.prefill(gen, 4)
+        with engine.step() as step:
+            step.decode(gen, 0)
+        assert gen.output == 1 and gen.prefilled == 4
+        gen.finish()
 
 
 def test_steps_and_requests_built_on_the_export_thread():
