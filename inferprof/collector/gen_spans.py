@@ -95,12 +95,14 @@ _SMALL_INT_RECORD = np.dtype([("head", "V3"), ("value", "u1")])
 _SMALL_INT_HEAD = np.frombuffer(bytes([0x0A, 0x02, 0x18]), "V3")[0]
 
 
-def array_value(v: Any) -> array[float] | None:
-    """An OTLP array attribute of numbers as ``array('d')``; None for anything else.
+_DOUBLES = frozenset({"double_value"})
+_INTS = frozenset({"int_value"})
+_NUMBERS = _DOUBLES | _INTS
 
-    The first element's type is read for all (the producer sends one type per array):
-    one field read per element, the collector's cost per generated token.
-    """
+
+def array_value(v: Any) -> array[float] | None:
+    """An OTLP array attribute of numbers (ints, doubles or both) as ``array('d')``; None
+    for anything else (a bool, a string, ... in it)."""
     if v.WhichOneof("value") != "array_value":
         return None
     arr = v.array_value
@@ -120,11 +122,15 @@ def array_value(v: Any) -> array[float] | None:
     values = arr.values
     if not values:
         return array("d")
-    kind = values[0].WhichOneof("value")
-    if kind == "double_value":
+    # Every value's type: one read by the first's type gives 0 for a value of another.
+    kinds = {x.WhichOneof("value") for x in values}
+    if kinds == _DOUBLES:
         return array("d", [x.double_value for x in values])
-    if kind == "int_value":
+    if kinds == _INTS:
         return array("d", [x.int_value for x in values])
+    if kinds == _NUMBERS:
+        return array("d", [x.double_value if x.WhichOneof("value") == "double_value"
+                           else x.int_value for x in values])
     return None
 
 
@@ -178,8 +184,9 @@ def compact_steps(
             return "a step is negative, not finite, or outside the span"
         if not ((p >= 0).all() and (d >= 0).all() and (members >= 0).all()
                 and np.isfinite(p).all() and np.isfinite(d).all()
-                and np.isfinite(members).all()):
-            return "a token or request count is negative or not finite"
+                and np.isfinite(members).all() and (np.floor(p) == p).all()
+                and (np.floor(d) == d).all() and (np.floor(members) == members).all()):
+            return "a token or request count is negative, fractional or not finite"
     # a start in the slack past the span's end: at its end (a step never ends before it
     # starts)
     st = np.minimum(start + np.rint(off * _NS).astype(np.int64), end)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from array import array
 
@@ -318,6 +319,50 @@ def test_a_malformed_compact_step_span_is_rejected_with_its_reason_the_rest_kept
         assert collector.stats.spans_dropped == {sc.DROP_INVALID_STEPS: len(bad)}
         assert collector.stats.engine_steps_received == 2  # the good span's steps
         assert collector.pending_spans() == 0
+
+
+def test_compact_step_counts_of_mixed_number_types_are_read_each_by_its_type():
+    """An array of ints and doubles (another producer's, or a count that became a float)
+    is read value by value; a bool, a fraction or a string in it rejects the span whole
+    (``invalid_steps``), the rest of the export kept. Read by its first value's type, the
+    others read as 0."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+    )
+    from opentelemetry.proto.trace.v1.trace_pb2 import ScopeSpans
+    from opentelemetry.trace import SpanKind
+
+    from inferprof.instrumentation.otlp_encode import encode_trace_spans
+    from inferprof.instrumentation.spans import SpanSpec, new_span_id, new_trace_id
+
+    t0 = time.time_ns()
+    base = {sc.ATTR_ENGINE_ID: "e1", sc.ATTR_STEPS_START_OFFSETS_S: [0.0, 0.011],
+            sc.ATTR_STEPS_DURATIONS_S: [0.01, 0.009]}
+
+    def export(**arrays):
+        spec = SpanSpec(sc.ENGINE_STEPS_SPAN_NAME, new_span_id(), None, SpanKind.INTERNAL, t0,
+                        t0 + 20_000_000, {**base, **arrays}, None, ())
+        request = ExportTraceServiceRequest()
+        ss = request.resource_spans.add().scope_spans.add()
+        ss.spans.extend(ScopeSpans.FromString(encode_trace_spans(new_trace_id(), [spec])).spans)
+        return request
+
+    def steps(request, payload):
+        collector = Engine(clock=FakeClock(time.time()), settle_s=1.0)
+        result = collector.ingest_traces(
+            request, payload=request.SerializeToString() if payload else None)
+        (tl,) = collector._gen.steps.engines.values() or [None]
+        rows = [r[2:4] for r in tl.pending] if tl is not None else None
+        return result.rejected_spans, collector.stats.spans_dropped, rows
+
+    for payload in (False, True):
+        for decode in ([4, 2.0], [4.0, 200], [300, 2.0]):
+            assert steps(export(**{sc.ATTR_STEPS_DECODE_TOKENS: decode,
+                                   sc.ATTR_STEPS_PREFILL_TOKENS: [decode[1], decode[0]]}),
+                         payload) == (0, {}, [(decode[1], decode[0]), (decode[0], decode[1])])
+        for bad in ([4, True], [True, 4], [4, 2.5], [4.0, 2.5], [4, "2"], [4, math.inf]):
+            assert steps(export(**{sc.ATTR_STEPS_DECODE_TOKENS: bad}), payload) == (
+                1, {sc.DROP_INVALID_STEPS: 1}, None), bad
 
 
 def test_a_compact_step_starting_in_the_rounding_slack_past_its_span_ends_no_earlier():
