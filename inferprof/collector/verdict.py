@@ -8,10 +8,14 @@ largest, the verdict is ``unknown`` and the evidence says what to instrument.
 
 Compute-bound cases are split by the GPU samples that fall inside the compute spans'
 windows: median ``hw.gpu.utilization`` below ``LOW_UTILIZATION`` -> ``runtime`` (the GPU
-idles between launches); otherwise, median SM activity below ``LOW_SM_ACTIVE`` or SM
+idles between launches; with a mean below ``NO_KERNEL_UTILIZATION`` no kernel ran on it at
+all, and the evidence asks whether the work is on the CPU or the spans name another GPU);
+otherwise, median SM activity below ``LOW_SM_ACTIVE`` or SM
 occupancy below ``LOW_SM_OCCUPANCY`` (DCGM profiling) -> ``kernel``; both received and
 high -> ``hardware``; either missing (NVML only) -> ``kernel``, naming the missing
-evidence: ``hardware`` is never said without both figures.
+evidence: ``hardware`` is never said without both figures. DRAM activity, when received,
+is quoted beside ``kernel`` and ``hardware`` (memory-bandwidth-bound from
+``HIGH_DRAM_ACTIVE`` on) without changing either.
 
 Two readings beyond the contract's words: the batching group wins only while the GPU is
 not busy (median utilisation during compute below ``BUSY_UTILIZATION``; §6 says "GPU
@@ -72,6 +76,18 @@ LOW_SM_OCCUPANCY = 0.25
 #: Tensor-pipe activity at which a low-occupancy `kernel` verdict says the matrix units
 #: are busy (cuBLAS at peak on an H100 read 92%).
 HIGH_TENSOR_ACTIVE = 0.5
+#: DRAM activity (share of time the memory interface moves data) at which the `kernel` and
+#: `hardware` evidence calls the work memory-bandwidth-bound: between what matrix products
+#: read (compute-bound) and what device-to-device copies read (bandwidth-bound by
+#: construction), docs/gpu.md.
+HIGH_DRAM_ACTIVE = 0.6
+#: Mean utilisation during compute below which no kernel ran on the joined GPUs at all:
+#: utilisation comes in whole percent, and a GPU running even one small kernel per sample
+#: period reads 1% or more, so a mean under half a percent is readings of 0 (nearly) all
+#: through. The `runtime` evidence then asks where the work ran instead.
+NO_KERNEL_UTILIZATION = 0.005
+#: GPU ids the ``gpu`` section lists at most (``compute_gpu_ids``).
+MAX_LISTED_GPUS = 8
 
 GPU_METRICS = frozenset(
     {
@@ -156,11 +172,14 @@ def gpu_evidence(
         "samples_received": samples.count(since),
         # compute spans (batch spans once) naming their GPU: none, and no sample can join
         "compute_spans_with_gpu_id": len(intervals),
+        "compute_gpu_ids": sorted({normalize_gpu_id(gpu) for _, gpu, _, _ in intervals})[
+            :MAX_LISTED_GPUS],
     }
     for name, metric in (
         ("sm_active_during_compute", sc.METRIC_DCGM_SM_ACTIVE),
         ("sm_occupancy_during_compute", sc.METRIC_DCGM_SM_OCCUPANCY),
         ("tensor_active_during_compute", sc.METRIC_DCGM_TENSOR_ACTIVE),
+        ("dram_active_during_compute", sc.METRIC_DCGM_DRAM_ACTIVE),
     ):
         values, weights = samples.during(metric, intervals)
         summary = _summary(values, weights)
@@ -287,6 +306,7 @@ def _busy_gpu_queue(case: _Case) -> dict:
         gpu.get("sm_occupancy_during_compute"),
         case.rest,
         tensor=gpu.get("tensor_active_during_compute"),
+        dram=gpu.get("dram_active_during_compute"),
     )
 
 
@@ -319,15 +339,23 @@ def _compute_rules(
             gpu_factor = min(1.0, gpu.get("profiling_samples", 0) / FULL_CONFIDENCE_SAMPLES)
             return _gpu_limit([*evidence, words.sm_means_busy(sm)], confidence * gpu_factor,
                               sm, occ, rest, said_sm=True,
-                              tensor=gpu.get("tensor_active_during_compute"))
+                              tensor=gpu.get("tensor_active_during_compute"),
+                              dram=gpu.get("dram_active_during_compute"))
         return _unknown(_why_no_utilisation(lead, gpu, sm, occ), *evidence, *rest)
     gpu_factor = min(1.0, gpu.get("samples", 0) / FULL_CONFIDENCE_SAMPLES)
     evidence = [*evidence, words.utilisation(util, gpu.get("samples", 0))]
     if util["p50"] < LOW_UTILIZATION:
-        evidence.append(words.idles_between_launches(LOW_UTILIZATION))
+        if util["mean"] < NO_KERNEL_UTILIZATION and (
+                sm is None or sm["mean"] < NO_KERNEL_UTILIZATION):
+            evidence.append(words.no_kernel_ran(gpu.get("compute_gpu_ids") or [],
+                                                gpu.get("compute_spans_with_gpu_id", 0),
+                                                sm_known=sm is not None))
+        else:
+            evidence.append(words.idles_between_launches(LOW_UTILIZATION))
         return _verdict(sc.VERDICT_RUNTIME, confidence * gpu_factor, evidence + rest)
     return _gpu_limit(evidence, confidence * gpu_factor, sm, occ, rest,
-                      tensor=gpu.get("tensor_active_during_compute"))
+                      tensor=gpu.get("tensor_active_during_compute"),
+                      dram=gpu.get("dram_active_during_compute"))
 
 
 def _why_no_utilisation(lead: str, gpu: Mapping, sm: Mapping | None,
@@ -351,14 +379,17 @@ def _gpu_limit(
     rest: list[str],
     said_sm: bool = False,
     tensor: Mapping | None = None,
+    dram: Mapping | None = None,
 ) -> dict:
     """``kernel`` or ``hardware`` for a GPU that is busy (§6's compute rules past
     ``runtime``), from SM activity and occupancy; ``said_sm``: the evidence quotes SM
     activity already; ``tensor``: tensor-pipe activity during compute, quoted where §6's
-    occupancy rule says ``kernel`` for matrix units running near their peak."""
+    occupancy rule says ``kernel`` for matrix units running near their peak; ``dram``:
+    DRAM activity during compute, quoted beside either verdict (it changes neither)."""
+    memory = [words.dram_activity(dram, HIGH_DRAM_ACTIVE)] if dram is not None else []
     if sm is None and occ is None:
         evidence.append(words.NO_PROFILING)
-        return _verdict(sc.VERDICT_KERNEL, confidence * 0.7, evidence + rest)
+        return _verdict(sc.VERDICT_KERNEL, confidence * 0.7, evidence + memory + rest)
     low = []
     if sm is not None:
         if not said_sm:
@@ -375,12 +406,12 @@ def _gpu_limit(
             # Matrix-product kernels keep few warps per SM by design (docs/gpu.md): §6
             # says `kernel`, but the tensor cores are near their peak.
             evidence.append(words.tensor_near_peak(tensor))
-        return _verdict(sc.VERDICT_KERNEL, confidence, evidence + rest)
+        return _verdict(sc.VERDICT_KERNEL, confidence, evidence + memory + rest)
     if sm is None or occ is None:
         evidence.append(words.missing_profiling("SM activity" if sm is None else "SM occupancy"))
-        return _verdict(sc.VERDICT_KERNEL, confidence * 0.7, evidence + rest)
+        return _verdict(sc.VERDICT_KERNEL, confidence * 0.7, evidence + memory + rest)
     evidence.append(words.gpu_is_the_limit(said_sm))
-    return _verdict(sc.VERDICT_HARDWARE, confidence, evidence + rest)
+    return _verdict(sc.VERDICT_HARDWARE, confidence, evidence + memory + rest)
 
 
 def _verdict(bottleneck: str, confidence: float, evidence: list[str]) -> dict:

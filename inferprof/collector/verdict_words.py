@@ -125,6 +125,15 @@ def idles_between_launches(low: float) -> str:
             "launches (look at fusion, CUDA graphs, host synchronisation)")
 
 
+def no_kernel_ran(gpus: list[str], spans: int, sm_known: bool) -> str:
+    where = ("GPU " + gpus[0] if len(gpus) == 1 else
+             "GPUs " + ", ".join(gpus) if gpus else "the GPU")
+    read = "utilisation and SM activity" if sm_known else "utilisation"
+    return (f"no kernel ran on {where} during compute ({read} 0% through {spans} compute "
+            "spans): is the work on the CPU, or on another GPU than the one the spans' "
+            "inferprof.gpu.id names (CUDA_VISIBLE_DEVICES renumbers devices)?")
+
+
 NO_PROFILING = (
     "no SM activity or occupancy figures (DCGM profiling) were received, so a "
     "hardware limit cannot be told apart from inefficient kernels"
@@ -157,3 +166,11 @@ def missing_profiling(missing: str) -> str:
 def gpu_is_the_limit(said_sm: bool) -> str:
     return ("high SM activity and occupancy" if said_sm else
             "high utilisation, SM activity and occupancy") + ": the GPU itself is the limit"
+
+
+def dram_activity(dram: Mapping[str, Any], high: float) -> str:
+    said = f"DRAM activity during compute: median {pct(dram['p50'])}"
+    if dram["p50"] >= high:
+        return (said + ": the kernels are memory-bandwidth-bound (the memory interface, not "
+                "the SMs' arithmetic, sets their pace)")
+    return said

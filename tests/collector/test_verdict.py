@@ -307,3 +307,63 @@ def test_normalize_gpu_id_leaves_short_ids_alone():
     assert normalize_gpu_id("GPU-0") == "GPU-0"
     assert normalize_gpu_id(" mig-AAAAAAAA-1111-2222-3333-BBBBBBBBBBBB ") == (
         "MIG-aaaaaaaa-1111-2222-3333-bbbbbbbbbbbb")
+
+
+def test_a_gpu_that_ran_no_kernel_during_compute_is_runtime_asking_where_the_work_ran():
+    # Utilisation and SM activity 0 over hundreds of readings: nothing ran on the GPU the
+    # spans name. §6 still says runtime; the evidence says what that most likely means.
+    doc = _compute_bound_engine(0.0, dcgm={sc.METRIC_DCGM_SM_ACTIVE: 0.0},
+                                gpu_id=_UUID, sample_gpu_id=_UUID)
+    assert doc["gpu"]["compute_gpu_ids"] == [_UUID]
+    v = doc["verdict"]
+    assert v["bottleneck"] == sc.VERDICT_RUNTIME
+    text = " | ".join(v["evidence"])
+    assert (f"no kernel ran on GPU {_UUID} during compute (utilisation and SM activity 0% "
+            "through 150 compute spans): is the work on the CPU") in text
+    assert "idles between kernel launches" not in text
+    # NVML without GPM: utilisation alone says so
+    doc = _compute_bound_engine(0.0)
+    assert "no kernel ran on GPU GPU-0 during compute (utilisation 0% through" in " | ".join(
+        doc["verdict"]["evidence"])
+    # a launch-bound loop reads 1% (the H200's, docs/gpu.md): kernels ran, between idling
+    for util, dcgm in ((0.01, {sc.METRIC_DCGM_SM_ACTIVE: 0.0}),
+                       (0.0, {sc.METRIC_DCGM_SM_ACTIVE: 0.02})):
+        v = _compute_bound_engine(util, dcgm=dcgm)["verdict"]
+        assert v["bottleneck"] == sc.VERDICT_RUNTIME
+        text = " | ".join(v["evidence"])
+        assert "the GPU idles between kernel launches" in text and "no kernel ran" not in text
+
+
+def test_dram_activity_is_quoted_beside_hardware_and_kernel_saying_bandwidth_bound():
+    # The H200's device-to-device copies: busy, SMs active and full, DRAM 87.5%, no tensor
+    # work: hardware, and memory-bandwidth-bound. Through the engine, from DCGM samples.
+    copy = {sc.METRIC_DCGM_SM_ACTIVE: 0.98, sc.METRIC_DCGM_SM_OCCUPANCY: 0.79,
+            sc.METRIC_DCGM_TENSOR_ACTIVE: 0.0, sc.METRIC_DCGM_DRAM_ACTIVE: 0.875}
+    doc = _compute_bound_engine(0.99, dcgm=copy)
+    assert doc["gpu"]["dram_active_during_compute"] == pytest.approx(
+        {"p50": 0.875, "mean": 0.875})
+    v = doc["verdict"]
+    assert v["bottleneck"] == sc.VERDICT_HARDWARE
+    assert ("DRAM activity during compute: median 88%: the kernels are "
+            "memory-bandwidth-bound") in " | ".join(v["evidence"])
+    # bf16 products: DRAM 16%, quoted, not called bandwidth-bound; the verdict is §6's
+    matmul = {sc.METRIC_DCGM_SM_ACTIVE: 0.96, sc.METRIC_DCGM_SM_OCCUPANCY: 0.14,
+              sc.METRIC_DCGM_TENSOR_ACTIVE: 0.93, sc.METRIC_DCGM_DRAM_ACTIVE: 0.16}
+    v = _compute_bound_engine(0.99, dcgm=matmul)["verdict"]
+    assert v["bottleneck"] == sc.VERDICT_KERNEL
+    assert "DRAM activity during compute: median 16%" in v["evidence"]
+    # the same figures without DRAM: the same verdicts, and no DRAM words
+    for dcgm, verdict in ((copy, sc.VERDICT_HARDWARE), (matmul, sc.VERDICT_KERNEL)):
+        without = {k: x for k, x in dcgm.items() if k != sc.METRIC_DCGM_DRAM_ACTIVE}
+        doc = _compute_bound_engine(0.99, dcgm=without)
+        assert "dram_active_during_compute" not in doc["gpu"]
+        assert doc["verdict"]["bottleneck"] == verdict
+        assert "DRAM" not in " | ".join(doc["verdict"]["evidence"])
+    # a memory-bound kernel with low occupancy: kernel, and bandwidth-bound said
+    v = decide({"compute": 0.8, "queue": 0.2}, ENOUGH, 20, {
+        "utilization_during_compute": {"p50": 0.95, "mean": 0.95}, "samples": 50,
+        "sm_active_during_compute": {"p50": 0.9, "mean": 0.9},
+        "sm_occupancy_during_compute": {"p50": 0.1, "mean": 0.1},
+        "dram_active_during_compute": {"p50": 0.7, "mean": 0.7}})
+    assert v["bottleneck"] == sc.VERDICT_KERNEL
+    assert any("median 70%: the kernels are memory-bandwidth-bound" in e for e in v["evidence"])

@@ -39,9 +39,11 @@ U = sc.METRIC_GPU_UTILIZATION
 SM = sc.METRIC_DCGM_SM_ACTIVE
 OCC = sc.METRIC_DCGM_SM_OCCUPANCY
 TENSOR = sc.METRIC_DCGM_TENSOR_ACTIVE
+DRAM = sc.METRIC_DCGM_DRAM_ACTIVE
 #: breakdown field of each metric's figures during compute
 FIELDS = {U: "utilization_during_compute", SM: "sm_active_during_compute",
-          OCC: "sm_occupancy_during_compute", TENSOR: "tensor_active_during_compute"}
+          OCC: "sm_occupancy_during_compute", TENSOR: "tensor_active_during_compute",
+          DRAM: "dram_active_during_compute"}
 
 
 def _phases() -> dict[str, tuple[float, float]]:
@@ -187,6 +189,10 @@ def test_the_h200_recording_gives_each_phase_its_figures_and_verdict(tmp_path):
     assert copy["sm_active_during_compute"]["p50"] >= 0.95
     assert copy["sm_occupancy_during_compute"]["p50"] >= 0.75
     assert copy["tensor_active_during_compute"]["p50"] == 0.0
+    # DRAM: copies keep the memory interface busy, products far less
+    assert copy["dram_active_during_compute"]["p50"] >= 0.85
+    assert matmul["dram_active_during_compute"]["p50"] < 0.25
+    assert idle["dram_active_during_compute"]["p50"] < 0.01
     # One copy-phase GPM reading is 0 (a pair taken before the counters moved, see the
     # recording's header): the mean shows it, the median does not.
     assert copy["sm_active_during_compute"]["mean"] < copy["sm_active_during_compute"]["p50"]
@@ -196,10 +202,13 @@ def test_the_h200_recording_gives_each_phase_its_figures_and_verdict(tmp_path):
     for doc in docs.values():
         shares = {s["stage"]: s["share_of_p95"] for s in doc["stages"]}
         assert shares[sc.STAGE_COMPUTE] > 0.8, shares
-    # low utilisation -> runtime
+    # low utilisation -> runtime; utilisation and SM activity 0 all through: no kernel ran
     v = docs["h200-idle"]["verdict"]
     assert v["bottleneck"] == sc.VERDICT_RUNTIME, v
     assert any("median 0%" in e and "utilisation" in e for e in v["evidence"]), v
+    assert any(e.startswith(f"no kernel ran on GPU {GPU} during compute (utilisation and SM "
+                            "activity 0% through 150 compute spans): is the work on the CPU")
+               for e in v["evidence"]), v
     # high utilisation with low occupancy -> kernel, saying the tensor cores are near peak
     # (cuBLAS at full speed keeps few warps per SM: docs/gpu.md)
     v = docs["h200-matmul"]["verdict"]
@@ -208,11 +217,15 @@ def test_the_h200_recording_gives_each_phase_its_figures_and_verdict(tmp_path):
     assert any("low occupancy" in e for e in v["evidence"]), v
     assert any(e.startswith("but tensor activity during compute is high (median 93%)")
                for e in v["evidence"]), v
+    assert "DRAM activity during compute: median 16%" in v["evidence"], v
     # high utilisation, SM activity and occupancy -> hardware
     v = docs["h200-copy"]["verdict"]
     assert v["bottleneck"] == sc.VERDICT_HARDWARE, v
     assert any("the GPU itself is the limit" in e for e in v["evidence"]), v
     assert any("SM occupancy during compute: median 79%" in e for e in v["evidence"]), v
+    # ... and the copies are memory-bandwidth-bound
+    assert any(e.startswith("DRAM activity during compute: median 88%: the kernels are "
+                            "memory-bandwidth-bound") for e in v["evidence"]), v
     # 150 requests, 45 readings or more each: full confidence but for the stage margin
     for doc in docs.values():
         assert doc["verdict"]["confidence"] > 0.8, doc["verdict"]
