@@ -118,10 +118,11 @@ class Generation:
     # --- what the engine reports -------------------------------------------------------
     def emit(self, tokens: int = 1) -> None:
         """``tokens`` output tokens left the engine now (for engines that hand tokens out
-        themselves: ``Step.decode(..., emit=False)``)."""
+        themselves: ``Step.decode(..., emit=False)``); 0 records nothing."""
         if type(tokens) is not int or tokens < 0:
             tokens = token_count(tokens)
-        if self.rec is None or self.state == DONE:
+        # 0: nothing left (a stop string held it back): no emission, as decode(gen, 0)
+        if not tokens or self.rec is None or self.state == DONE:
             return
         self._emit(_time_ns(), tokens)
 

@@ -282,6 +282,30 @@ def test_k_token_chunks_and_manual_emissions():
     assert offsets[2] > _steps(cap)[3].end_time  # emitted after the step, when emit() said
 
 
+def test_an_emission_of_no_token_is_none():
+    """An engine handing out what its detokeniser released each step calls ``emit(0)``
+    when a stop string holds everything back: no emission (as a step's ``decode(gen, 0)``
+    and the middleware's ``chunk_tokens(0)``). Recorded as one, its time was read as the
+    first token's (the ttft) and as the end of an itl gap."""
+    with captured() as cap:
+        engine = inferprof.Engine()
+        gen = engine.request(prompt_tokens=1)
+        with engine.step() as step:
+            step.prefill(gen, 1, emit=False)  # the first token held back
+        gen.emit(0)
+        with engine.step() as step:
+            step.decode(gen, emit=False)
+        gen.emit(0)
+        time.sleep(0.002)
+        gen.emit(2)  # both released
+        gen.finish()
+    (request,) = cap.requests()
+    assert request.attributes[semconv.ATTR_TOKENS_OUTPUT] == 2
+    assert request.attributes[semconv.ATTR_GEN_EMIT_TOKENS] == [2]
+    (offset,) = _offsets_ns(request)
+    assert offset > _steps(cap)[1].end_time + 1_000_000
+
+
 def test_inside_a_request_the_generation_goes_into_that_request(caplog):
     with captured() as cap:
         engine = inferprof.Engine("7")
