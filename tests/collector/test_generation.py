@@ -351,6 +351,23 @@ def test_array_attributes_read_exactly_whatever_their_wire_shape(values):
     assert got is not None and list(got) == [float(v) for v in values]
 
 
+_NUMBER = st.one_of(st.floats(allow_nan=False, width=64),
+                    st.integers(min_value=-(2**63), max_value=2**63 - 1),
+                    st.integers(min_value=0, max_value=130))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(_NUMBER, _NUMBER, st.booleans(), st.text(max_size=3)), max_size=30))
+def test_array_attributes_of_mixed_types_read_value_by_value_or_not_at_all(values):
+    """Ints and doubles may mix (each read by its own type); an array holding anything
+    else is not an array of numbers (None), never one with that value read as 0."""
+    got = array_value(gen_any_value(values))
+    if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        assert got is not None and list(got) == [float(v) for v in values]
+    else:
+        assert got is None
+
+
 def test_sglang_shaped_request_span_of_any_kind_without_queue_latency():
     """SGLang's request span: ttft, e2e, prefill (dispatch to first token), decode and
     inference latencies, no queue time; an INTERNAL root span here."""
