@@ -220,6 +220,24 @@ def test_columnar_equals_span_by_span(seed: int) -> None:
             assert a[:3] == b[:3] and np.array_equal(a[3], b[3]) and a[4] == b[4]
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_columnar_equals_span_by_span_with_both_paths_in_one_run(
+        seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the cut between the paths inside the workloads' scope sizes, one run takes
+    both: a trace split over exports is assembled partly by columns, partly span by span,
+    a packed trace gets a late span read span by span; the same figures."""
+    monkeypatch.setattr(Assembler, "columnar_min_spans", 20)
+    work = _workload(100 + seed)
+    ref, ref_folded = _run(work, columnar=False, payload=False)
+    got, got_folded = _run(work, columnar=True, payload=True)
+    assert len(got_folded) == len(ref_folded)
+    for i, (a, b) in enumerate(zip(got_folded[:-1], ref_folded[:-1], strict=True)):
+        for name in _COLUMNS:
+            assert a[name] == b[name], (i, name)
+    assert got_folded[-1] == ref_folded[-1]
+    assert _documents(got) == _documents(ref)
+
+
 def test_columnar_path_taken() -> None:
     """The common case is assembled by columns (else the test above compares nothing)."""
     work = _workload(3)
