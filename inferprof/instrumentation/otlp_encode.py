@@ -98,10 +98,31 @@ def _any_value(value: Any) -> bytes:
     if isinstance(value, bytes):
         return _ld(7, value)
     if isinstance(value, Sequence):
-        return _ld(5, b"".join(_ld(1, _any_value(v)) for v in value))
+        return _ld(5, _array_values(value))
     if isinstance(value, Mapping):
         return _ld(6, b"".join(_ld(1, _key_value(str(k), v)) for k, v in value.items()))
     raise _Unsupported(type(value))
+
+
+#: An ``ArrayValue`` entry (field 1) holding a double: tag, length 9, the double's tag.
+_DOUBLE_ENTRY = b"\x0a\x09\x21"
+#: ``ArrayValue`` entries holding the ints 0..127 (one-byte varints), by value.
+_SMALL_INT_ENTRIES = tuple(b"\x0a\x02\x18" + bytes((v,)) for v in range(128))
+_ONLY_FLOATS = frozenset((float,))
+_ONLY_INTS = frozenset((int,))
+
+
+def _array_values(values: Sequence[Any]) -> bytes:
+    """An ``ArrayValue``'s entries. Arrays of floats or of ints alone (the compact step
+    spans', the emission offsets) are written without a call per entry."""
+    kinds = set(map(type, values))
+    if kinds == _ONLY_FLOATS:
+        return b"".join([_DOUBLE_ENTRY + _pack_d(v) for v in values])
+    if kinds == _ONLY_INTS:
+        small = _SMALL_INT_ENTRIES
+        return b"".join([small[v] if 0 <= v < 128 else _ld(1, b"\x18" + _varint(v))
+                         for v in values])
+    return b"".join(_ld(1, _any_value(v)) for v in values)
 
 
 def _key_value(key: str, value: Any) -> bytes:

@@ -74,6 +74,11 @@ _values = st.one_of(
     st.floats(allow_nan=False), st.text(max_size=20), st.binary(max_size=8),
     st.lists(st.integers(min_value=-(2**63), max_value=2**63 - 1), max_size=3).map(tuple),
     st.lists(st.text(max_size=5), max_size=3).map(tuple),
+    # arrays of one numeric type (the compact step spans', the emission offsets) and mixed
+    st.lists(st.floats(allow_nan=False), max_size=40).map(tuple),
+    st.lists(st.integers(min_value=-3, max_value=300), max_size=40).map(tuple),
+    st.lists(st.one_of(st.integers(min_value=0, max_value=200), st.floats(allow_nan=False),
+                       st.booleans()), max_size=8).map(tuple),
 )
 
 
