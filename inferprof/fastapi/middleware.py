@@ -155,26 +155,27 @@ class _HttpRequest(RequestRecord):
     async def send(self, message: Message) -> None:
         if message["type"] == "http.response.body":
             body = message.get("body")
+            more = message.get("more_body", False)
             if body:
                 self.sent += len(body)
                 if self.content is not None:
                     self.content.add(self.content.response, body)
-            if self.live_scope is not None and not message.get("more_body", False):
+            if self.live_scope is not None and not more:
                 # The outer instrumentation (opentelemetry-instrumentation-asgi) ends its
                 # span when the last body chunk passes it: its attributes go on now.
                 self._enrich_live()
             stream = self.stream
             # When a chunk of a stream leaves: handed to the server, which writes it to the
             # socket in this call (a time taken after the call may follow the client's read)
-            handed = (
-                _time_ns()
-                if stream and body and (
-                    _sse_content(body) if stream == _SSE
-                    # a body in one message is not a stream, whatever its headers
-                    else message.get("more_body", False) or self.chunk_times
-                )
-                else 0
-            )
+            handed = 0
+            if stream and body:
+                if stream == _SSE:
+                    # _sse_content(), its usual answer found without copying the chunk
+                    if b"data:" in body and (b"[DONE]" not in body or _sse_content(body)):
+                        handed = _time_ns()
+                # a body in one message is not a stream, whatever its headers
+                elif more or self.chunk_times:
+                    handed = _time_ns()
             try:
                 await self._send(message)
             except OSError:  # ASGI 2.4 servers: the client went away mid-response
@@ -182,8 +183,13 @@ class _HttpRequest(RequestRecord):
                     self.disconnected = True
                 raise
             if handed:  # (not for a chunk the server refused)
-                self._chunk_sent(handed)
-            if not message.get("more_body", False) and not self.ser_end:
+                times = self.chunk_times
+                if (times is not None and self.next_tokens == 1 and self.chunk_tokens is None
+                        and len(times) < COMPACT_AT - 1):
+                    times.append(handed)  # the usual chunk: what _chunk_sent() does for it
+                else:
+                    self._chunk_sent(handed)
+            if not more and not self.ser_end:
                 self.ser_end = _time_ns()  # also the request's end: the last byte handed over
             return
         if message["type"] == "http.response.start":

@@ -410,8 +410,13 @@ class Step:
 
     def _member_kept(self) -> bool:
         """Whether the request of a member was kept (its trace sent) before the row."""
-        return any(gen.rec.kept for gen, _ in self._decoders) or any(
-            gen.rec.kept for gen, _ in self._prefills)
+        for gen, _ in self._decoders:  # (loops, not any() over generators: per member)
+            if gen.rec.kept:
+                return True
+        for gen, _ in self._prefills:
+            if gen.rec.kept:
+                return True
+        return False
 
     # --- the step's span -------------------------------------------------------------------
     def _emit(self) -> None:
