@@ -72,6 +72,8 @@ _STATUS_CODE = http_attributes.HTTP_RESPONSE_STATUS_CODE
 _SERVER = SpanKind.SERVER
 # Streamed responses (generation timing): not streamed, a chunked body, server-sent events.
 _NOT_STREAMED, _CHUNKED, _SSE = 0, 1, 2
+#: The chunk that ends an OpenAI-style event stream (no content).
+_SSE_DONE = (b"data: [DONE]", b"data:[DONE]")
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -170,8 +172,12 @@ class _HttpRequest(RequestRecord):
             handed = 0
             if stream and body:
                 if stream == _SSE:
-                    # _sse_content(), its usual answer found without copying the chunk
-                    if b"data:" in body and (b"[DONE]" not in body or _sse_content(body)):
+                    # content: a data: field other than the [DONE] OpenAI-style streams
+                    # end with (comments, keep-alives and bare event: lines dispatch nothing).
+                    # find(), not `in`: bytes.__contains__ tries the operand as an int first
+                    # and builds a TypeError for every chunk.
+                    text = body if type(body) is bytes else bytes(body)  # (ASGI: bytes)
+                    if text.find(b"data:") != -1 and text.strip() not in _SSE_DONE:
                         handed = _time_ns()
                 # a body in one message is not a stream, whatever its headers
                 elif more or self.chunk_times:
@@ -384,15 +390,6 @@ def _stream_kind(headers: Any) -> int:
     if fields.get(b"content-type", b"")[:17].lower() == b"text/event-stream":
         return _SSE
     return _NOT_STREAMED if b"content-length" in fields else _CHUNKED
-
-
-def _sse_content(body: bytes) -> bool:
-    """Whether a chunk of server-sent events carries content: a ``data:`` field, other than
-    the ``[DONE]`` that OpenAI-style streams end with (comments, keep-alives and bare
-    ``event:`` lines dispatch nothing)."""
-    if b"data:" not in body:
-        return False
-    return body.strip() not in (b"data: [DONE]", b"data:[DONE]")
 
 
 def chunk_tokens(tokens: int) -> None:

@@ -413,10 +413,8 @@ class Step:
         for gen, _ in self._decoders:  # (loops, not any() over generators: per member)
             if gen.rec.kept:
                 return True
-        for gen, _ in self._prefills:
-            if gen.rec.kept:
-                return True
-        return False
+        # (few steps have prefill members: no generator for the others)
+        return bool(self._prefills) and any(gen.rec.kept for gen, _ in self._prefills)
 
     # --- the step's span -------------------------------------------------------------------
     def _emit(self) -> None:

@@ -136,6 +136,38 @@ async def test_sse_through_raw_asgi_passes_each_chunk_on(cap):
     assert semconv.ATTR_CANCELLED not in request.attributes
 
 
+async def test_sse_chunks_that_are_not_bytes_are_timed_as_bytes_are(cap):
+    # ASGI says bytes; an app that sends a bytearray or a memoryview still gets its content
+    # chunks timed (and not a comment's or [DONE]'s), and its response through unchanged.
+    bodies = [bytearray(b"data: 0\n\n"), memoryview(b"data: 1\n\n"), b": keep-alive\n\n",
+              memoryview(b"data: [DONE]\n\n")]
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        for body in bodies:
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    sent = []
+
+    async def receive():
+        await asyncio.sleep(1)
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+             "method": "GET", "scheme": "http", "path": "/events", "raw_path": b"/events",
+             "query_string": b"", "headers": [], "client": ("127.0.0.1", 1),
+             "server": ("127.0.0.1", 80)}
+    await inferprof.fastapi.InferprofMiddleware(app)(scope, receive, send)
+    assert [m.get("body") for m in sent[1:-1]] == bodies
+    (request,) = cap.requests()
+    assert len(request.attributes[semconv.ATTR_GEN_EMIT_OFFSETS_S]) == 2
+
+
 async def test_a_client_leaving_mid_stream_marks_the_request_cancelled(cap):
     app = make_app()
 
