@@ -7,26 +7,28 @@ Timing 1-2% on a shared VM is noisy (docs/overhead.md); counting is not. The LLM
 (docs/demo.md, "The LLM demo"; its ``tiny`` model and a KV cache of 1024 blocks, so
 nothing is evicted) serves streaming ``/v1/completions`` requests in-process, driven
 through ASGI by 8 concurrent clients, each request the same prompt and ``max_tokens``
-(32, argmax sampling: the same tokens every run; the engine, when idle, waits for 8 new
+(32, argmax sampling: the same tokens every run). The engine, when idle, waits for 8 new
 requests, and its step fits all 8 prompts, so every wave of 8 runs in the same 32 steps
-in every mode), under valgrind's callgrind, which
-counts the instructions every thread executes (``--separate-threads=yes``). One process
-per mode: it serves ``--warmup`` requests (past ``production``'s tail-sampler warm-up,
-its first 64 requests, which it keeps all), pauses while the benchmark has callgrind dump
-its counts (``callgrind_control --dump``, which starts them again from zero), serves
-``--requests`` more, and pauses for a second dump; start-up, imports, warm-up and
-shutdown fall outside the second dump, which is the table: its instructions over the
-output tokens streamed meanwhile.
+in every mode. All of it runs under valgrind's callgrind, which counts the instructions
+every thread executes (``--separate-threads=yes``). One process per mode: it serves
+``--warmup`` requests (past ``production``'s tail-sampler warm-up, its first 64 requests,
+all kept), pauses while the benchmark has callgrind dump its counts (``callgrind_control
+--dump``, which starts them again from zero), serves ``--requests`` more, and pauses for a
+second dump; start-up, imports, warm-up and shutdown fall outside the second dump, which
+is the table: its instructions over the output tokens streamed meanwhile.
 
-Exports: ``production`` exports over OTLP/gRPC, through ``configure()``'s own exporter, to
-a sink in the benchmark process. The span export thread's schedule is set longer than
-the run (``OTEL_BSP_SCHEDULE_DELAY``); at each pause the process flushes the span queue on
-a thread counted as the export thread, so the counted window exports its own spans,
-once. (On its 1 s schedule the export thread would run ~50x as often per token as in a
-real run: callgrind slows the process, not the clock. A real run at 15-20 requests a
-second exports about 3 times per 48 requests: the table's export row counts one export's
-fixed cost where a real run pays three.) The metric export runs on its 15 s clock: it is
-in the table, but left out of the last total.
+Clocks: callgrind slows the process ~50x, not the clock, so whatever runs on a timer
+would run ~50x as often per token as in a real run. ``production`` exports over
+OTLP/gRPC, through ``configure()``'s own exporter, to a sink in the benchmark process;
+the span export thread's schedule is set longer than the run
+(``OTEL_BSP_SCHEDULE_DELAY``), and at each pause the process flushes the span queue on a
+thread counted as the export thread: the counted window exports its own spans, once (a
+real run at 15-20 requests a second exports about 3 times per 48 requests). The step
+API's ``STEPS_MAX_WAIT_S`` is stretched 50x likewise, so that the steps go out many to a
+compact span, as in a real run (here each wave's 32, when the engine goes idle). The
+metric export keeps its 15 s clock: it is in the table, and left out of the last total.
+Which traces the tail sampler keeps follows latencies, so the event loop's and the
+export's rows still move a little from run to run.
 
 Threads are told apart by name: each Python thread announces itself when it starts (a
 number of ``sys.getswitchinterval()`` calls unique to it, a power of two, which callgrind
@@ -35,11 +37,9 @@ event loop is thread 1; threads that never ran Python (gRPC's, the tokenizer's p
 are "native".
 
 Instructions are not time: they leave out cache misses, lock waits and how the CPU
-overlaps work; handing the GIL between threads costs mostly time. Callgrind's ~50x
-slow-down stretches every wall-clock interval (the exporter's schedule,
-``STEPS_MAX_WAIT_S``), and which traces the tail sampler keeps follows latencies, so the
-export share moves a little from run to run. ``--keep DIR`` keeps the callgrind outputs:
-``callgrind_annotate DIR/cg.production.<pid>.2-01`` gives the event loop's functions.
+overlaps work; handing the GIL between threads costs mostly time. ``--keep DIR`` keeps
+the callgrind outputs: ``callgrind_annotate DIR/cg.production.<pid>.2-01`` gives the
+event loop's functions.
 
 Needs ``valgrind`` (Debian: ``apt-get install valgrind``). About 4 minutes on 2 cores.
 """
@@ -67,6 +67,9 @@ MAX_TOKENS = 32
 PROMPT = ("The quick brown fox jumps over the lazy dog while the scheduler batches "
           "every request it can fit into the next step.")
 _EXPORT_THREAD = "inferprof-span-export"
+#: Callgrind's slow-down, about: clock-driven intervals of the counted process are
+#: stretched by it.
+_SLOWDOWN = 50
 #: The span export thread's schedule in the counted process (OTEL_BSP_SCHEDULE_DELAY):
 #: longer than a run, so that it exports only when the benchmark flushes.
 _SCHEDULE_DELAY_MS = 3_600_000
@@ -108,6 +111,16 @@ def child(mode: str, warm: int, n: int, endpoint: str | None) -> None:
 
     import asyncio
     import json
+    import random
+
+    from inferprof.instrumentation import engine as step_api
+
+    # Production sends the steps held when the oldest is STEPS_MAX_WAIT_S old at a step's
+    # end: on callgrind's stretched clock that is every step or two. Stretched as well (a
+    # real run's ~50 steps of 10 ms), the steps go out when each wave ends, as the engine
+    # goes idle.
+    step_api._MAX_WAIT_NS *= _SLOWDOWN
+    random.seed(0)
 
     from inferprof.demo.llm.engine import Engine
     from inferprof.demo.llm.service import COMPLETIONS_PATH, create_app
