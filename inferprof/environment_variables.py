@@ -53,6 +53,11 @@ OTEL_SDK_DISABLED = "OTEL_SDK_DISABLED"
 OTEL_SERVICE_NAME = "OTEL_SERVICE_NAME"
 """``service.name`` of the resource."""
 
+OTEL_RESOURCE_ATTRIBUTES = "OTEL_RESOURCE_ATTRIBUTES"
+"""The resource's attributes, ``key=value,...`` (read by the SDK). A ``service.instance.id``
+named here is kept by a worker forked after configure(); without one, each such worker
+gets an id of its own."""
+
 OTEL_EXPORTER_OTLP_ENDPOINT = "OTEL_EXPORTER_OTLP_ENDPOINT"
 """Base URL of the OTLP receiver, for both signals."""
 

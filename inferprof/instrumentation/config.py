@@ -232,6 +232,17 @@ def _metrics_protocol(arg: Any) -> str | None:
     )
 
 
+#: The ``service.instance.id`` values :func:`resource` generated (not set by the user):
+#: those a forked child replaces (:func:`fresh_instance`). One per configure() call.
+_generated_instance_ids: set[str] = set()
+
+
+def _new_instance_id() -> str:
+    instance = str(uuid.uuid4())
+    _generated_instance_ids.add(instance)
+    return instance
+
+
 def resource(service_name: str | None, extra: Mapping[str, Any] | None) -> Any:
     """The SDK ``Resource`` of inferprof's providers: a generated instance id and the host
     name, under ``OTEL_RESOURCE_ATTRIBUTES``/``OTEL_SERVICE_NAME``, under the arguments."""
@@ -246,7 +257,33 @@ def resource(service_name: str | None, extra: Mapping[str, Any] | None) -> Any:
     attrs: dict[str, Any] = dict(extra or {})
     if service_name:
         attrs[semconv.RESOURCE_SERVICE_NAME] = service_name
-    return base.merge(Resource.create(attrs))
+    res = base.merge(Resource.create(attrs))
+    if not _user_instance_id(extra):
+        # Ours, or the one the SDK's Resource.create() generates (recent SDKs do): a
+        # random id either way, the process's to replace in a forked child.
+        _generated_instance_ids.add(str(res.attributes.get(semconv.RESOURCE_SERVICE_INSTANCE_ID)))
+    return res
+
+
+def _user_instance_id(extra: Mapping[str, Any] | None) -> bool:
+    """Whether the user named the instance: in the arguments or OTEL_RESOURCE_ATTRIBUTES."""
+    if extra and semconv.RESOURCE_SERVICE_INSTANCE_ID in extra:
+        return True
+    env = os.environ.get(ev.OTEL_RESOURCE_ATTRIBUTES, "")
+    return any(part.partition("=")[0].strip() == semconv.RESOURCE_SERVICE_INSTANCE_ID
+               for part in env.split(","))
+
+
+def fresh_instance(res: Any) -> Any | None:
+    """``res`` with a new ``service.instance.id``, for a process forked after configure()
+    (a pre-forking server's worker): each worker is an instance of its own to the
+    collector (its engine steps' timeline, its fleet series). None when the id is not
+    one :func:`resource` generated: an id the user set is theirs to keep."""
+    from opentelemetry.sdk.resources import Resource
+
+    if str(res.attributes.get(semconv.RESOURCE_SERVICE_INSTANCE_ID)) not in _generated_instance_ids:
+        return None
+    return res.merge(Resource({semconv.RESOURCE_SERVICE_INSTANCE_ID: _new_instance_id()}))
 
 
 #: The well-known OTLP ports (the OpenTelemetry Collector's and `inferprof collect`'s).

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import os
 import random
 import time
 import weakref
@@ -40,6 +41,7 @@ from inferprof.instrumentation.accounting import (
     Stats,
     StatsSnapshot,
 )
+from inferprof.instrumentation.config import fresh_instance
 from inferprof.instrumentation.device import resolve_stages
 from inferprof.instrumentation.otlp_encode import (
     batch_stage_body,
@@ -201,7 +203,21 @@ class Runtime:
                 summary_exporter, self._resource, self._scope, self.stats,
                 interval_s=config.summary_interval_s,
             )
+        if self._resource is not None and hasattr(os, "register_at_fork"):
+            weak = weakref.WeakMethod(self._after_fork)
+            os.register_at_fork(after_in_child=lambda: (m := weak()) and m())
         self._register_metrics()
+
+    def _after_fork(self) -> None:
+        # A worker forked after configure() (gunicorn --preload, multiprocessing): its
+        # spans and summaries carry an instance id of its own, or the collector reads
+        # every worker as one instance (one timeline for all their engines' steps).
+        fresh = fresh_instance(self._resource)
+        if fresh is None:
+            return
+        self._resource = fresh
+        if self.summaries is not None:
+            self.summaries.resource = fresh
 
     # --- self metrics ----------------------------------------------------------------
     def _register_metrics(self) -> None:

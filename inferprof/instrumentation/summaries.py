@@ -118,7 +118,8 @@ class Summaries:
         if not interval_s > 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s!r}")
         self._exporter = exporter
-        self._resource = resource
+        #: the resource its exports carry (a forked child's runtime gives it its own)
+        self.resource = resource
         self._scope = scope
         self._stats = stats
         self.interval_s = float(interval_s)
@@ -463,7 +464,7 @@ class Summaries:
                     ),
                 ))
         return MetricsData(resource_metrics=[ResourceMetrics(
-            resource=self._resource,
+            resource=self.resource,
             scope_metrics=[ScopeMetrics(scope=self._scope, metrics=metrics, schema_url="")],
             schema_url="",
         )])

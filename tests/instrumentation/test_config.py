@@ -1,5 +1,6 @@
 import http.server
 import logging
+import os
 import subprocess
 import sys
 import textwrap
@@ -395,3 +396,60 @@ def test_stats_with_mode_off_is_an_all_zero_snapshot():
     assert snap is not None
     assert (snap.spans_emitted, snap.traces_kept, snap.traces_discarded, snap.spans_dropped) == (
         0, 0, 0, 0)
+
+
+def _instance_ids_after_fork(**options) -> tuple[str, str]:
+    """(the parent's, a forked child's) service.instance.id on the request spans each sent,
+    inferprof configured (``options``) before the fork, as a pre-forking server does."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    inferprof.configure(mode="full", span_exporter=exporter, set_global=False,
+                        metric_readers=[], **options)
+    try:
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: its request span's instance id, down the pipe
+            code = 1
+            try:
+                os.close(read)
+                with inferprof.request():
+                    pass
+                inferprof.shutdown()
+                (span,) = exporter.get_finished_spans()
+                os.write(write, span.resource.attributes[RESOURCE_ID].encode())
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(write)
+        with os.fdopen(read, "rb") as pipe:
+            child = pipe.read().decode()
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        with inferprof.request():
+            pass
+        inferprof.shutdown()
+        (span,) = exporter.get_finished_spans()
+        return span.resource.attributes[RESOURCE_ID], child
+    finally:
+        inferprof.shutdown()
+
+
+RESOURCE_ID = semconv.RESOURCE_SERVICE_INSTANCE_ID
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork: POSIX only")
+def test_a_worker_forked_after_configure_is_an_instance_of_its_own():
+    # Two workers of one pre-forking server sharing an id would be one instance to the
+    # collector: one timeline for all their engines' steps, one fleet series.
+    parent, child = _instance_ids_after_fork()
+    assert parent and child and parent != child
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork: POSIX only")
+def test_an_instance_id_the_user_set_is_kept_in_a_forked_worker(monkeypatch):
+    parent, child = _instance_ids_after_fork(resource_attributes={RESOURCE_ID: "worker-a"})
+    assert parent == child == "worker-a"
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", f"deployment.environment=x, {RESOURCE_ID}=w-b")
+    parent, child = _instance_ids_after_fork()
+    assert parent == child == "w-b"
