@@ -14,7 +14,11 @@ as a deployment's would); ``production-http`` is ``production`` exporting OTLP/H
 gRPC; ``off`` configures inferprof with ``mode="off"`` (the middleware, the step API and
 the stages all present and returning at once); ``off-control`` is a second, identical
 ``off`` process, whose ratios to ``off`` show what two processes of one configuration read
-apart (the noise floor of the other ratios). The service
+apart (the noise floor of the other ratios); ``production-sink`` is ``production``
+exporting to a null sink in the benchmark process (overhead.py's: it keeps the bytes and
+decodes nothing during the load) instead of a collector: the difference between the two
+is what the collector's folding, on the same two cores as the service and the load
+generator, costs the measurement rather than the service. The service
 processes run the inferprof of this checkout (``PYTHONPATH``), not whichever one is
 installed. Every process is warmed with at least ``--warmup-requests`` requests (128: past
 the 64 during which ``production``'s tail sampler keeps every trace, so that the figures
@@ -45,16 +49,21 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 _ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_ROOT))
+
+sys.path.insert(0, str(_ROOT / "benchmarks"))
+
+from overhead import NullSink  # noqa: E402
 
 from inferprof.collector.app import CollectorApp  # noqa: E402
 from inferprof.collector.settings import CollectorSettings  # noqa: E402
 from inferprof.demo.llm.processes import LLMServiceProcess, run_llm_loadgen  # noqa: E402
 from inferprof.demo.llm.settings import LLMSettings  # noqa: E402
 
-CONFIGS = ("off", "off-control", "production", "production-http", "full")
+CONFIGS = ("off", "off-control", "production", "production-http", "production-sink", "full")
 #: Configuration -> (inferprof mode, OTLP protocol of its exporter). ``off-control`` is a
 #: second ``off`` process: its ratios to ``off`` are what separate processes of the same
 #: configuration read apart on this machine, the noise floor of the others' ratios.
@@ -63,8 +72,13 @@ _WIRING = {
     "off-control": ("off", "grpc"),
     "production": ("production", "grpc"),
     "production-http": ("production", "http/protobuf"),
+    "production-sink": ("production", "grpc"),
     "full": ("full", "grpc"),
 }
+#: Configurations exporting to a null sink in this process (it keeps the bytes, decodes
+#: nothing while the load runs) instead of a collector of their own: the same service,
+#: without the collector's folding on this machine's cores beside it.
+_SINKED = {"production-sink"}
 BASELINE = "off"
 #: Warm-up load runs per process at most (each ``--warmup`` seconds).
 _MAX_WARMUP_RUNS = 8
@@ -84,16 +98,17 @@ def _round(configs: list[str], args: argparse.Namespace, r: int) -> dict[str, li
     """One round: a fresh service per configuration (each exporting to a collector of its
     own), all warmed, then ``--slices`` slices of load per configuration, interleaved."""
     with contextlib.ExitStack() as stack:
-        collectors = {c: stack.enter_context(
-            CollectorApp(CollectorSettings(grpc_port=0, http_port=0, api_port=0)))
+        collectors: dict[str, Any] = {
+            c: stack.enter_context(NullSink() if c in _SINKED else
+                                   CollectorApp(CollectorSettings(grpc_port=0, http_port=0,
+                                                                  api_port=0)))
             for c in configs}
         services = {}
         for c in configs:
             mode, protocol = _WIRING[c]
             http = protocol == "http/protobuf"
             settings = LLMSettings(instrumentation=mode,
-                                   endpoint=collectors[c].otlp_http_endpoint if http
-                                   else collectors[c].otlp_grpc_endpoint,
+                                   endpoint=_endpoint(collectors[c], http),
                                    kv_blocks=args.kv_blocks, model_size=args.model_size)
             # the service runs this checkout's inferprof, as this process does
             services[c] = stack.enter_context(
@@ -146,9 +161,17 @@ def _code_path() -> str:
     return str(_ROOT) + (os.pathsep + path if path else "")
 
 
-def _spans_received(collector: CollectorApp) -> int:
-    collector.engine.flush()
-    return collector.engine.stats.spans_received
+def _endpoint(receiver: Any, http: bool) -> str:
+    if isinstance(receiver, NullSink):
+        return receiver.http_endpoint if http else receiver.endpoint
+    return receiver.otlp_http_endpoint if http else receiver.otlp_grpc_endpoint
+
+
+def _spans_received(receiver: Any) -> int:
+    if isinstance(receiver, NullSink):
+        return receiver.spans
+    receiver.engine.flush()
+    return receiver.engine.stats.spans_received
 
 
 def main(argv: list[str] | None = None) -> int:
