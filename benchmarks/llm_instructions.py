@@ -122,6 +122,8 @@ def child(mode: str, warm: int, n: int, endpoint: str | None) -> None:
     step_api._MAX_WAIT_NS *= _SLOWDOWN
     random.seed(0)
 
+    from request_instructions import post_once
+
     from inferprof.demo.llm.engine import Engine
     from inferprof.demo.llm.service import COMPLETIONS_PATH, create_app
     from inferprof.demo.llm.settings import LLMSettings
@@ -135,24 +137,8 @@ def child(mode: str, warm: int, n: int, endpoint: str | None) -> None:
 
     async def one() -> None:
         nonlocal chunks
-        scope = {
-            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
-            "method": "POST", "scheme": "http", "path": COMPLETIONS_PATH,
-            "raw_path": COMPLETIONS_PATH.encode(), "query_string": b"", "root_path": "",
-            "headers": [(b"host", b"127.0.0.1"), (b"content-type", b"application/json"),
-                        (b"content-length", str(len(body)).encode())],
-            "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
-        }
-        received = False
+        scope, receive = post_once(COMPLETIONS_PATH, body)
         status = []
-
-        async def receive() -> dict:
-            nonlocal received
-            if not received:
-                received = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            await asyncio.Event().wait()  # a client that stays connected
-            return {"type": "http.disconnect"}
 
         async def send(message: dict) -> None:
             nonlocal chunks

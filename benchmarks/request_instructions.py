@@ -36,6 +36,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,6 +55,32 @@ LABELS = {
     "discard": "inferprof production, no trace kept",
     "full": "inferprof full",
 }
+
+
+def post_once(path: str, body: bytes) -> tuple[dict, Callable[[], Awaitable[dict]]]:
+    """An ASGI HTTP POST of ``body`` to ``path`` (JSON), from a client that stays connected
+    once it has sent it: the scope, and the ``receive`` to serve it with."""
+    import asyncio
+
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+        "method": "POST", "scheme": "http", "path": path,
+        "raw_path": path.encode(), "query_string": b"", "root_path": "",
+        "headers": [(b"host", b"127.0.0.1"), (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode())],
+        "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+    }
+    received = False
+
+    async def receive() -> dict:
+        nonlocal received
+        if not received:
+            received = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.Event().wait()  # a client that stays connected
+        return {"type": "http.disconnect"}
+
+    return scope, receive
 
 
 def child(mode: str, n: int, endpoint: str | None) -> None:
@@ -77,24 +104,8 @@ def child(mode: str, n: int, endpoint: str | None) -> None:
     bodies = [json.dumps({"text": p}).encode() for p in build_prompts(None, seed=0)]
 
     async def one(body: bytes) -> None:
-        scope = {
-            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
-            "method": "POST", "scheme": "http", "path": "/v1/classify",
-            "raw_path": b"/v1/classify", "query_string": b"", "root_path": "",
-            "headers": [(b"host", b"127.0.0.1"), (b"content-type", b"application/json"),
-                        (b"content-length", str(len(body)).encode())],
-            "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
-        }
-        received = False
+        scope, receive = post_once("/v1/classify", body)
         status = []
-
-        async def receive() -> dict:
-            nonlocal received
-            if not received:
-                received = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            await asyncio.Event().wait()  # a client that stays connected
-            return {"type": "http.disconnect"}
 
         async def send(message: dict) -> None:
             if message["type"] == "http.response.start":
