@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 import http.server
+import os
 import pathlib
+import subprocess
+import sys
 import threading
 
 import pytest
 
 DATA = pathlib.Path(__file__).resolve().parent / "data"
+_CLI = [sys.executable, "-c", "from inferprof.cli import main; main()"]
+
+
+def start_gpu_sidecar(*args: str) -> subprocess.Popen:
+    """``inferprof gpu ARGS`` in a process of its own, stdout and stderr piped together as
+    text, without this process's ``OTEL_*`` variables (its options alone configure it)."""
+    return subprocess.Popen(
+        [*_CLI, "gpu", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={k: v for k, v in os.environ.items() if not k.startswith("OTEL_")})
 #: A dcgm-exporter /metrics page (RECORDED/SYNTHETIC; see the comment at its top).
 DCGM_PAGE = (DATA / "dcgm_exporter_metrics.txt").read_text()
 

@@ -5,10 +5,7 @@ samples received, joined to the compute spans of the right GPU, and the verdict 
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 import time
 
 import httpx
@@ -18,11 +15,11 @@ from inferprof import semconv as sc
 from inferprof.gpu import GpuSample, write_samples
 from inferprof.instrumentation import config as instr_config
 from tests.collector.synth import TraceBuilder
+from tests.gpu.conftest import start_gpu_sidecar
 from tests.integration.test_collector_cli import _start, _stop
 
 pytestmark = pytest.mark.integration
 
-CLI = [sys.executable, "-c", "from inferprof.cli import main; main()"]
 GPU_A = "GPU-15704b32-f531-14ce-0530-1ac21e4b68e6"  # idles between launches: runtime
 GPU_B = "GPU-edc718f8-e593-6468-b9f9-563d508366ed"  # saturated, SMs busy: hardware
 REQUESTS = 150  # the verdict needs 100 traced requests
@@ -68,11 +65,9 @@ def test_replayed_gpu_samples_reach_the_collector_and_decide_the_verdict(tmp_pat
     sidecar = None
     try:
         assert set(urls) == {"OTLP/gRPC", "OTLP/HTTP", "API"}
-        sidecar = subprocess.Popen(
-            [*CLI, "gpu", "--source", "replay", "--replay", str(recording), "--interval",
-             "0.05", "--export-interval", "0.2", "--endpoint", urls["OTLP/gRPC"]],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env={k: v for k, v in os.environ.items() if not k.startswith("OTEL_")})
+        sidecar = start_gpu_sidecar(
+            "--source", "replay", "--replay", str(recording), "--interval",
+            "0.05", "--export-interval", "0.2", "--endpoint", urls["OTLP/gRPC"])
         banner = {}
         while len(banner) < 2:
             line = sidecar.stdout.readline()

@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import re
 import statistics
-import subprocess
-import sys
 import time
 
 import httpx
@@ -23,12 +20,11 @@ import pytest
 from inferprof import semconv as sc
 from inferprof.collector import verdict
 from tests.collector.synth import TraceBuilder
-from tests.gpu.conftest import DATA
+from tests.gpu.conftest import DATA, start_gpu_sidecar
 from tests.integration.test_collector_cli import _start, _stop
 
 pytestmark = pytest.mark.integration
 
-CLI = [sys.executable, "-c", "from inferprof.cli import main; main()"]
 RECORDING = DATA / "h200-nvml.jsonl"
 GPU = "GPU-8f2f6ba6-ce88-fd95-6f08-d2d1f1ecfb4a"  # the recording's H200
 REQUESTS = 150  # the verdict needs 100 traced requests
@@ -100,12 +96,10 @@ def test_the_h200_recording_gives_each_phase_its_figures_and_verdict(tmp_path):
     try:
         assert set(urls) == {"OTLP/gRPC", "OTLP/HTTP", "API"}
         # the whole recording once (26 s), recording what it plays with the played times
-        sidecar = subprocess.Popen(
-            [*CLI, "gpu", "--source", "replay", "--replay", str(RECORDING), "--no-loop",
-             "--interval", "0.05", "--export-interval", "0.5", "--endpoint",
-             urls["OTLP/gRPC"], "--record", str(played_file)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env={k: v for k, v in os.environ.items() if not k.startswith("OTEL_")})
+        sidecar = start_gpu_sidecar(
+            "--source", "replay", "--replay", str(RECORDING), "--no-loop",
+            "--interval", "0.05", "--export-interval", "0.5", "--endpoint",
+            urls["OTLP/gRPC"], "--record", str(played_file))
         out, _ = sidecar.communicate(timeout=90)
         assert sidecar.returncode == 0, out
         assert "the recording has played (--no-loop)" in out, out
