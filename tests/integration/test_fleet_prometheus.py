@@ -74,8 +74,9 @@ def _send(urls: dict[str, str], requests) -> None:
         assert resp.status_code == 200, resp.text
 
 
-def _query(url: str, promql: str) -> list[dict]:
-    resp = httpx.get(f"{url}/api/v1/query", params={"query": promql}, timeout=30).json()
+def _query(url: str, promql: str, at: float | None = None) -> list[dict]:
+    params = {"query": promql} if at is None else {"query": promql, "time": f"{at:.3f}"}
+    resp = httpx.get(f"{url}/api/v1/query", params=params, timeout=30).json()
     assert resp["status"] == "success", resp
     return resp["data"]["result"]
 
@@ -97,6 +98,23 @@ def _wait_scraped(url: str, total: float, targets: int = 3) -> None:
     targets = httpx.get(f"{url}/api/v1/targets", timeout=30).json()["data"]["activeTargets"]
     pytest.fail(f"Prometheus holds {_scraped_total(url)} requests, not {total}; targets: "
                 f"{[(t['scrapeUrl'], t['health'], t['lastError']) for t in targets]}")
+
+
+def _increase_bound(url: str, at: float) -> float:
+    """The most ``increase(..._count[300s])`` summed over the fleet's series can read from
+    ``at`` on (later samples add no requests and lengthen the sampled span): each series'
+    rise over its samples, extrapolated by 1.1 average scrape intervals at each end
+    (Prometheus's extrapolatedRate extends by no more)."""
+    bound = 0.0
+    for series in _query(
+        url, f'{sc.PROM_FLEET_REQUEST_DURATION}_count{{service="fleet",model="m"}}[300s]', at
+    ):
+        points = [(float(t), float(v)) for t, v in series["values"]]
+        assert len(points) >= 2, series
+        sampled = points[-1][0] - points[0][0]
+        average = sampled / (len(points) - 1)
+        bound += (points[-1][1] - points[0][1]) * (sampled + 2 * 1.1 * average) / sampled
+    return bound * 1.001
 
 
 def _breakdown(urls: dict[str, str], total: float) -> dict:
@@ -182,6 +200,7 @@ def test_three_collectors_summed_in_prometheus_match_one_fed_everything(promethe
 
         # --window: increase() over the last 5 minutes, i.e. the main phase (the warm-up is
         # what the series held at their first scrape); Prometheus extrapolates the counts.
+        before = time.time()
         out = subprocess.run(
             [*CLI, "report", "--prometheus", url, "--service", "fleet", "--window", "300",
              "--format", "json"],
@@ -189,7 +208,12 @@ def test_three_collectors_summed_in_prometheus_match_one_fed_everything(promethe
         )
         windowed = json.loads(out.stdout)
         assert windowed["window_s"] == 300.0
-        assert windowed["requests"] == pytest.approx(ref["requests"], rel=0.1)
+        # increase() never reads less than the main phase (its last scrape holds all of it,
+        # its first none of it), and extrapolates each series by at most 1.1 average scrape
+        # intervals at either end of the samples it has: a short-lived series scraped
+        # unevenly on a loaded machine reads up to ~15% above, so the bound is worked out
+        # from the samples Prometheus holds rather than fixed.
+        assert ref["requests"] * 0.999 <= windowed["requests"] <= _increase_bound(url, before)
         assert windowed["verdict"]["bottleneck"] == ref["verdict"]["bottleneck"]
         by_stage = {st["stage"]: st for st in windowed["stages"]}
         for st in ref["stages"]:
