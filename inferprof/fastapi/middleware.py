@@ -74,6 +74,11 @@ _SERVER = SpanKind.SERVER
 _NOT_STREAMED, _CHUNKED, _SSE = 0, 1, 2
 #: The chunk that ends an OpenAI-style event stream (no content).
 _SSE_DONE = (b"data: [DONE]", b"data:[DONE]")
+#: How an event stream's usual chunk starts: a data: field holding a JSON object.
+_SSE_JSON = (b"data: {", b"data:{")
+#: Emission times send()'s short path appends to at most: one more goes through
+#: _chunk_sent(), which merges at COMPACT_AT.
+_FAST_TIMES_MAX = COMPACT_AT - 1
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -128,6 +133,7 @@ class _HttpRequest(RequestRecord):
         "sent",
         "ser_end",
         "ser_start",
+        "sse_times",
         "status",
         "stream",
     )
@@ -155,6 +161,27 @@ class _HttpRequest(RequestRecord):
         return message
 
     async def send(self, message: Message) -> None:
+        times = self.sse_times
+        if times is not None:
+            # The usual chunk of an event stream: one token, as a data: field holding a
+            # JSON object (so not [DONE]); what the general path below does for it, in
+            # fewer steps. Any other chunk takes the general path.
+            body = message.get("body")
+            if (body.__class__ is bytes and message.get("more_body")
+                    and message["type"] == "http.response.body"
+                    and body.startswith(_SSE_JSON)):
+                self.sent += len(body)
+                handed = _time_ns()
+                try:
+                    await self._send(message)
+                except OSError:
+                    if not self.ser_end:
+                        self.disconnected = True
+                    raise
+                times.append(handed)
+                if len(times) >= _FAST_TIMES_MAX:
+                    self.sse_times = None  # the next one may need merging (_chunk_sent)
+                return
         if message["type"] == "http.response.body":
             body = message.get("body")
             more = message.get("more_body", False)
@@ -191,18 +218,32 @@ class _HttpRequest(RequestRecord):
             if handed:  # (not for a chunk the server refused)
                 times = self.chunk_times
                 if (times is not None and self.next_tokens == 1 and self.chunk_tokens is None
-                        and len(times) < COMPACT_AT - 1):
+                        and len(times) < _FAST_TIMES_MAX):
                     times.append(handed)  # the usual chunk: what _chunk_sent() does for it
                 else:
                     self._chunk_sent(handed)
+            if stream == _SSE:
+                self.sse_times = self._fast_times()
             if not more and not self.ser_end:
                 self.ser_end = _time_ns()  # also the request's end: the last byte handed over
             return
         if message["type"] == "http.response.start":
             self.status = message.get("status")
             self.ser_start = _time_ns()
-            self.stream = _stream_kind(message.get("headers"))
+            self.stream = stream = _stream_kind(message.get("headers"))
+            if stream == _SSE and self.content is None and self.chunk_times is None:
+                self.chunk_times = []  # (empty: no emission, as None)
+                self.sse_times = self._fast_times()
         await self._send(message)
+
+    def _fast_times(self) -> list[int] | None:
+        """``chunk_times`` while the next chunk of an event stream takes send()'s short
+        path: one token, no body recorded, no merge due."""
+        times = self.chunk_times
+        if (times is not None and self.next_tokens == 1 and self.chunk_tokens is None
+                and self.content is None and len(times) < _FAST_TIMES_MAX):
+            return times
+        return None
 
     def _chunk_sent(self, when: int) -> None:
         """A chunk of generated content was handed to the server at ``when``: one emission
@@ -401,7 +442,9 @@ def chunk_tokens(tokens: int) -> None:
         raise ValueError(f"tokens must be a non-negative int, got {tokens!r}")
     scope = SCOPE.get()
     if scope is not None and isinstance(scope[0], _HttpRequest):
-        scope[0].next_tokens = tokens
+        rec = scope[0]
+        rec.next_tokens = tokens
+        rec.sse_times = None  # the next chunk takes send()'s general path
 
 
 def _ended_stage(name: str, start: int, end: int, nbytes: int) -> StageRecord:
@@ -566,7 +609,7 @@ class InferprofMiddleware:
         rec.status = rec.route = None
         rec.disconnected = False
         rec.stream = _NOT_STREAMED
-        rec.chunk_times = rec.chunk_tokens = None
+        rec.chunk_times = rec.chunk_tokens = rec.sse_times = None
         rec.chunk_merged = 0
         rec.next_tokens = 1
         rec.root_path = scope.get("root_path")  # as the request came in (mounts extend it)

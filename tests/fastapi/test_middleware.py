@@ -168,6 +168,80 @@ async def test_sse_chunks_that_are_not_bytes_are_timed_as_bytes_are(cap):
     assert len(request.attributes[semconv.ATTR_GEN_EMIT_OFFSETS_S]) == 2
 
 
+def _json_event(i):
+    return b'data: {"i":%d}\n\n' % i
+
+
+def _plain_event(i):
+    return b"data: %d\n\n" % i
+
+
+async def _stream_events(event, n, *, tokens=None, fail_at=None):
+    """Stream ``n`` events made by ``event(i)`` through the middleware to a server whose
+    send fails (OSError: the client went away) at body chunk ``fail_at``; ``tokens``:
+    {chunk: its chunk_tokens()}. Returns the request span and the bytes the chunks hold."""
+    chunks = [event(i) for i in range(n)]
+    chunks[1] = b'data: {"text":"[DONE]"}\n\n'  # content that names [DONE]: a token
+    chunks.append(b"data: [DONE]\n\n")
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        for i, body in enumerate(chunks):
+            if tokens and i in tokens:
+                inferprof.fastapi.chunk_tokens(tokens[i])
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+    bodies = []
+
+    async def send(message):
+        if message["type"] == "http.response.body":
+            if len(bodies) == fail_at:
+                raise OSError("the client went away")
+            bodies.append(message["body"])
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    with captured() as cap:
+        try:
+            await inferprof.fastapi.InferprofMiddleware(app)(_raw_scope("GET", "/s"), receive, send)
+        except OSError:
+            assert fail_at is not None
+        (request,) = cap.requests()
+        (serialize,) = cap.stages("serialize")
+    sent = sum(map(len, chunks[:fail_at + 1] if fail_at is not None else chunks))
+    assert serialize.attributes[semconv.ATTR_BYTES] == sent
+    return request
+
+
+@pytest.mark.parametrize("event", [_json_event, _plain_event])
+async def test_event_chunks_of_either_shape_are_counted_alike(event):
+    # A JSON data field takes send()'s short path, another one the general path: the
+    # same emissions, merges, counts and cancellation either way.
+    from inferprof.instrumentation.generation import COMPACT_AT
+
+    attrs = (await _stream_events(event, 6)).attributes
+    assert len(attrs[semconv.ATTR_GEN_EMIT_OFFSETS_S]) == 6  # not [DONE]
+    assert attrs[semconv.ATTR_TOKENS_OUTPUT] == 6
+    assert semconv.ATTR_CANCELLED not in attrs
+
+    attrs = (await _stream_events(event, 6, tokens={0: 0, 3: 3, 4: 1})).attributes
+    assert list(attrs[semconv.ATTR_GEN_EMIT_TOKENS]) == [1, 1, 3, 1, 1]
+    assert attrs[semconv.ATTR_TOKENS_OUTPUT] == 7
+
+    attrs = (await _stream_events(event, 6, fail_at=3)).attributes
+    assert attrs[semconv.ATTR_CANCELLED] is True
+    assert len(attrs[semconv.ATTR_GEN_EMIT_OFFSETS_S]) == 3  # not the chunk refused
+
+    n = COMPACT_AT + 11
+    attrs = (await _stream_events(event, n)).attributes
+    assert len(attrs[semconv.ATTR_GEN_EMIT_OFFSETS_S]) <= semconv.GEN_MAX_EMIT_ENTRIES
+    assert sum(attrs[semconv.ATTR_GEN_EMIT_TOKENS]) == n == attrs[semconv.ATTR_TOKENS_OUTPUT]
+    assert attrs[semconv.ATTR_GEN_EMIT_MERGED] == n - len(attrs[semconv.ATTR_GEN_EMIT_TOKENS])
+
+
 async def test_a_client_leaving_mid_stream_marks_the_request_cancelled(cap):
     app = make_app()
 
