@@ -49,6 +49,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
+from operator import attrgetter
 from typing import Any, Literal
 
 from opentelemetry.trace import SpanKind
@@ -87,6 +88,12 @@ STEPS_MAX_WAIT_S = 0.5
 _MAX_WAIT_NS = int(STEPS_MAX_WAIT_S * 1e9)
 #: A KV-cache entry of a step recorded without a reading (outside 0..1: none, §14).
 _NO_KV = -1.0
+#: Step.decode()'s usual token count, compared by identity: the default argument and any
+#: other int 1 are this object (CPython shares small ints); anything else equal to 1 (a
+#: numpy int, True, 1.0) takes the checked path.
+_ONE = 1
+#: Whether the request of a step member (a handle) was kept.
+_REC_KEPT = attrgetter("rec.kept")
 
 
 class Engine:
@@ -262,6 +269,7 @@ class Step:
     __slots__ = (
         "_decoders",
         "_prefills",
+        "_special",
         "_token",
         "decode_tokens",
         "end",
@@ -292,8 +300,11 @@ class Step:
         self.stages: list[StageRecord] = []
         self.stages_dropped = 0
         self.finished = False
-        #: decode members whose tokens are emitted at the step's end: (handle, tokens)
-        self._decoders: list[tuple[Generation, int]] = []
+        #: decode members, in order: a handle decoding one token emitted at the step's end
+        #: (the usual member: counted at the end), else (handle, tokens emitted then);
+        #: ``_special``: how many of the latter
+        self._decoders: list[Any] = []  # Generation | tuple[Generation, int]
+        self._special = 0
         #: prefill members: (handle, emit its first token / None: its prompt goes on)
         self._prefills: list[tuple[Generation, bool | None]] = []
         self._token: Any = None
@@ -333,6 +344,11 @@ class Step:
     def decode(self, gen: Generation, tokens: int = 1, *, emit: bool = True) -> None:
         """``gen`` generates ``tokens`` (usually 1; more with speculative decoding) in this
         step; emitted at the step's end unless ``emit=False`` (then ``gen.emit()``)."""
+        if tokens is _ONE and emit is True and gen.state == DECODING:
+            # The usual member (decoding implies a timed handle): its counts are added at
+            # the step's end, with its token.
+            self._decoders.append(gen)
+            return
         if type(tokens) is not int or tokens < 0:
             tokens = token_count(tokens)
         self.decode_tokens += tokens
@@ -345,6 +361,7 @@ class Step:
                 return
             gen._resume_decode(self.start)
         self._decoders.append((gen, tokens if emit else 0))
+        self._special += 1
 
     # --- context manager -----------------------------------------------------------------
     def __enter__(self) -> Step:
@@ -363,6 +380,11 @@ class Step:
         if exc is not None:
             self.error = exc
         try:
+            usual = len(self._decoders) - self._special
+            if usual:  # decode() left their counts to now
+                self.decode_tokens += usual
+                self.requests += usual
+                self.timed = True
             if exc is None:  # a failed step produced no token
                 self._members_done(end)
             if not self.rt.production:
@@ -387,7 +409,39 @@ class Step:
         return self.__exit__(exc_type, exc, tb)
 
     def _members_done(self, end: int) -> None:
-        for gen, tokens in self._decoders:
+        if self._special:
+            self._special_members_done(end)
+        else:
+            done, compact_at = DONE, COMPACT_AT
+            for gen in self._decoders:  # (all usual members: one token each)
+                if gen.state == done:  # cancelled while the step ran
+                    continue
+                gen.last_step_end = end
+                if gen.run_start:
+                    gen._open_run()
+                if gen.emit_tokens is None:  # what Generation._emit does, for one token
+                    # (while every emission carried one token, output counts the emissions)
+                    n = gen.output + 1
+                    gen.output = n
+                    gen.emits.append(end)
+                    if n >= compact_at:
+                        gen._compact()
+                else:
+                    gen._emit(end, 1)
+        for gen, emit in self._prefills:
+            if gen.state == DONE:  # cancelled while the step ran
+                continue
+            gen.prefill_end = end
+            if emit is not None:
+                gen._prefill_done(end, emit)
+
+    def _special_members_done(self, end: int) -> None:
+        """The decode members of a step not all of which are usual ones."""
+        for member in self._decoders:
+            if type(member) is tuple:
+                gen, tokens = member
+            else:
+                gen, tokens = member, 1
             if gen.state == DONE:  # cancelled while the step ran
                 continue
             gen.last_step_end = end
@@ -401,18 +455,15 @@ class Step:
                     gen._compact()
             elif tokens:
                 gen._emit(end, tokens)
-        for gen, emit in self._prefills:
-            if gen.state == DONE:  # cancelled while the step ran
-                continue
-            gen.prefill_end = end
-            if emit is not None:
-                gen._prefill_done(end, emit)
 
     def _member_kept(self) -> bool:
         """Whether the request of a member was kept (its trace sent) before the row."""
-        for gen, _ in self._decoders:  # (loops, not any() over generators: per member)
-            if gen.rec.kept:
+        decoders = self._decoders
+        if not self._special:
+            if any(map(_REC_KEPT, decoders)):  # (C loops: no Python step per member)
                 return True
+        elif any(m[0].rec.kept if type(m) is tuple else m.rec.kept for m in decoders):
+            return True
         # (few steps have prefill members: no generator for the others)
         return bool(self._prefills) and any(gen.rec.kept for gen, _ in self._prefills)
 

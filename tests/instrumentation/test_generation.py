@@ -828,6 +828,52 @@ def test_a_prefill_member_cancelled_while_its_step_runs_stays_cancelled():
     assert sorted(_request_of(cap, request)) == ["prefill", "queue"]
 
 
+@pytest.mark.parametrize("mode", ["full", "production"])
+def test_usual_decode_members_and_others_count_alike_in_any_mix(mode):
+    # decode(gen) of a decoding request (the usual member) is counted at the step's end,
+    # other members at once: a step's counts and each request's tokens come out the same
+    # whatever the mix, a member cancelled while the step runs gets no token, and a failed
+    # step's span counts its members.
+    with captured(mode=mode, sample_rate=1.0) as cap:
+        engine = inferprof.Engine()
+        a, b, c = (engine.request(prompt_tokens=p) for p in (1, 2, 3))
+        with engine.step() as step:
+            for gen, p in ((a, 1), (b, 2), (c, 3)):
+                step.prefill(gen, p)
+        with engine.step() as step:  # a mix: usual, speculative, held back
+            step.decode(a)
+            step.decode(b, 2)
+            step.decode(c, emit=False)
+        with engine.step() as step:  # usual members only
+            step.decode(a)
+            step.decode(b)
+            step.decode(c, 1)
+        with engine.step() as step:
+            step.decode(a)
+            step.decode(b)
+            a.cancel()  # while the step runs: no token for it
+        with pytest.raises(RuntimeError, match="oom"), engine.step() as step:
+            step.decode(b)
+            step.decode(c)
+            raise RuntimeError("oom")
+        for gen in (b, c):
+            gen.finish()
+        if mode == "production":
+            engine.flush()
+    rows = _step_rows(cap)
+    assert [row[2:5] for row in rows] == [(6, 0, 3), (0, 4, 3), (0, 3, 3), (0, 2, 2),
+                                          (0, 2, 2)]
+    (failed,) = [s for s in _steps(cap) if s.status.status_code is StatusCode.ERROR]
+    assert failed.attributes[semconv.ATTR_STEP_DECODE_TOKENS] == 2
+    requests = {r.attributes[semconv.ATTR_TOKENS_PROMPT]: r.attributes for r in cap.requests()}
+    assert requests[1][semconv.ATTR_TOKENS_OUTPUT] == 3  # prefill, 2 steps (not the 4th)
+    assert requests[1][semconv.ATTR_CANCELLED] is True
+    assert requests[2][semconv.ATTR_TOKENS_OUTPUT] == 5
+    assert list(requests[2][semconv.ATTR_GEN_EMIT_TOKENS]) == [1, 2, 1, 1]
+    assert requests[3][semconv.ATTR_TOKENS_OUTPUT] == 2  # its held-back token not emitted
+    assert len(requests[3][semconv.ATTR_GEN_EMIT_OFFSETS_S]) == 2
+
+
 def test_a_failed_step_emits_no_tokens_for_its_members():
     # A step whose model pass raised produced nothing: its decode member gets no token at
     # its end and its prefill member does not complete its prompt.
