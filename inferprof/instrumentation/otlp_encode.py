@@ -137,7 +137,8 @@ _CACHEABLE = frozenset((str, int, float, bool, bytes))
 
 
 def _attributes(field: int, attributes: Mapping[str, Any] | None) -> bytes:
-    """Repeated ``KeyValue`` field ``field``, each entry cached by (key, type, value)."""
+    """Repeated ``KeyValue`` field ``field``, each entry cached by (key, type, value) (an
+    array's by its entries' types too)."""
     if not attributes:
         return b""
     parts = []
@@ -150,7 +151,9 @@ def _attributes(field: int, attributes: Mapping[str, Any] | None) -> bytes:
             if enc is not None:
                 parts.append(enc)
                 continue
-            ck: tuple[int, str, type, Any] | None = (field, key, vtype, value)
+            ck: tuple | None = (field, key, vtype, value)
+        elif vtype is tuple:  # its entries' types too: (0,) == (0.0,) == (False,)
+            ck = (field, key, vtype, value, tuple(map(type, value)))
         else:
             ck = (field, key, vtype, value) if not isinstance(value, (list, dict)) else None
         if ck is not None:
