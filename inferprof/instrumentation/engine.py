@@ -49,7 +49,10 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
+from itertools import repeat
 from operator import attrgetter
+from operator import sub as _sub
+from operator import truediv as _truediv
 from typing import Any, Literal
 
 from opentelemetry.trace import SpanKind
@@ -510,18 +513,20 @@ def _steps_spec(engine_id: str, rows: list[tuple[int, int, int, int, int, float 
                 ) -> SpanSpec:
     """The compact step span (§14) of ``rows``: a root span from the first step's start to
     the last one's end, one array entry per step."""
-    start = min(r[0] for r in rows)
-    end = max(r[1] for r in rows)
+    # by column (C loops: no Python step per row)
+    starts, ends, prefill, decode, members, kv = zip(*rows, strict=True)
+    start = min(starts)
+    end = max(ends)
     attrs: dict[str, Any] = {
         semconv.ATTR_ENGINE_ID: engine_id,
-        semconv.ATTR_STEPS_START_OFFSETS_S: [(r[0] - start) / 1e9 for r in rows],
-        semconv.ATTR_STEPS_DURATIONS_S: [(r[1] - r[0]) / 1e9 for r in rows],
-        semconv.ATTR_STEPS_PREFILL_TOKENS: [r[2] for r in rows],
-        semconv.ATTR_STEPS_DECODE_TOKENS: [r[3] for r in rows],
-        semconv.ATTR_STEPS_REQUESTS: [r[4] for r in rows],
+        semconv.ATTR_STEPS_START_OFFSETS_S: list(
+            map(_truediv, map(_sub, starts, repeat(start)), repeat(1e9))),
+        semconv.ATTR_STEPS_DURATIONS_S: list(map(_truediv, map(_sub, ends, starts), repeat(1e9))),
+        semconv.ATTR_STEPS_PREFILL_TOKENS: list(prefill),
+        semconv.ATTR_STEPS_DECODE_TOKENS: list(decode),
+        semconv.ATTR_STEPS_REQUESTS: list(members),
     }
-    kv = [r[5] for r in rows]
-    if any(k is not None for k in kv):
+    if kv.count(None) != len(kv):
         attrs[semconv.ATTR_STEPS_KV_CACHE_USAGE] = [
             float(k) if k is not None else _NO_KV for k in kv]
     return SpanSpec(semconv.ENGINE_STEPS_SPAN_NAME, new_span_id(), None, _INTERNAL, start, end,

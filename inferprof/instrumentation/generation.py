@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import operator
 import time
+from itertools import repeat
 from typing import Any
 
 from inferprof import semconv
@@ -28,6 +29,8 @@ from inferprof.instrumentation.stage import MAX_STAGES
 
 _logger = logging.getLogger(__name__)
 _time_ns = time.time_ns
+_sub = operator.sub
+_truediv = operator.truediv
 
 _QUEUE = semconv.STAGE_QUEUE
 _PREFILL = semconv.STAGE_PREFILL
@@ -308,9 +311,11 @@ def emission_attributes(
         if tokens is None:
             tokens = [1] * len(times)
         merged += merge_pairs(times, tokens)
-    attrs: dict[str, Any] = {
-        semconv.ATTR_GEN_EMIT_OFFSETS_S: [max(0, t - start) / 1e9 for t in times]
-    }
+    if times and min(times) >= start:  # (C loops: no Python step per entry)
+        offsets = list(map(_truediv, map(_sub, times, repeat(start)), repeat(1e9)))
+    else:
+        offsets = [max(0, t - start) / 1e9 for t in times]
+    attrs: dict[str, Any] = {semconv.ATTR_GEN_EMIT_OFFSETS_S: offsets}
     if tokens is not None and any(k != 1 for k in tokens):
         attrs[semconv.ATTR_GEN_EMIT_TOKENS] = tokens
     if merged:

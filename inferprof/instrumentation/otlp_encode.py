@@ -106,8 +106,22 @@ def _any_value(value: Any) -> bytes:
 
 #: An ``ArrayValue`` entry (field 1) holding a double: tag, length 9, the double's tag.
 _DOUBLE_ENTRY = b"\x0a\x09\x21"
-#: ``ArrayValue`` entries holding the ints 0..127 (one-byte varints), by value.
-_SMALL_INT_ENTRIES = tuple(b"\x0a\x02\x18" + bytes((v,)) for v in range(128))
+#: Most ints whose ``ArrayValue`` entries are kept (token counts, member counts).
+_MAX_INT_ENTRIES = 4096
+
+
+class _IntEntries(dict):
+    """``ArrayValue`` entries holding an int, by value: 0..127 from the start, others
+    made on first use and kept up to ``_MAX_INT_ENTRIES``."""
+
+    def __missing__(self, value: int) -> bytes:
+        entry = _ld(1, b"\x18" + _varint(value))
+        if len(self) < _MAX_INT_ENTRIES:
+            self[value] = entry
+        return entry
+
+
+_INT_ENTRIES = _IntEntries((v, b"\x0a\x02\x18" + bytes((v,))) for v in range(128))
 _ONLY_FLOATS = frozenset((float,))
 _ONLY_INTS = frozenset((int,))
 
@@ -117,11 +131,9 @@ def _array_values(values: Sequence[Any]) -> bytes:
     spans', the emission offsets) are written without a call per entry."""
     kinds = set(map(type, values))
     if kinds == _ONLY_FLOATS:
-        return b"".join([_DOUBLE_ENTRY + _pack_d(v) for v in values])
-    if kinds == _ONLY_INTS:
-        small = _SMALL_INT_ENTRIES
-        return b"".join([small[v] if 0 <= v < 128 else _ld(1, b"\x18" + _varint(v))
-                         for v in values])
+        return b"".join(map(_DOUBLE_ENTRY.__add__, map(_pack_d, values)))
+    if kinds == _ONLY_INTS:  # (C loops: no Python step per entry)
+        return b"".join(map(_INT_ENTRIES.__getitem__, values))
     return b"".join(_ld(1, _any_value(v)) for v in values)
 
 
