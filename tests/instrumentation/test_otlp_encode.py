@@ -142,3 +142,10 @@ def test_configure_exports_through_the_fast_encoder_to_a_real_receiver(otlp_sink
     assert attributes(stage)[semconv.ATTR_BYTES] == 12
     request = next(span for _, span in by_name.values() if not span.parent_span_id)
     assert stage.parent_span_id == request.span_id and stage.trace_id == request.trace_id
+
+
+def test_the_int_entry_table_stays_bounded(monkeypatch):
+    # Arrays of ints are written from a table of their entries, filled on first use.
+    monkeypatch.setattr(otlp_encode, "_MAX_INT_ENTRIES", len(otlp_encode._INT_ENTRIES) + 5)
+    _same([_span(0, {"v": tuple(range(1000, 1100))}), _span(1, {"v": (-1, 2**40, 7, 1000)})])
+    assert len(otlp_encode._INT_ENTRIES) <= otlp_encode._MAX_INT_ENTRIES
