@@ -42,6 +42,7 @@ configured) every call returns at once.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
@@ -69,6 +70,7 @@ from inferprof.instrumentation.generation import (
     token_count,
 )
 from inferprof.instrumentation.records import (
+    QUIET,
     SCOPE,
     UNTIMED,
     RequestRecord,
@@ -261,6 +263,21 @@ class Engine:
                 self.flush()
 
 
+
+#: Step._token of a step named in records.QUIET rather than set in SCOPE.
+_QUIET_TOKEN = object()
+
+
+def _no_loop() -> bool:
+    """Whether no asyncio event loop runs in this thread: a step entered with ``with`` there
+    runs no other task's code before it exits."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return True
+    return False
+
+
 class Step:
     """One engine step (``Engine.step()``): its members and its stages.
 
@@ -368,17 +385,27 @@ class Step:
 
     # --- context manager -----------------------------------------------------------------
     def __enter__(self) -> Step:
-        self._token = SCOPE.set((self, None))
+        if self.rt.production and QUIET.step is None and SCOPE.get() is None and _no_loop():
+            # a step of an engine thread: named in QUIET, SCOPE left unset (records.QUIET)
+            QUIET.step = self
+            self._token = _QUIET_TOKEN
+        else:
+            self._token = SCOPE.set((self, None))
         self.start = _time_ns()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> Literal[False]:
         end = self.end = _time_ns()
         self.finished = True
-        try:
-            SCOPE.reset(self._token)
-        except ValueError:  # exited in another context
-            SCOPE.set(None)
+        token = self._token
+        if token is _QUIET_TOKEN:
+            if QUIET.step is self:
+                QUIET.step = None
+        elif token is not None:
+            try:
+                SCOPE.reset(token)
+            except ValueError:  # exited in another context
+                SCOPE.set(None)
         self._token = None
         if exc is not None:
             self.error = exc
@@ -406,7 +433,10 @@ class Step:
         return False
 
     async def __aenter__(self) -> Step:
-        return self.__enter__()
+        # (in a coroutine, always the scope: other tasks run in this thread meanwhile)
+        self._token = SCOPE.set((self, None))
+        self.start = _time_ns()
+        return self
 
     async def __aexit__(self, exc_type, exc, tb) -> Literal[False]:
         return self.__exit__(exc_type, exc, tb)

@@ -347,6 +347,29 @@ SCOPE: ContextVar[tuple[Any, StageRecord | None] | None] = ContextVar(
 )
 
 
+class _QuietStep(threading.local):
+    """This thread's production-mode engine step that holds no scope (:data:`QUIET`)."""
+
+    #: the Step, or None
+    step: Any = None
+
+
+#: A ``production``-mode engine step entered with ``with`` in a thread running no event
+#: loop, outside any scope, leaves :data:`SCOPE` unset while it runs, and is named here
+#: instead. A set context variable makes every lookup of another one that misses search the
+#: context (numpy makes two per array it creates: 42% of the engine thread's extra
+#: instructions per token in ``benchmarks/llm_instructions.py``), and production mode sends
+#: none of a step's stages anyway (contract §14). Meanwhile what reads SCOPE and finds None
+#: asks :func:`in_quiet_step`: stages and Triton calls in such a step record nothing, as in
+#: a request production mode does not time, instead of becoming spans of their own.
+QUIET = _QuietStep()
+
+
+def in_quiet_step() -> bool:
+    """Whether this thread runs a production step that holds no scope (:data:`QUIET`)."""
+    return QUIET.step is not None
+
+
 class _Untimed:
     """The owner in :data:`UNTIMED`: a request production mode left untimed."""
 
@@ -370,6 +393,7 @@ def current_owner() -> Any:
 __all__ = [
     "MEMBERSHIP_LOCK",
     "NO_BATCHES",
+    "QUIET",
     "SCOPE",
     "UNTIMED",
     "BatchRecord",
@@ -381,6 +405,7 @@ __all__ = [
     "current_owner",
     "detach_context",
     "ends_in_error",
+    "in_quiet_step",
     "set_batch_tokens",
     "span_id_of",
 ]

@@ -32,6 +32,7 @@ from inferprof import semconv
 from inferprof.instrumentation.active import active_runtime
 from inferprof.instrumentation.device import begin_device_stage, parse_cuda_device
 from inferprof.instrumentation.records import (
+    QUIET,
     SCOPE,
     UNTIMED,
     RequestRecord,
@@ -122,7 +123,8 @@ class Stage(StageRecord):
     def __enter__(self) -> Stage:
         scope = SCOPE.get()
         if scope is None:
-            self._enter_standalone()
+            if QUIET.step is None:  # (else a production step: its stages are not sent)
+                self._enter_standalone()
             return self
         if scope is UNTIMED:  # a request production mode does not time
             return self
@@ -263,10 +265,12 @@ def stage(name: str, *, device: Any = None, **attributes: Any) -> Stage:
     if device is not None:
         parse_cuda_device(device)  # ValueError for a bad device, at the call site
     elif not attributes and (
-        (scope := SCOPE.get()) is UNTIMED or (scope is None and active_runtime() is None)
+        (scope := SCOPE.get()) is UNTIMED
+        or (scope is None and (active_runtime() is None or QUIET.step is not None))
     ):
-        # Off / unconfigured, outside any request, or in a request not timed: a shared
-        # do-nothing object, so the uninstrumented path costs no allocation.
+        # Off / unconfigured, outside any request, in a request not timed, or in a
+        # production step that holds no scope (records.QUIET): a shared do-nothing object,
+        # so the uninstrumented path costs no allocation.
         noop = _NOOPS.get(name)
         if noop is None:
             noop = _NOOPS[name] = NoopStage(name)

@@ -35,6 +35,7 @@ from inferprof.instrumentation.records import (
     RequestRecord,
     StageRecord,
     current_otel_context,
+    in_quiet_step,
     span_id_of,
 )
 from inferprof.instrumentation.stage import MAX_STAGES
@@ -166,6 +167,8 @@ def begin(attrs: dict) -> NetworkCall | None:
         rt = active_runtime()
         if rt is None:
             return None
+        if in_quiet_step():  # a production step's stages are not sent (records.QUIET)
+            return _untimed_call()
         return _begin_standalone(rt, attrs)
     except Exception:
         _logger.exception("inferprof could not start a Triton call's stage")

@@ -610,6 +610,77 @@ def test_production_sends_a_failed_step_as_a_span_of_its_own_with_its_error():
     assert len(_step_rows(cap)) == 2  # the first in a compact span
 
 
+def test_a_production_step_in_an_engine_thread_sets_no_context_variable():
+    # A set context variable slows every lookup of another that misses (numpy's, per
+    # array): a production step of a thread running no event loop names itself in
+    # records.QUIET instead, and its stages record nothing (production sends none of them).
+    import asyncio
+    import threading
+
+    from inferprof.instrumentation.records import SCOPE
+
+    seen = {}
+    with captured(mode="production", sample_rate=1.0) as cap:
+        engine, gen = _production_engine(cap)
+
+        def engine_loop():
+            with engine.step() as step:
+                step.prefill(gen, 1)
+                seen["scope"] = SCOPE in contextvars.copy_context()
+                with inferprof.stage("compute"):
+                    seen["inner"] = SCOPE in contextvars.copy_context()
+            seen["after"] = len(contextvars.copy_context())
+
+        thread = threading.Thread(target=engine_loop)
+        thread.start()
+        thread.join()
+
+        async def async_engine_loop():
+            # in a coroutine, other tasks run in this thread: the step holds the scope
+            with engine.step() as step:
+                step.decode(gen)
+                seen["in_loop"] = SCOPE.get()[0] is step
+            async with engine.step() as step:
+                step.decode(gen)
+                seen["async_with"] = SCOPE.get()[0] is step
+
+        asyncio.run(async_engine_loop())
+        gen.finish()
+    assert seen == {"scope": False, "inner": False, "after": 0, "in_loop": True,
+                    "async_with": True}
+    stage_spans = [s for s in cap.spans() if semconv.ATTR_STAGE in (s.attributes or {})
+                   and semconv.ATTR_ENGINE_ID not in s.attributes]
+    assert {s.attributes[semconv.ATTR_STAGE] for s in stage_spans} <= {"queue", "prefill",
+                                                                      "decode"}
+    assert [row[2:5] for row in _step_rows(cap)] == [(1, 0, 1), (0, 1, 1), (0, 1, 1)]
+
+
+def test_a_full_mode_step_in_an_engine_thread_holds_the_scope_and_its_stages():
+    import threading
+
+    from inferprof.instrumentation.records import SCOPE
+
+    seen = {}
+    with captured(mode="full") as cap:
+        engine, gen = _production_engine(cap)
+
+        def engine_loop():
+            with engine.step() as step:
+                step.prefill(gen, 1)
+                seen["scope"] = SCOPE.get()[0] is step
+                with inferprof.stage("compute"):
+                    pass
+
+        thread = threading.Thread(target=engine_loop)
+        thread.start()
+        thread.join()
+        gen.finish()
+    assert seen == {"scope": True}
+    (step_span,) = _steps(cap)
+    assert [s.attributes[semconv.ATTR_STAGE] for s in children_of(cap.spans(), step_span)] \
+        == ["compute"]
+
+
 def test_bad_arguments_raise():
     with pytest.raises(ValueError):
         inferprof.Engine("")
