@@ -385,7 +385,8 @@ class Step:
 
     # --- context manager -----------------------------------------------------------------
     def __enter__(self) -> Step:
-        if self.rt.production and QUIET.step is None and SCOPE.get() is None and _no_loop():
+        if (self.rt.production and ((q := QUIET.step) is None or q.finished)
+                and SCOPE.get() is None and _no_loop()):
             # a step of an engine thread: named in QUIET, SCOPE left unset (records.QUIET)
             QUIET.step = self
             self._token = _QUIET_TOKEN

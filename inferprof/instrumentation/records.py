@@ -366,8 +366,10 @@ QUIET = _QuietStep()
 
 
 def in_quiet_step() -> bool:
-    """Whether this thread runs a production step that holds no scope (:data:`QUIET`)."""
-    return QUIET.step is not None
+    """Whether this thread runs a production step that holds no scope (:data:`QUIET`); one
+    that ended (exited in another thread, which cannot clear this one's) no more."""
+    step = QUIET.step
+    return step is not None and not step.finished
 
 
 class _Untimed:

@@ -123,7 +123,9 @@ class Stage(StageRecord):
     def __enter__(self) -> Stage:
         scope = SCOPE.get()
         if scope is None:
-            if QUIET.step is None:  # (else a production step: its stages are not sent)
+            # (else a production step: its stages are not sent; one that ended, exited in
+            # another thread, names this one no more)
+            if (q := QUIET.step) is None or q.finished:
                 self._enter_standalone()
             return self
         if scope is UNTIMED:  # a request production mode does not time
@@ -266,7 +268,8 @@ def stage(name: str, *, device: Any = None, **attributes: Any) -> Stage:
         parse_cuda_device(device)  # ValueError for a bad device, at the call site
     elif not attributes and (
         (scope := SCOPE.get()) is UNTIMED
-        or (scope is None and (active_runtime() is None or QUIET.step is not None))
+        or (scope is None and (active_runtime() is None
+                               or ((q := QUIET.step) is not None and not q.finished)))
     ):
         # Off / unconfigured, outside any request, in a request not timed, or in a
         # production step that holds no scope (records.QUIET): a shared do-nothing object,

@@ -655,6 +655,46 @@ def test_a_production_step_in_an_engine_thread_sets_no_context_variable():
     assert [row[2:5] for row in _step_rows(cap)] == [(1, 0, 1), (0, 1, 1), (0, 1, 1)]
 
 
+def test_a_production_step_exited_in_another_thread_leaves_its_thread_recording():
+    # A step entered in one thread and exited in another (its with-block's generator closed
+    # elsewhere, a step handed to a completion thread): the entering thread's later stages
+    # and steps are not taken for that ended step's.
+    import threading
+
+    from inferprof.instrumentation.records import SCOPE
+
+    entered = threading.Event()
+    exited = threading.Event()
+    seen = {}
+    with captured(mode="production", sample_rate=1.0) as cap:
+        engine, gen = _production_engine(cap)
+        steps = []
+
+        def engine_loop():
+            step = engine.step()
+            step.__enter__()
+            step.prefill(gen, 1)
+            steps.append(step)
+            entered.set()
+            exited.wait(10)
+            with inferprof.stage("after"):
+                pass
+            with engine.step() as step:
+                step.decode(gen)
+                seen["second_quiet"] = SCOPE.get() is None
+
+        thread = threading.Thread(target=engine_loop)
+        thread.start()
+        assert entered.wait(10)
+        steps[0].__exit__(None, None, None)
+        exited.set()
+        thread.join()
+        gen.finish()
+    assert seen == {"second_quiet": True}
+    assert [s for s in cap.spans() if (s.attributes or {}).get(semconv.ATTR_STAGE) == "after"]
+    assert [row[2:5] for row in _step_rows(cap)] == [(1, 0, 1), (0, 1, 1)]
+
+
 def test_a_full_mode_step_in_an_engine_thread_holds_the_scope_and_its_stages():
     import threading
 
