@@ -165,7 +165,9 @@ def _attributes(field: int, attributes: Mapping[str, Any] | None) -> bytes:
                 continue
             ck: tuple | None = (field, key, vtype, value)
         elif vtype is tuple:  # its entries' types too: (0,) == (0.0,) == (False,)
-            ck = (field, key, vtype, value, tuple(map(type, value)))
+            types = tuple(map(type, value))
+            # (an array of arrays is not cached: ((0,),) == ((False,),), types alike)
+            ck = (field, key, vtype, value, types) if _CACHEABLE.issuperset(types) else None
         else:
             ck = (field, key, vtype, value) if not isinstance(value, (list, dict)) else None
         if ck is not None:

@@ -101,6 +101,10 @@ def test_cached_encodings_keep_types_apart():
     spans = [_span(0, {"v": (0,)}), _span(1, {"v": (0.0,)}), _span(2, {"v": (False,)})]
     _same(spans)
     _same(list(reversed(spans)))
+    # and in arrays of arrays: ((0,),) == ((False,),), their entries' types alike
+    spans = [_span(0, {"v": ((0,),)}), _span(1, {"v": ((0.0,),)}), _span(2, {"v": ((False,),)})]
+    _same(spans)
+    _same(list(reversed(spans)))
 
 
 def test_nan_and_infinities_encode_like_the_sdk():
