@@ -266,18 +266,17 @@ class _HttpRequest(RequestRecord):
                 counts = self.chunk_tokens = [1] * len(times)
             self.chunk_merged += merge_pairs(times, counts)
 
-    def _summary_parts(self) -> tuple[tuple[tuple[str, int, int], ...], bool]:
+    def _summary_parts(self, flat: list) -> bool:
         # What _complete() makes, for a request with no engine stages (the runtime does
         # not summarise those): receive and serialize, and an error for a 5xx answer.
-        parts: tuple[tuple[str, int, int], ...] = ()
         if self.recv_start and self.received:
-            parts = ((_STAGE_RECEIVE, self.recv_start, self.recv_end),)
+            flat += (_STAGE_RECEIVE, self.recv_start, self.recv_end)
         if self.ser_start:
-            parts += ((_STAGE_SERIALIZE, self.ser_start, self.ser_end),)
-        status = self.status
+            flat += (_STAGE_SERIALIZE, self.ser_start, self.ser_end)
         if self.error is None:  # _complete() makes a 5xx answer the error
-            return parts, status is not None and status >= 500
-        return parts, ends_in_error(self.error)
+            status = self.status
+            return status is not None and status >= 500
+        return ends_in_error(self.error)
 
     def _complete(self) -> None:
         # A body-less request (GET; or a streaming response listening for disconnects)
@@ -552,7 +551,7 @@ class InferprofMiddleware:
                     detach_context(otel_token)
             return
         try:
-            rec = self._open(rt, scope, receive, send)
+            rec = self._open(rt, scope, receive, send, path)
         except Exception:
             _logger.exception("inferprof could not open a request; serving it untraced")
             await self.app(scope, receive, send)
@@ -582,17 +581,22 @@ class InferprofMiddleware:
             return 0
         return self._content_max_bytes or rt.config.content_max_bytes
 
-    def _open(self, rt: Runtime, scope: Scope, receive: Receive, send: Send) -> _HttpRequest:
+    def _open(
+        self, rt: Runtime, scope: Scope, receive: Receive, send: Send, path: str
+    ) -> _HttpRequest:
         start = _time_ns()
         parent = None
-        carrier = _incoming_carrier(scope)
-        if carrier is not None:
-            sc = trace_api.get_current_span(propagate.extract(carrier)).get_span_context()
-            parent = sc if sc.is_valid else None
+        headers = scope.get("headers")
+        # (_incoming_carrier's check, inline: most requests carry no trace context)
+        if headers and not _PROPAGATION_HEADERS.isdisjoint(map(_header_name, headers)):
+            carrier = _incoming_carrier(scope)
+            if carrier is not None:
+                sc = trace_api.get_current_span(propagate.extract(carrier)).get_span_context()
+                parent = sc if sc.is_valid else None
         method = scope.get("method", "GET")
         attrs: dict[str, Any] = {
             _METHOD: method,
-            _PATH: scope.get("path", ""),
+            _PATH: path,
             _SCHEME: scope.get("scheme", "http"),
         }
         if self.model_name is not None:

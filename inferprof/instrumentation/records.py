@@ -173,11 +173,12 @@ class RequestRecord:
     def __repr__(self) -> str:
         return f"<inferprof request {self.name!r} trace_id={self.trace_id:032x}>"
 
-    def _summary_parts(self) -> tuple[tuple[tuple[str, int, int], ...], bool]:
-        """For the summaries (contract §15): the stage spans its trace would add at
-        :meth:`_complete` as ``(stage, start_ns, end_ns)``, and whether its request span
-        would end in error. Called once, by the runtime, when the request ends."""
-        return (), ends_in_error(self.error)
+    def _summary_parts(self, flat: list) -> bool:
+        """For the summaries (contract §15): add to ``flat`` the stage spans its trace
+        would add at :meth:`_complete`, as ``stage, start_ns, end_ns`` each; return
+        whether its request span would end in error. Called once, by the runtime, when
+        the request ends."""
+        return ends_in_error(self.error)
 
     def _complete(self) -> None:
         """The request is kept: add what only its trace needs (a subclass's deferred
@@ -202,9 +203,11 @@ class RequestSpan(trace_api.NonRecordingSpan):
     building one costs about 1 µs (the API validates both ids).
     """
 
+    #: built on first use (an instance attribute from then on)
+    _context: trace_api.SpanContext | None = None  # type: ignore[assignment]
+
     def __init__(self, rec: RequestRecord) -> None:  # no super().__init__: the context is lazy
         self._rec = rec
-        self._context = None  # type: ignore[assignment]  # built on first use
 
     def get_span_context(self) -> trace_api.SpanContext:
         ctx = self._context

@@ -362,7 +362,6 @@ class Runtime:
         collector), and those the record makes at the end. A request with none is left
         to its trace: the collector counts a request with no stage span by its
         attributes alone."""
-        extra, error = rec._summary_parts()
         end = rec.end
         flat: list[Any] = []
         # The model as the collector reads it off the trace: the request span's
@@ -374,11 +373,16 @@ class Runtime:
             model = attrs.get(_GEN_AI_RESPONSE_MODEL)
             if model is None:
                 model = attrs.get(_GEN_AI_REQUEST_MODEL)
-        for st in rec.stages:
-            e = st.end
-            flat += (st.name, st.start, end if e is None else e)
-            if model is None:
-                model = st.attrs.get(_MODEL_NAME)
+        if model is None:
+            for st in rec.stages:
+                e = st.end
+                flat += (st.name, st.start, end if e is None else e)
+                if model is None:
+                    model = st.attrs.get(_MODEL_NAME)
+        else:  # the usual case: the loop without the model's lookups
+            for st in rec.stages:
+                e = st.end
+                flat += (st.name, st.start, end if e is None else e)
         batches = rec.batches
         if batches:
             for b in batches:
@@ -392,15 +396,14 @@ class Runtime:
                     flat += (st.name, st.start, e)
                     if model is None:  # a batch stage span: its own attributes, the batch's
                         model = st.attrs.get(_MODEL_NAME, b.attrs.get(_MODEL_NAME))
-        for part in extra:
-            flat += part
+        error = rec._summary_parts(flat)
         if not flat:
             return False
         if model is not None and not isinstance(model, str):
             model = None  # the collector's series for a model that is not a string
-        summaries = self.summaries
-        assert summaries is not None
-        return summaries.add((rec.start, end, error, model, rec.weight_hint, tuple(flat)))
+        return self.summaries.add(  # type: ignore[union-attr]  # (finish_request checked)
+            (rec.start, end, error, model, rec.weight_hint, tuple(flat))
+        )
 
     def _leave_batches(self, rec: RequestRecord) -> None:
         """The request has ended: report it to its ``links`` batches. Atomic against a

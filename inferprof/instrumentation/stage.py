@@ -167,6 +167,7 @@ class Stage(StageRecord):
             rec.end = _time_ns()
             if self._timing is not None:
                 self._end_device()
+                self._timing = None
             if exc is not None:
                 rec.error = exc
             token = self._token
@@ -176,7 +177,7 @@ class Stage(StageRecord):
                 old = token.old_value
                 SCOPE.set(None if old is Token.MISSING else old)
             # The record stays in its owner's list: drop what would make cycles with it.
-            self._rec = self._token = self._timing = None
+            self._rec = self._token = None
         elif self._span is not None:
             self._exit_standalone(exc)
         return False
@@ -278,7 +279,17 @@ def stage(name: str, *, device: Any = None, **attributes: Any) -> Stage:
         if noop is None:
             noop = _NOOPS[name] = NoopStage(name)
         return noop  # type: ignore[return-value]
-    return Stage(name, device, attributes)
+    # Stage(name, device, attributes), without the class call (once or more per request)
+    st = _new_stage(Stage)
+    st.name = name
+    st.attrs = attributes
+    st.span_id = st.start = 0
+    st._where = device
+    st._rec = st._span = st._timing = None
+    return st
+
+
+_new_stage = object.__new__
 
 
 class NoopStage:
