@@ -75,6 +75,7 @@ from inferprof.instrumentation.records import (
     UNTIMED,
     RequestRecord,
     StageRecord,
+    in_quiet_step,
     span_id_of,
 )
 from inferprof.instrumentation.spans import SpanSpec, error_parts, new_span_id, new_trace_id
@@ -385,8 +386,7 @@ class Step:
 
     # --- context manager -----------------------------------------------------------------
     def __enter__(self) -> Step:
-        if (self.rt.production and ((q := QUIET.step) is None or q.finished)
-                and SCOPE.get() is None and _no_loop()):
+        if self.rt.production and not in_quiet_step() and SCOPE.get() is None and _no_loop():
             # a step of an engine thread: named in QUIET, SCOPE left unset (records.QUIET)
             QUIET.step = self
             self._token = _QUIET_TOKEN

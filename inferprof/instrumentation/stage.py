@@ -32,7 +32,6 @@ from inferprof import semconv
 from inferprof.instrumentation.active import active_runtime
 from inferprof.instrumentation.device import begin_device_stage, parse_cuda_device
 from inferprof.instrumentation.records import (
-    QUIET,
     SCOPE,
     UNTIMED,
     RequestRecord,
@@ -41,6 +40,7 @@ from inferprof.instrumentation.records import (
     attach_span,
     current_otel_context,
     detach_context,
+    in_quiet_step,
 )
 
 _logger = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ class Stage(StageRecord):
         if scope is None:
             # (else a production step: its stages are not sent; one that ended, exited in
             # another thread, names this one no more)
-            if (q := QUIET.step) is None or q.finished:
+            if not in_quiet_step():
                 self._enter_standalone()
             return self
         if scope is UNTIMED:  # a request production mode does not time
@@ -269,8 +269,7 @@ def stage(name: str, *, device: Any = None, **attributes: Any) -> Stage:
         parse_cuda_device(device)  # ValueError for a bad device, at the call site
     elif not attributes and (
         (scope := SCOPE.get()) is UNTIMED
-        or (scope is None and (active_runtime() is None
-                               or ((q := QUIET.step) is not None and not q.finished)))
+        or (scope is None and (active_runtime() is None or in_quiet_step()))
     ):
         # Off / unconfigured, outside any request, in a request not timed, or in a
         # production step that holds no scope (records.QUIET): a shared do-nothing object,
