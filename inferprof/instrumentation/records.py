@@ -243,6 +243,7 @@ class BatchRecord:
         "runtime",
         "stages",
         "stages_dropped",
+        "summary_spans",
         "tokens",
         "trace_id",
     )
@@ -276,6 +277,9 @@ class BatchRecord:
         #: encoded batch-stage spans minus their ids, by stage record, once the batch has
         #: closed (runtime's ``_batch_body``): shared by the copies of every kept member.
         self.bodies: dict[StageRecord, bytes] | None = None
+        #: its stage spans as each member's summary holds them, flat, once the batch has
+        #: closed with every stage ended (the runtime's ``_batch_summary_spans``)
+        self.summary_spans: tuple | None = None
         #: never set: a batch records until its stages are done (Stage.__enter__ reads
         #: ``owner.finished`` of a request or a batch alike)
         self.finished = False

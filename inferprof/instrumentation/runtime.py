@@ -126,6 +126,30 @@ def _freeze_errors(rec: RequestRecord, batches: list) -> None:
         _freeze_stage_errors(stages, rec.end)
 
 
+def _batch_summary_spans(b: BatchRecord) -> tuple:
+    """The stage spans of batch ``b`` a member's summary holds, flat (``stage, start_ns,
+    end_ns`` each): ``children``: those ended (as the member's trace copies them);
+    ``links``: all, one still open ending at :data:`OPEN_END`. Kept on the batch once it
+    has closed with every stage ended (its stages are final then, device times resolved),
+    so that each member adds them in one step."""
+    closed = b.closed  # read first: a batch closes after resolving its stages' times
+    children = b.encoding == _CHILDREN
+    flat: list[Any] = []
+    ended = True
+    for st in b.stages:
+        e = st.end
+        if e is None:
+            ended = False
+            if children:
+                continue
+            e = OPEN_END
+        flat += (st.name, st.start, e)
+    spans = tuple(flat)
+    if closed and ended:
+        b.summary_spans = spans
+    return spans
+
+
 def _as_trace(trace_id: int, specs: list[SpanSpec], trace_state: Any) -> tuple:
     return trace_id, specs, trace_state
 
@@ -374,28 +398,20 @@ class Runtime:
             if model is None:
                 model = attrs.get(_GEN_AI_REQUEST_MODEL)
         if model is None:
+            model = self._summary_stages_and_model(rec, flat)
+        else:  # the usual case: the loops without the model's lookups
             for st in rec.stages:
                 e = st.end
                 flat += (st.name, st.start, end if e is None else e)
-                if model is None:
-                    model = st.attrs.get(_MODEL_NAME)
-        else:  # the usual case: the loop without the model's lookups
-            for st in rec.stages:
-                e = st.end
-                flat += (st.name, st.start, end if e is None else e)
-        batches = rec.batches
-        if batches:
-            for b in batches:
-                children = b.encoding == _CHILDREN
-                for st in b.stages:
-                    e = st.end
-                    if e is None:
-                        if children:
-                            continue
-                        e = OPEN_END
-                    flat += (st.name, st.start, e)
-                    if model is None:  # a batch stage span: its own attributes, the batch's
-                        model = st.attrs.get(_MODEL_NAME, b.attrs.get(_MODEL_NAME))
+            batches = rec.batches
+            if batches:
+                for b in batches:
+                    spans = b.summary_spans
+                    # (a stage entered after the batch closed, by a task that inherited
+                    # its scope, makes it stale)
+                    if spans is None or len(spans) != 3 * len(b.stages):
+                        spans = _batch_summary_spans(b)
+                    flat += spans
         error = rec._summary_parts(flat)
         if not flat:
             return False
@@ -404,6 +420,31 @@ class Runtime:
         return self.summaries.add(  # type: ignore[union-attr]  # (finish_request checked)
             (rec.start, end, error, model, rec.weight_hint, tuple(flat))
         )
+
+    @staticmethod
+    def _summary_stages_and_model(rec: RequestRecord, flat: list) -> Any:
+        """:meth:`_summarise`'s stages for a request whose own attributes name no model:
+        added to ``flat`` as there, looking for the model on the stage spans (a batch
+        stage span's: its own attributes, else the batch's); the model, or None."""
+        end = rec.end
+        model = None
+        for st in rec.stages:
+            e = st.end
+            flat += (st.name, st.start, end if e is None else e)
+            if model is None:
+                model = st.attrs.get(_MODEL_NAME)
+        for b in rec.batches:
+            children = b.encoding == _CHILDREN
+            for st in b.stages:
+                e = st.end
+                if e is None:
+                    if children:
+                        continue
+                    e = OPEN_END
+                flat += (st.name, st.start, e)
+                if model is None:
+                    model = st.attrs.get(_MODEL_NAME, b.attrs.get(_MODEL_NAME))
+        return model
 
     def _leave_batches(self, rec: RequestRecord) -> None:
         """The request has ended: report it to its ``links`` batches. Atomic against a
