@@ -74,11 +74,14 @@ if hasattr(os, "register_at_fork"):
 
 
 class _Window:
-    __slots__ = ("buf", "n", "recent_slow", "slow", "tail_p", "threshold")
+    __slots__ = ("buf", "due", "n", "recent_slow", "slow", "tail_p", "threshold")
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, warmup: int) -> None:
         self.buf = array.array("q", bytes(8 * size))
         self.n = 0
+        #: the count of latencies at which the threshold is next recomputed: the warm-up's
+        #: end, then every multiple of ``refresh``
+        self.due = warmup
         self.threshold: int | None = None
         self.slow = 0  # slow requests in the current refresh period
         self.recent_slow: list[int] = []  # ... in the previous _GUARD_PERIODS periods
@@ -125,7 +128,7 @@ class TailSampler:
             key = _OVERFLOW_KEY  # unbounded names must not grow memory
             w = self._windows.get(key)
         if w is None:
-            w = self._windows[key] = _Window(self._window)
+            w = self._windows[key] = _Window(self._window, self._warmup)
         return w
 
     def decide(self, latency_ns: int, head: bool, key: object = None) -> float | None:
@@ -139,33 +142,18 @@ class TailSampler:
             w = self._windows.get(key)
             if w is None:
                 w = self._new_window(key)
-            threshold = w.threshold
-            tail_p = w.tail_p
             n = w.n
             w.buf[n % self._window] = latency_ns
             w.n = n = n + 1
-            if threshold is None:
-                slow = True
-                refresh = n >= self._warmup
-            else:
-                slow = latency_ns >= threshold
-                if slow:
-                    w.slow += 1
-                refresh = n % self._refresh == 0
-            if refresh:
-                filled = np.frombuffer(w.buf, dtype=np.int64)[: min(w.n, self._window)]
-                k = min(int(self.tail_quantile * len(filled)), len(filled) - 1)
-                w.threshold = int(np.partition(filled, k)[k])
-                recent = w.recent_slow
-                recent.append(w.slow)
-                if len(recent) > _GUARD_PERIODS:
-                    del recent[0]
-                w.slow = 0
-                share = sum(recent) / (len(recent) * self._refresh)
-                if len(recent) < _GUARD_PERIODS or share <= self._tail_budget:
-                    w.tail_p = 1.0
-                else:
-                    w.tail_p = self._tail_budget / share
+            threshold = w.threshold
+            if threshold is not None and latency_ns < threshold and n != w.due:
+                return self._fast_weight if head else None  # the usual case: fast
+            tail_p = w.tail_p
+            slow = threshold is None or latency_ns >= threshold
+            if slow and threshold is not None:
+                w.slow += 1
+            if n == w.due:
+                self._refresh_window(w, n)
         if slow:
             if tail_p >= 1.0 or threshold is None:
                 return 1.0
@@ -178,6 +166,24 @@ class TailSampler:
                 return 1.0 / tail_p
             return None
         return self._fast_weight if head else None
+
+    def _refresh_window(self, w: _Window, n: int) -> None:
+        """The ``n``-th latency of ``w`` is in: a new threshold and guard probability, for
+        the requests that follow (the lock held)."""
+        filled = np.frombuffer(w.buf, dtype=np.int64)[: min(n, self._window)]
+        k = min(int(self.tail_quantile * len(filled)), len(filled) - 1)
+        w.threshold = int(np.partition(filled, k)[k])
+        w.due = n - n % self._refresh + self._refresh  # the next multiple of refresh
+        recent = w.recent_slow
+        recent.append(w.slow)
+        if len(recent) > _GUARD_PERIODS:
+            del recent[0]
+        w.slow = 0
+        share = sum(recent) / (len(recent) * self._refresh)
+        if len(recent) < _GUARD_PERIODS or share <= self._tail_budget:
+            w.tail_p = 1.0
+        else:
+            w.tail_p = self._tail_budget / share
 
 
 #: Seconds over which a key's request rate is counted for :class:`TimingBudget`. Short, so

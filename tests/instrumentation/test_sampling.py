@@ -141,3 +141,68 @@ def test_steady_latencies_never_trip_the_overload_guard():
     weights = {sampler.decide(int(x), random.random() < 0.05)
                for x in rng.lognormal(15, 1.0, 30000)}
     assert weights <= {None, 1.0, 20.0}
+
+
+class _Reference:
+    """The sampler's rule (module docstring) written out plainly, one key: what decide()
+    must return, call for call."""
+
+    def __init__(self, sample_rate, tail_quantile, window, refresh, warmup):
+        self.rate, self.q = sample_rate, tail_quantile
+        self.window, self.refresh, self.warmup = window, refresh, min(warmup, window)
+        self.latencies: list[int] = []
+        self.threshold = None
+        self.slow = 0
+        self.recent: list[int] = []
+        self.tail_p = 1.0
+
+    def decide(self, latency, head):
+        threshold, tail_p = self.threshold, self.tail_p
+        self.latencies.append(latency)
+        n = len(self.latencies)
+        if threshold is None:
+            slow, refresh = True, n >= self.warmup
+        else:
+            slow = latency >= threshold
+            self.slow += slow
+            refresh = n % self.refresh == 0
+        if refresh:
+            last = sorted(self.latencies[-self.window:])
+            self.threshold = last[min(int(self.q * len(last)), len(last) - 1)]
+            self.recent = [*self.recent, self.slow][-4:]
+            self.slow = 0
+            share = sum(self.recent) / (len(self.recent) * self.refresh)
+            budget = 2.0 * (1.0 - self.q)
+            self.tail_p = 1.0 if len(self.recent) < 4 or share <= budget else budget / share
+        if slow:
+            if tail_p >= 1.0 or threshold is None:
+                return 1.0
+            if tail_p <= self.rate:
+                return 1.0 / self.rate if head else None
+            if head or random.random() < (tail_p - self.rate) / (1.0 - self.rate):
+                return 1.0 / tail_p
+            return None
+        return 1.0 / self.rate if head else None
+
+
+@pytest.mark.parametrize("window,refresh,warmup", [(64, 8, 8), (50, 7, 10), (16, 4, 30)])
+def test_decisions_are_those_of_the_rule_call_for_call(window, refresh, warmup):
+    # Steady latencies, then a climb that trips the overload guard, then steady again;
+    # the guard's coin drawn from the same seed on both sides.
+    rng = np.random.default_rng(11)
+    steady = rng.lognormal(12, 0.5, 600).astype(int)
+    climb = (200_000 + 2_000 * np.arange(600)).astype(int)
+    latencies = [int(x) for x in (*steady, *climb, *steady)]
+    heads = rng.random(len(latencies)) < 0.1
+    sampler = TailSampler(0.1, 0.9, window=window, refresh=refresh, warmup=warmup)
+    reference = _Reference(0.1, 0.9, window, refresh, warmup)
+    got, want = [], []
+    for i, (latency, head) in enumerate(zip(latencies, heads, strict=True)):
+        random.seed(i)
+        got.append(sampler.decide(latency, bool(head), key="k"))
+        random.seed(i)
+        want.append(reference.decide(latency, bool(head)))
+        assert sampler.threshold("k") == reference.threshold, i
+    assert got == want
+    weights = set(got)
+    assert {None, 1.0, 10.0} < weights  # every branch taken, the guard's weights too
