@@ -51,7 +51,6 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 from itertools import repeat
-from operator import attrgetter
 from operator import sub as _sub
 from operator import truediv as _truediv
 from typing import Any, Literal
@@ -98,8 +97,6 @@ _NO_KV = -1.0
 #: other int 1 are this object (CPython shares small ints); anything else equal to 1 (a
 #: numpy int, True, 1.0) takes the checked path.
 _ONE = 1
-#: Whether the request of a step member (a handle) was kept.
-_REC_KEPT = attrgetter("rec.kept")
 
 
 class Engine:
@@ -492,12 +489,15 @@ class Step:
 
     def _member_kept(self) -> bool:
         """Whether the request of a member was kept (its trace sent) before the row."""
-        decoders = self._decoders
+        # (plain loops: the interpreter reads slots faster than attrgetter's C calls do)
         if not self._special:
-            if any(map(_REC_KEPT, decoders)):  # (C loops: no Python step per member)
-                return True
-        elif any(m[0].rec.kept if type(m) is tuple else m.rec.kept for m in decoders):
-            return True
+            for gen in self._decoders:
+                if gen.rec.kept:
+                    return True
+        else:
+            for m in self._decoders:
+                if (m[0] if type(m) is tuple else m).rec.kept:
+                    return True
         # (few steps have prefill members: no generator for the others)
         return bool(self._prefills) and any(gen.rec.kept for gen, _ in self._prefills)
 
