@@ -42,7 +42,6 @@ configured) every call returns at once.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import threading
@@ -60,6 +59,7 @@ from opentelemetry.trace import SpanKind
 from inferprof import semconv
 from inferprof._version import __version__
 from inferprof.instrumentation.active import active_runtime
+from inferprof.instrumentation.asyncio_compat import running_loop
 from inferprof.instrumentation.generation import (
     COMPACT_AT,
     DECODING,
@@ -74,7 +74,6 @@ from inferprof.instrumentation.records import (
     UNTIMED,
     RequestRecord,
     StageRecord,
-    in_quiet_step,
     span_id_of,
 )
 from inferprof.instrumentation.spans import SpanSpec, error_parts, new_span_id, new_trace_id
@@ -266,16 +265,6 @@ class Engine:
 _QUIET_TOKEN = object()
 
 
-def _no_loop() -> bool:
-    """Whether no asyncio event loop runs in this thread: a step entered with ``with`` there
-    runs no other task's code before it exits."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return True
-    return False
-
-
 class Step:
     """One engine step (``Engine.step()``): its members and its stages.
 
@@ -383,12 +372,17 @@ class Step:
 
     # --- context manager -----------------------------------------------------------------
     def __enter__(self) -> Step:
-        if self.rt.production and not in_quiet_step() and SCOPE.get() is None and _no_loop():
-            # a step of an engine thread: named in QUIET, SCOPE left unset (records.QUIET)
-            QUIET.step = self
-            self._token = _QUIET_TOKEN
-        else:
-            self._token = SCOPE.set((self, None))
+        if self.rt.production and SCOPE.get() is None and running_loop() is None:
+            # a step of a thread running no event loop (it runs no other task's code
+            # before it exits), outside any scope and any other such step: named in QUIET,
+            # SCOPE left unset (records.QUIET)
+            quiet = QUIET.step
+            if quiet is None or quiet.finished:  # (records.in_quiet_step)
+                QUIET.step = self
+                self._token = _QUIET_TOKEN
+                self.start = _time_ns()
+                return self
+        self._token = SCOPE.set((self, None))
         self.start = _time_ns()
         return self
 
