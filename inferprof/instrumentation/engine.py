@@ -207,6 +207,8 @@ class Engine:
         """One engine step: ``with engine.step() as step:``. ``kv_cache_usage``: KV-cache
         blocks in use over the total at the step's start (0..1), when the engine knows."""
         if kv_cache_usage is not None and (
+            kv_cache_usage.__class__ is not float or not 0.0 <= kv_cache_usage <= 1.0
+        ) and (  # (a float in range, the usual reading, is accepted by the check above)
             isinstance(kv_cache_usage, bool) or not isinstance(kv_cache_usage, (int, float))
             or not 0.0 <= kv_cache_usage <= 1.0
         ):

@@ -6,6 +6,7 @@ import logging
 import os
 import time
 
+import numpy as np
 import pytest
 from opentelemetry.trace import StatusCode
 
@@ -727,9 +728,12 @@ def test_bad_arguments_raise():
     for tokens in (-1, 1.5, True, "2"):
         with pytest.raises(ValueError):
             inferprof.Engine().request(prompt_tokens=tokens)
-    for usage in (1.5, -0.1, "0.5", True):
+    for usage in (1.5, -0.1, "0.5", True, float("nan"), float("inf")):
         with pytest.raises(ValueError):
             inferprof.Engine().step(kv_cache_usage=usage)
+    # (a plain float in range takes a shorter check than the others accepted)
+    for usage in (0.0, 0.5, 1.0, 0, 1, np.float64(0.25)):
+        inferprof.Engine().step(kv_cache_usage=usage)
 
 
 def test_merging_keeps_the_first_time_the_span_and_the_tokens():
