@@ -95,6 +95,7 @@ _ATTR_QUEUE_DEPTH = semconv.ATTR_QUEUE_DEPTH
 #: The handle of a request that records nothing (outside a request, inferprof off): it
 #: holds no state, so one is shared.
 _NOTHING = QueueHandle(None, None, 0, {})
+_new_handle = object.__new__
 
 
 def enqueue(*, depth: int | None = None, **attributes: Any) -> QueueHandle:
@@ -125,7 +126,15 @@ def _enqueue(depth: int) -> QueueHandle:
     if scope is None or not isinstance(scope[0], RequestRecord):
         return _NOTHING
     rec, parent = scope
-    handle = QueueHandle(rec, parent, _time_ns(), {_ATTR_QUEUE_DEPTH: depth})
+    # QueueHandle(rec, parent, now, attrs), without the class call (once a request)
+    handle = _new_handle(QueueHandle)
+    handle.name = _STAGE_QUEUE
+    handle.span_id = 0
+    handle.parent = parent
+    handle.end = handle.error = handle.device = None
+    handle.attrs = {_ATTR_QUEUE_DEPTH: depth}
+    handle.request = rec
+    handle.start = _time_ns()
     rec.stages.append(handle)
     if rec.batches is NO_BATCHES:
         rec.batches = []

@@ -64,6 +64,7 @@ _header_name = itemgetter(0)
 _STAGE_RECEIVE = semconv.STAGE_RECEIVE
 _STAGE_SERIALIZE = semconv.STAGE_SERIALIZE
 _ATTR_BYTES = semconv.ATTR_BYTES
+_MODEL_NAME = semconv.ATTR_MODEL_NAME
 _METHOD = http_attributes.HTTP_REQUEST_METHOD
 _PATH = url_attributes.URL_PATH
 _SCHEME = url_attributes.URL_SCHEME
@@ -269,14 +270,20 @@ class _HttpRequest(RequestRecord):
     def _summary_parts(self, flat: list) -> bool:
         # What _complete() makes, for a request with no engine stages (the runtime does
         # not summarise those): receive and serialize, and an error for a 5xx answer.
+        ser_start = self.ser_start
         if self.recv_start and self.received:
-            flat += (_STAGE_RECEIVE, self.recv_start, self.recv_end)
-        if self.ser_start:
-            flat += (_STAGE_SERIALIZE, self.ser_start, self.ser_end)
-        if self.error is None:  # _complete() makes a 5xx answer the error
+            if ser_start:  # the usual case: both
+                flat += (_STAGE_RECEIVE, self.recv_start, self.recv_end,
+                         _STAGE_SERIALIZE, ser_start, self.ser_end)
+            else:
+                flat += (_STAGE_RECEIVE, self.recv_start, self.recv_end)
+        elif ser_start:
+            flat += (_STAGE_SERIALIZE, ser_start, self.ser_end)
+        error = self.error
+        if error is None:  # _complete() makes a 5xx answer the error
             status = self.status
             return status is not None and status >= 500
-        return ends_in_error(self.error)
+        return ends_in_error(error)
 
     def _complete(self) -> None:
         # A body-less request (GET; or a streaming response listening for disconnects)
@@ -600,14 +607,17 @@ class InferprofMiddleware:
             _SCHEME: scope.get("scheme", "http"),
         }
         if self.model_name is not None:
-            attrs[semconv.ATTR_MODEL_NAME] = self.model_name
+            attrs[_MODEL_NAME] = self.model_name
         context = current_otel_context()
         if context:  # maybe another instrumentation's server span to enrich
             rec = begin_request(rt, method, _SERVER, attrs, parent, start, context, _HttpRequest)
             if rec.live_span is not None and rt.production and not self._warned_foreign_span:
                 self._warn_foreign_span(rec.live_span)
+            # Another instrumentation's span gets the HTTP attributes before it ends (send()).
+            rec.live_scope = scope if rec.live_span is not None else None
         else:  # nothing current (the usual case): straight to a new record
             rec = rt.start_request(method, _SERVER, attrs, parent, start, _HttpRequest)
+            rec.live_scope = None
         rec.recv_start = rec.recv_end = rec.received = 0
         rec.ser_start = rec.ser_end = rec.sent = 0
         rec.status = rec.route = None
@@ -617,14 +627,13 @@ class InferprofMiddleware:
         rec.chunk_merged = 0
         rec.next_tokens = 1
         rec.root_path = scope.get("root_path")  # as the request came in (mounts extend it)
-        # Another instrumentation's span gets the HTTP attributes before it ends (send()).
-        rec.live_scope = scope if rec.live_span is not None else None
         rec._receive = receive
         rec._send = send
         limit = self._content_limit
         if limit is None or limit[0] is not rt:
             limit = self._content_limit = (rt, self._content_limit_for(rt))
-        rec.content = _Content(limit[1]) if limit[1] else None
+        nbytes = limit[1]
+        rec.content = _Content(nbytes) if nbytes else None
         rec._scope_token = SCOPE.set((rec, None))
         # One attach per request (not per stage): downstream clients inject our
         # traceparent and other instrumentations parent their spans on the request.

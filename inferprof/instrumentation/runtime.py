@@ -80,8 +80,11 @@ _SUMMARY_COUNTED = semconv.ATTR_SUMMARY_COUNTED
 _GEN_AI_RESPONSE_MODEL = semconv.ATTR_GEN_AI_RESPONSE_MODEL
 _GEN_AI_REQUEST_MODEL = semconv.ATTR_GEN_AI_REQUEST_MODEL
 _CHILDREN = semconv.BATCH_ENCODING_CHILDREN
+_LINKS = semconv.BATCH_ENCODING_LINKS
 _INTERNAL = SpanKind.INTERNAL
 _span_name = semconv.span_name
+_new_record = object.__new__
+_init_record = RequestRecord.__init__
 #: Share of shutdown's time the summaries' last export may take (spans get the rest).
 _SUMMARY_CLOSE_SHARE = 0.3
 
@@ -309,7 +312,11 @@ class Runtime:
             head, weight_hint = self._consult_sampler(trace_id, name, kind, attrs, parent)
         else:
             head = True
-        rec = cls(self, name, kind, trace_id, span_id, parent, start, attrs, head, weight_hint)
+        # cls(...), without the class call (once a request): RequestRecord subclasses
+        # add slots, not an __init__ of their own
+        rec = _new_record(cls)
+        _init_record(rec, self, name, kind, trace_id, span_id, parent, start, attrs, head,
+                     weight_hint)
         if parent is not None and parent.trace_state:
             rec.trace_state = self._inherit_trace_state(parent.trace_state)
         return rec
@@ -453,7 +460,7 @@ class Runtime:
         with MEMBERSHIP_LOCK:
             batches = rec.batches
             for batch in batches:
-                if batch.encoding == semconv.BATCH_ENCODING_LINKS:
+                if batch.encoding == _LINKS:
                     self.member_done(batch, rec)
             batches.clear()
 
