@@ -283,7 +283,6 @@ class Step:
         "decode_tokens",
         "end",
         "engine",
-        "engine_id",
         "error",
         "finished",
         "kv",
@@ -299,14 +298,15 @@ class Step:
     def __init__(self, rt: Any, engine: Engine, kv_cache_usage: float | None) -> None:
         self.rt = rt
         self.engine = engine
-        self.engine_id = engine.engine_id
         self.kv = kv_cache_usage
         self.start = self.end = 0
         self.prefill_tokens = self.decode_tokens = self.requests = 0
         #: a member is recorded (production mode emits only such steps)
         self.timed = False
-        # What Stage.__enter__ reads and writes of its owner.
-        self.stages: list[StageRecord] = []
+        # What Stage.__enter__ reads and writes of its owner: the list is made when the step
+        # becomes the scope's owner (__enter__, __aenter__); a quiet step (records.QUIET)
+        # records no stage, and a tuple takes none.
+        self.stages: list[StageRecord] = ()  # type: ignore[assignment]
         self.stages_dropped = 0
         self.finished = False
         #: decode members, in order: a handle decoding one token emitted at the step's end
@@ -318,6 +318,11 @@ class Step:
         self._prefills: list[tuple[Generation, bool | None]] = []
         self._token: Any = None
         self.error: Any = None
+
+    @property
+    def engine_id(self) -> str:
+        """The engine's ``engine_id``."""
+        return self.engine.engine_id
 
     # --- members ----------------------------------------------------------------------
     def prefill(self, gen: Generation, tokens: int, *, final: bool | None = None,
@@ -384,6 +389,7 @@ class Step:
                 self._token = _QUIET_TOKEN
                 self.start = _time_ns()
                 return self
+        self.stages = []
         self._token = SCOPE.set((self, None))
         self.start = _time_ns()
         return self
@@ -428,6 +434,7 @@ class Step:
 
     async def __aenter__(self) -> Step:
         # (in a coroutine, always the scope: other tasks run in this thread meanwhile)
+        self.stages = []
         self._token = SCOPE.set((self, None))
         self.start = _time_ns()
         return self
