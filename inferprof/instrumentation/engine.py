@@ -109,7 +109,8 @@ class Engine:
     the step attribute ``Engine.step(kv_cache_usage=)`` is the cheaper alternative).
     """
 
-    __slots__ = ("__weakref__", "_flush_lock", "_gauge_on", "_live", "_rows", "_rows_rt",
+    __slots__ = ("__weakref__", "_flush_lock", "_gauge_on", "_keeps", "_kept_live", "_live",
+                 "_rows", "_rows_rt",
                  "_warned_second", "engine_id", "kv_cache_usage", "model")
 
     def __init__(self, engine_id: str = semconv.DEFAULT_ENGINE_ID, *, model: str | None = None,
@@ -135,6 +136,12 @@ class Engine:
         self._flush_lock = threading.Lock()
         #: timed requests opened and not ended (0: the engine is idle, its steps go out)
         self._live = 0
+        #: Step._member_kept asks its members only when one may have been kept: when this
+        #: engine's requests kept (its trace sent) changed while the step ran, or when a
+        #: request kept before it ended is still open (``_kept_live``; set.add/discard:
+        #: atomic). Neither, as in most steps: no member's request was.
+        self._keeps = 0
+        self._kept_live: set[Generation] = set()
         if hasattr(os, "register_at_fork"):
             weak = weakref.WeakMethod(self._after_fork)
             os.register_at_fork(after_in_child=lambda: (m := weak()) and m())
@@ -145,6 +152,8 @@ class Engine:
         self._rows = deque()
         self._flush_lock = threading.Lock()
         self._live = 0
+        self._keeps = 0
+        self._kept_live = set()
 
     def request(self, *, prompt_tokens: int | None = None) -> Generation:
         """A request arrives for this engine: its handle. Its ``queue`` stage starts now.
@@ -252,9 +261,16 @@ class Engine:
         if full:
             self.flush()
 
-    def _request_ended(self) -> None:
+    def _request_kept(self, gen: Generation) -> None:
+        """The request of ``gen`` was kept: its trace goes out now."""
+        self._keeps += 1
+        if gen.state != DONE:
+            self._kept_live.add(gen)
+
+    def _request_ended(self, gen: Generation) -> None:
         """A timed request of this engine ended; the last one sends the steps (an engine
         that goes idle would hold them until its next step)."""
+        self._kept_live.discard(gen)
         self._live -= 1
         if self._live <= 0:
             self._live = 0
@@ -277,6 +293,7 @@ class Step:
 
     __slots__ = (
         "_decoders",
+        "_keeps",
         "_prefills",
         "_special",
         "_token",
@@ -298,6 +315,7 @@ class Step:
     def __init__(self, rt: Any, engine: Engine, kv_cache_usage: float | None) -> None:
         self.rt = rt
         self.engine = engine
+        self._keeps = engine._keeps  # (Engine._keeps)
         self.kv = kv_cache_usage
         self.start = self.end = 0
         self.prefill_tokens = self.decode_tokens = self.requests = 0
@@ -421,11 +439,13 @@ class Step:
                 self._emit()
             elif self.timed:
                 if self.error is None:
-                    self.engine._add_row(self)
-                    if self._member_kept():
+                    engine = self.engine
+                    engine._add_row(self)
+                    if ((engine._kept_live or engine._keeps != self._keeps)
+                            and self._member_kept()):
                         # its trace went out while the step ran, with the steps held then:
                         # this one covers its last gap (§14), so it follows at once
-                        self.engine.flush()
+                        engine.flush()
                 else:  # a failed step keeps a span of its own, with its error
                     self._emit()
         except Exception:
@@ -492,6 +512,10 @@ class Step:
 
     def _member_kept(self) -> bool:
         """Whether the request of a member was kept (its trace sent) before the row."""
+        kept = self.engine._kept_live
+        for gen in list(kept):  # (a copy: other threads add to it)
+            if gen.state == DONE:  # it ended while its request was being kept
+                kept.discard(gen)
         # (plain loops: the interpreter reads slots faster than attrgetter's C calls do)
         if not self._special:
             for gen in self._decoders:

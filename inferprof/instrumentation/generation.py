@@ -261,7 +261,7 @@ class Generation:
         self.cancelled = cancelled
         engine = self.engine
         if engine is not None:
-            engine._request_ended()
+            engine._request_ended(self)
         if self.own and not rec.finished:
             try:
                 rec.end = now
@@ -353,9 +353,11 @@ def generation_attributes(
     attrs: dict[str, Any] = {}
     start = _span_start(rec)
     if gen is not None:
-        if gen.engine is not None:
+        engine = gen.engine
+        if engine is not None:
+            engine._request_kept(gen)  # the steps it is a member of follow at once
             # the steps its gaps are split by go out no later than its trace (§14)
-            gen.engine.flush()
+            engine.flush()
         st = gen.stage
         if st is not None and st.end is None and gen.state == DECODING and gen.last_step_end:
             # the response ended before the engine said finish(): the run ended at its

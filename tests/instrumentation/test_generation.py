@@ -561,6 +561,58 @@ def test_production_sends_a_step_at_once_when_a_members_request_ended_while_it_r
         contextvars.Context().run(run, cap)
 
 
+def test_production_sends_at_once_the_steps_of_a_request_kept_before_it_ended():
+    # The response ended (its trace kept and sent) while the engine still generates for
+    # the request: each later step it is a member of goes out at once; once it has ended,
+    # the steps of the others are held again.
+    def run(cap):
+        engine = inferprof.Engine("e1")
+        other = engine.request(prompt_tokens=1)  # keeps the engine busy throughout
+        with inferprof.request(model="m"):
+            gen = engine.request(prompt_tokens=1)
+            _one_step(engine, gen, decode=False)
+        assert len(_step_rows(cap)) == 1  # sent before the trace
+        for sent in (2, 3):
+            with engine.step() as step:
+                step.decode(gen)
+                step.decode(other)
+            assert len(_step_rows(cap)) == sent
+        with engine.step() as step:  # a step without it: held
+            step.decode(other)
+        assert len(_step_rows(cap)) == 3
+        gen.finish()
+        with engine.step() as step:
+            step.prefill(other, 1)
+        assert len(_step_rows(cap)) == 3
+        engine.flush()
+        assert len(_step_rows(cap)) == 5
+        other.finish()
+
+    with captured(mode="production", sample_rate=1.0) as cap:
+        contextvars.Context().run(run, cap)
+
+
+def test_a_kept_request_that_ends_leaves_its_engine_checking_no_member():
+    # (Engine._kept_live: the steps of an engine none of whose open requests was kept
+    # look at no member's request)
+    with captured(mode="production", sample_rate=1.0) as cap:
+        engine = inferprof.Engine("e1")
+        other = engine.request(prompt_tokens=1)
+        with inferprof.request(model="m"):
+            gen = engine.request(prompt_tokens=1)
+            _one_step(engine, gen, decode=False)
+        assert engine._kept_live == {gen}
+        gen.cancel()
+        assert engine._kept_live == set()
+        with inferprof.request(model="m"):
+            done = engine.request(prompt_tokens=1)
+            _one_step(engine, done, decode=False)
+            done.finish()
+        assert engine._kept_live == set()  # kept after it ended
+        other.finish()
+    assert len(cap.requests()) == 3  # all kept (sample_rate=1.0)
+
+
 def test_production_sends_the_steps_still_held_at_shutdown():
     # A request still generating when the service stops: its engine's steps recorded so
     # far go out with the last spans, as a span per step would have.
