@@ -279,6 +279,23 @@ class Engine:
 
 
 
+def _member_done(gen: Generation, tokens: int, end: int) -> None:
+    """A decode member of a step that ended at ``end``: it emits ``tokens``."""
+    if gen.state == DONE:  # cancelled while the step ran
+        return
+    gen.last_step_end = end
+    if gen.run_start:
+        gen._open_run()
+    if tokens == 1 and gen.emit_tokens is None:  # the usual token: Generation._emit
+        emits = gen.emits
+        emits.append(end)
+        gen.output += 1
+        if len(emits) >= COMPACT_AT:
+            gen._compact()
+    elif tokens:
+        gen._emit(end, tokens)
+
+
 #: Step._token of a step named in records.QUIET rather than set in SCOPE.
 _QUIET_TOKEN = object()
 
@@ -376,8 +393,8 @@ class Step:
     def decode(self, gen: Generation, tokens: int = 1, *, emit: bool = True) -> None:
         """``gen`` generates ``tokens`` (usually 1; more with speculative decoding) in this
         step; emitted at the step's end unless ``emit=False`` (then ``gen.emit()``)."""
-        if tokens is _ONE and emit is True and gen.state == DECODING:
-            # The usual member (decoding implies a timed handle): its counts are added at
+        if tokens is _ONE and emit is True and gen.usual:
+            # The usual member (Generation.usual; a timed handle): its counts are added at
             # the step's end, with its token.
             self._decoders.append(gen)
             return
@@ -466,22 +483,17 @@ class Step:
         if self._special:
             self._special_members_done(end)
         else:
-            done, compact_at = DONE, COMPACT_AT
-            for gen in self._decoders:  # (all usual members: one token each)
-                if gen.state == done:  # cancelled while the step ran
-                    continue
-                gen.last_step_end = end
-                if gen.run_start:
-                    gen._open_run()
-                if gen.emit_tokens is None:  # what Generation._emit does, for one token
-                    # (while every emission carried one token, output counts the emissions)
+            compact_at = COMPACT_AT
+            for gen in self._decoders:  # (all usual members when decode() took them)
+                if gen.usual:  # what Generation._emit does, for one token
+                    gen.last_step_end = end
                     n = gen.output + 1
                     gen.output = n
                     gen.emits.append(end)
                     if n >= compact_at:
                         gen._compact()
-                else:
-                    gen._emit(end, 1)
+                else:  # changed while the step ran (cancelled, evicted)
+                    _member_done(gen, 1, end)
         for gen, emit in self._prefills:
             if gen.state == DONE:  # cancelled while the step ran
                 continue
@@ -493,22 +505,9 @@ class Step:
         """The decode members of a step not all of which are usual ones."""
         for member in self._decoders:
             if type(member) is tuple:
-                gen, tokens = member
+                _member_done(member[0], member[1], end)
             else:
-                gen, tokens = member, 1
-            if gen.state == DONE:  # cancelled while the step ran
-                continue
-            gen.last_step_end = end
-            if gen.run_start:
-                gen._open_run()
-            if tokens == 1 and gen.emit_tokens is None:  # the usual token: Generation._emit
-                emits = gen.emits
-                emits.append(end)
-                gen.output += 1
-                if len(emits) >= COMPACT_AT:
-                    gen._compact()
-            elif tokens:
-                gen._emit(end, tokens)
+                _member_done(member, 1, end)
 
     def _member_kept(self) -> bool:
         """Whether the request of a member was kept (its trace sent) before the row."""

@@ -74,6 +74,7 @@ class Generation:
         "run_start",
         "stage",
         "state",
+        "usual",
     )
 
     def __init__(self, engine_id: str, rec: Any, own: bool, prompt_tokens: int | None,
@@ -107,6 +108,9 @@ class Generation:
         self.run_start = 0
         #: output tokens emitted when the current prefill run began
         self.run_output = 0
+        #: decoding, its decode stage open, every emission one token: a decode member of
+        #: one token is then what Step._members_done records inline
+        self.usual = False
         self.cancelled = False
         #: the open stage (its record, in the request's stages), or None
         self.stage: StageRecord | None = None
@@ -158,6 +162,7 @@ class Generation:
         if counts is not None:
             counts.append(tokens)
         elif tokens != 1:
+            self.usual = False
             counts = self.emit_tokens = [1] * (len(emits) - 1)
             counts.append(tokens)
         if len(emits) >= COMPACT_AT:
@@ -165,6 +170,7 @@ class Generation:
 
     def _compact(self) -> None:
         if self.emit_tokens is None:
+            self.usual = False
             self.emit_tokens = [1] * len(self.emits)
         self.merged += merge_pairs(self.emits, self.emit_tokens)
 
@@ -173,6 +179,7 @@ class Generation:
         recompute = self.state == PREEMPTED
         self._close(step_start)
         self.state = PREFILL
+        self.usual = False
         self.prefilled = self.prefill_chunks = 0
         self.run_output = self.output
         stage = self.stage = self._open(_PREFILL, step_start)
@@ -187,6 +194,7 @@ class Generation:
             st.attrs[semconv.ATTR_PREFILL_CHUNKS] = self.prefill_chunks
             st.end = step_end
         self.state = DECODING
+        self.usual = False  # until its decode stage opens (_open_run)
         self.last_step_end = step_end
         self.stage = None
         self.run_start = step_end
@@ -204,12 +212,14 @@ class Generation:
             return
         self._close(step_start)
         self.state = DECODING
+        self.usual = False  # until its decode stage opens (_open_run)
         self.run_start = step_start
 
     def _open_run(self) -> None:
         """The decode run's first decode step ended: its stage, from the run's start."""
         self.stage = self._open(_DECODE, self.run_start)
         self.run_start = 0
+        self.usual = self.state == DECODING and self.emit_tokens is None
 
     def _prefill_target(self) -> int | None:
         """Tokens the current prefill run must process: the prompt, plus what was
@@ -239,6 +249,7 @@ class Generation:
         """End the open run: a decode run at its last step, a prefill run (cut short by an
         eviction) now, a wait (queue, preempted) now."""
         self.run_start = 0
+        self.usual = False
         st = self.stage
         if st is None:
             return

@@ -1100,3 +1100,35 @@ def test_a_first_token_the_engine_emitted_itself_counts_once_when_the_prompt_len
     assert len(offsets) == 2 and list(offsets) == sorted(offsets)
     (prefill,) = _request_of(cap, request)["prefill"]
     assert prefill.end_time == _steps(cap)[0].end_time
+
+
+def test_a_usual_member_that_changes_while_its_step_runs_is_recorded_as_it_now_is():
+    # Step.decode() takes a member decoding on (Generation.usual) for the inline path; one
+    # evicted, cancelled or given a multi-token emission before the step ends is recorded
+    # by the general path, as any other member.
+    def kept_request(change):
+        with captured(mode="full") as cap:
+            engine = inferprof.Engine("e1")
+            gen = engine.request(prompt_tokens=1)
+            _one_step(engine, gen, decode=False)  # its prefill and first token
+            _one_step(engine, gen)  # opens its decode stage: usual from now on
+            assert gen.usual
+            with engine.step() as step:
+                step.decode(gen)
+                change(gen)
+            _one_step(engine, gen)  # after an eviction: resumes (swapped in)
+            gen.finish()
+        (req,) = cap.requests()
+        return gen, req.attributes, sorted(s.attributes[semconv.ATTR_STAGE] for s in
+                                         children_of(cap.spans(), req))
+
+    gen, attrs, stages = kept_request(lambda g: g.preempt())
+    assert attrs[semconv.ATTR_TOKENS_OUTPUT] == 4  # the evicted step's token counts
+    assert attrs[semconv.ATTR_GEN_PREEMPTIONS] == 1
+    assert stages == ["decode", "decode", "preempted", "prefill", "queue"]
+    gen, attrs, _ = kept_request(lambda g: g.emit(2))
+    assert attrs[semconv.ATTR_TOKENS_OUTPUT] == 6
+    assert list(attrs[semconv.ATTR_GEN_EMIT_TOKENS]) == [1, 1, 2, 1, 1]
+    gen, attrs, stages = kept_request(lambda g: g.cancel())
+    assert attrs[semconv.ATTR_TOKENS_OUTPUT] == 2  # the cancelled step's token is not
+    assert attrs[semconv.ATTR_CANCELLED] is True
