@@ -270,7 +270,12 @@ class Engine:
     def _request_ended(self, gen: Generation) -> None:
         """A timed request of this engine ended; the last one sends the steps (an engine
         that goes idle would hold them until its next step)."""
-        self._kept_live.discard(gen)
+        kept = self._kept_live
+        if gen in kept:
+            # A step it is a member of may be running (it was cancelled from another
+            # thread): that step still asks its members (counted first, then removed).
+            self._keeps += 1
+            kept.discard(gen)
         self._live -= 1
         if self._live <= 0:
             self._live = 0
