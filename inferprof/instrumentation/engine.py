@@ -152,8 +152,9 @@ class Engine:
         self._rows = deque()
         self._flush_lock = threading.Lock()
         self._live = 0
-        self._keeps = 0
-        self._kept_live = set()
+        # (_keeps and _kept_live stay: a request kept in the parent is kept in the child's
+        # copy of its record too, and a step of the child with it as a member goes out at
+        # once, as its record says)
 
     def request(self, *, prompt_tokens: int | None = None) -> Generation:
         """A request arrives for this engine: its handle. Its ``queue`` stage starts now.

@@ -5,6 +5,9 @@ step ran."""
 from __future__ import annotations
 
 import contextvars
+import os
+
+import pytest
 
 import inferprof
 from tests.instrumentation.helpers import captured
@@ -55,6 +58,35 @@ def test_a_kept_member_finished_while_the_step_ran_still_sends_the_step_at_once(
             step.decode(gen, 2)  # (a member of the general path)
             gen.finish()
         assert len(_step_rows(cap)) == sent + 1
+        other.finish()
+
+    with captured(mode="production", sample_rate=1.0) as cap:
+        contextvars.Context().run(run, cap)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork: POSIX only")
+def test_a_forked_child_still_sends_at_once_the_steps_of_a_request_kept_before():
+    # A child that goes on with the parent's engine and requests: a member whose request
+    # was kept (rec.kept, in the child's copy too) still has each step sent at once.
+    def run(cap):
+        engine = inferprof.Engine("e1")
+        other = engine.request(prompt_tokens=1)
+        gen = _kept_while_generating(engine)
+        engine.flush()
+        pid = os.fork()
+        if pid == 0:  # the child: exit status 0 if the step went out at its end
+            ok = False
+            try:
+                cap.clear()
+                with engine.step() as step:
+                    step.decode(gen)
+                    step.decode(other)
+                ok = len(_step_rows(cap)) == 1
+            finally:
+                os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        gen.finish()
         other.finish()
 
     with captured(mode="production", sample_rate=1.0) as cap:
