@@ -138,10 +138,11 @@ class Engine:
         self._live = 0
         #: Step._member_kept asks its members only when one may have been kept: when this
         #: engine's requests kept (its trace sent) changed while the step ran, or when a
-        #: request kept before it ended is still open (``_kept_live``; set.add/discard:
-        #: atomic). Neither, as in most steps: no member's request was.
+        #: request kept before it ended is still open (``_kept_live``; its stores and pops
+        #: are atomic). Neither, as in most steps: no member's request was.
         self._keeps = 0
-        self._kept_live: set[Generation] = set()
+        #: (a dict used as an ordered set: insertion order says which are the oldest)
+        self._kept_live: dict[Generation, None] = {}
         if hasattr(os, "register_at_fork"):
             weak = weakref.WeakMethod(self._after_fork)
             os.register_at_fork(after_in_child=lambda: (m := weak()) and m())
@@ -266,7 +267,10 @@ class Engine:
         """The request of ``gen`` was kept: its trace goes out now."""
         self._keeps += 1
         if gen.state != DONE:
-            self._kept_live.add(gen)
+            kept = self._kept_live
+            if len(kept) >= KEPT_LIVE_MAX:
+                _forget_kept(kept)
+            kept[gen] = None
 
     def _request_ended(self, gen: Generation) -> None:
         """A timed request of this engine ended; the last one sends the steps (an engine
@@ -276,7 +280,7 @@ class Engine:
             # A step it is a member of may be running (it was cancelled from another
             # thread): that step still asks its members (counted first, then removed).
             self._keeps += 1
-            kept.discard(gen)
+            kept.pop(gen, None)
         self._live -= 1
         if self._live <= 0:
             self._live = 0
@@ -304,6 +308,25 @@ def _member_done(gen: Generation, tokens: int, end: int) -> None:
 
 #: Step._token of a step named in records.QUIET rather than set in SCOPE.
 _QUIET_TOKEN = object()
+
+#: Requests kept and still generating that an engine remembers (``Engine._kept_live``) at
+#: most. An engine that drops requests without ``finish()`` or ``cancel()`` must not grow
+#: it without bound: past it, those that ended are forgotten, then the oldest. (A step
+#: asks its members whenever the engine remembers any: one with a forgotten member then
+#: goes out at once all the same.)
+KEPT_LIVE_MAX = 1024
+
+
+def _forget_kept(kept: dict[Generation, None]) -> None:
+    """Make room in a full ``Engine._kept_live``: drop the requests that ended, then the
+    oldest. (``list()`` copies in one step: other threads add and pop meanwhile.)"""
+    for gen in list(kept):
+        if gen.state == DONE:
+            kept.pop(gen, None)
+    excess = len(kept) - KEPT_LIVE_MAX + 1
+    if excess > 0:
+        for gen in list(kept)[:excess]:
+            kept.pop(gen, None)
 
 
 class Step:
@@ -520,7 +543,7 @@ class Step:
         kept = self.engine._kept_live
         for gen in list(kept):  # (a copy: other threads add to it)
             if gen.state == DONE:  # it ended while its request was being kept
-                kept.discard(gen)
+                kept.pop(gen, None)
         # (plain loops: the interpreter reads slots faster than attrgetter's C calls do)
         if not self._special:
             for gen in self._decoders:

@@ -12,6 +12,7 @@ from opentelemetry.trace import StatusCode
 
 import inferprof
 from inferprof import semconv
+from inferprof.instrumentation import engine as engine_module
 from inferprof.instrumentation.generation import emission_attributes, merge_pairs
 from inferprof.instrumentation.sampling import TimingBudget
 from tests.instrumentation.helpers import captured, children_of
@@ -601,16 +602,53 @@ def test_a_kept_request_that_ends_leaves_its_engine_checking_no_member():
         with inferprof.request(model="m"):
             gen = engine.request(prompt_tokens=1)
             _one_step(engine, gen, decode=False)
-        assert engine._kept_live == {gen}
+        assert list(engine._kept_live) == [gen]
         gen.cancel()
-        assert engine._kept_live == set()
+        assert not engine._kept_live
         with inferprof.request(model="m"):
             done = engine.request(prompt_tokens=1)
             _one_step(engine, done, decode=False)
             done.finish()
-        assert engine._kept_live == set()  # kept after it ended
+        assert not engine._kept_live  # kept after it ended
         other.finish()
     assert len(cap.requests()) == 3  # all kept (sample_rate=1.0)
+
+
+def test_an_engine_that_drops_kept_requests_remembers_a_bounded_number(monkeypatch):
+    # An engine that never says finish() or cancel() for requests whose traces were kept
+    # must not hold them all (Engine._kept_live): past the bound the oldest go, and the
+    # steps of every kept one still go out at once.
+    monkeypatch.setattr(engine_module, "KEPT_LIVE_MAX", 4)
+
+    def run(cap):
+        engine = inferprof.Engine("e1")
+        other = engine.request(prompt_tokens=1)  # keeps the engine busy throughout
+        dropped = []
+        for _ in range(10):
+            with inferprof.request(model="m"):
+                gen = engine.request(prompt_tokens=1)
+                _one_step(engine, gen, decode=False)
+            dropped.append(gen)
+            assert len(engine._kept_live) <= 4
+        assert list(engine._kept_live) == dropped[-4:]
+        sent = len(_step_rows(cap))
+        with engine.step() as step:  # a member the engine remembers: at once
+            step.decode(dropped[-1])
+            step.decode(other)
+        assert len(_step_rows(cap)) == sent + 1
+        with engine.step() as step:  # one it forgot, while it remembers others: at once
+            step.decode(dropped[0])
+            step.decode(other)
+        assert len(_step_rows(cap)) == sent + 2
+        dropped[-1].finish()
+        assert list(engine._kept_live) == dropped[-4:-1]
+        for gen in dropped[:-1]:
+            gen.finish()
+        other.finish()
+        assert not engine._kept_live
+
+    with captured(mode="production", sample_rate=1.0) as cap:
+        contextvars.Context().run(run, cap)
 
 
 def test_production_sends_the_steps_still_held_at_shutdown():
