@@ -441,16 +441,15 @@ class Runtime:
             if model is None:
                 model = st.attrs.get(_MODEL_NAME)
         for b in rec.batches:
-            children = b.encoding == _CHILDREN
-            for st in b.stages:
-                e = st.end
-                if e is None:
-                    if children:
+            flat += _batch_summary_spans(b)
+            if model is None:  # a batch stage span's (the first it holds)
+                children = b.encoding == _CHILDREN
+                for st in b.stages:
+                    if st.end is None and children:
                         continue
-                    e = OPEN_END
-                flat += (st.name, st.start, e)
-                if model is None:
                     model = st.attrs.get(_MODEL_NAME, b.attrs.get(_MODEL_NAME))
+                    if model is not None:
+                        break
         return model
 
     def _leave_batches(self, rec: RequestRecord) -> None:
