@@ -422,6 +422,8 @@ DROP_REASON_SHUTDOWN: Final = "shutdown"
 METRIC_SUMMARY_REQUEST_DURATION: Final = "inferprof.summary.request.duration"
 METRIC_SUMMARY_STAGE_DURATION: Final = "inferprof.summary.stage.duration"
 METRIC_SUMMARY_STAGE_TAIL: Final = "inferprof.summary.stage.tail"
+#: Requests a timing budget left untimed, counted at their end-to-end latency (§15).
+METRIC_SUMMARY_REQUEST_UNTIMED: Final = "inferprof.summary.request.untimed"
 SUMMARY_METRICS: Final = (
     METRIC_SUMMARY_REQUEST_DURATION,
     METRIC_SUMMARY_STAGE_DURATION,
@@ -431,6 +433,9 @@ SUMMARY_METRICS: Final = (
 ATTR_REQUEST_ERROR: Final = "inferprof.request.error"
 #: On a kept request span: the request is counted by the summaries, not by its trace.
 ATTR_SUMMARY_COUNTED: Final = "inferprof.summary.counted"
+#: On a request-duration data point: its requests count once in request-level figures
+#: (their untimed siblings are counted in METRIC_SUMMARY_REQUEST_UNTIMED).
+ATTR_SUMMARY_UNTIMED_COUNTED: Final = "inferprof.summary.untimed_counted"
 
 # --- Triton client wrapper (inferprof.triton; extensions beyond the v1 contract) --------
 
