@@ -624,7 +624,7 @@ def summary_exports(w: Workload, timed: np.ndarray, weights: np.ndarray
     for i in rows:
         b = bounds[i]
         spans = tuple(x for k, stage in enumerate(STAGES) for x in (stage, b[k], b[k + 1]))
-        summaries.add((b[0], b[-1], False, MODEL, float(weights[i]), spans))
+        summaries.add((b[0], b[-1], False, MODEL, float(weights[i]), spans, False))
     summaries.close(600.0)
     assert stats.summarised == len(rows) and not stats.summary_dropped, stats
     return [encode_metrics(data) for data in exporter.exports]

@@ -72,8 +72,8 @@ _NS = 1e-9
 #: that (``_bucket_totals``); past both it sorts them instead.
 _DENSE_CELLS = 1 << 16
 _DENSE_PER_VALUE = 4
-_FIRST, _SECOND, _ERROR, _MODEL, _WEIGHT, _SPANS = (itemgetter(i) for i in range(6))
-#: (model, weight, error flag or stage name): one data point's key.
+_FIRST, _SECOND, _ERROR, _MODEL, _WEIGHT, _SPANS, _MARK = (itemgetter(i) for i in range(7))
+#: (model, weight, stage name) or (model, weight, error flag, mark): one data point's key.
 _Key = tuple[Any, ...]
 _UNATTRIBUTED = semconv.STAGE_UNATTRIBUTED
 
@@ -176,10 +176,13 @@ class Summaries:
 
     # --- the request's thread -----------------------------------------------------------
     def add(self, entry: tuple[Any, ...]) -> bool:
-        """Queue one finished request, ``(start_ns, end_ns, error, model, weight, spans)``
-        with ``spans`` a flat tuple ``(stage, start_ns, end_ns, stage, ...)`` of the stage
-        spans its trace would hold (primitives only: a queued entry keeps no record
-        alive). False (counted as dropped) when full or closed."""
+        """Queue one finished request, ``(start_ns, end_ns, error, model, weight, spans,
+        untimed_counted)`` with ``spans`` a flat tuple ``(stage, start_ns, end_ns, stage,
+        ...)`` of the stage spans its trace would hold (primitives only: a queued entry
+        keeps no record alive) and ``untimed_counted`` whether its untimed siblings are
+        counted (:meth:`add_untimed`): its request-duration data point then carries
+        ``inferprof.summary.untimed_counted``. False (counted as dropped) when full or
+        closed."""
         pending = self._pending
         if len(pending) >= self._max_pending or self._closed:
             self._stats.summary_dropped += 1
@@ -284,9 +287,11 @@ class Summaries:
             series[key] = i
         req_series = np.fromiter(map(series.__getitem__, pairs), np.int64, n)
         errors = np.fromiter(map(_ERROR, entries), bool, n)
+        marks = np.fromiter(map(_MARK, entries), bool, n)
         series_keys = list(series)
-        req_group = req_series * 2 + errors
-        req_keys = [(*series_keys[g >> 1], bool(g & 1)) for g in range(2 * len(series))]
+        req_group = req_series * 4 + errors * 2 + marks
+        req_keys = [(*series_keys[g >> 2], bool(g & 2), bool(g & 1))
+                    for g in range(4 * len(series))]
         n_codes = len(codes)
         names_by_code = list(codes)
         pair_group = req_series[pair_req] * n_codes + pair_stage
@@ -452,8 +457,9 @@ class Summaries:
             (semconv.METRIC_SUMMARY_STAGE_TAIL, "ns", tail, _stage_attr),
         ):
             points = [
-                _point(b, _attributes(model, weight, extra(last)), start, now, scale, shift)
-                for (model, weight, last), b in table.items()
+                _point(b, _attributes(key[0], key[1], extra(*key[2:])), start, now, scale,
+                       shift)
+                for key, b in table.items()
             ]
             if points:
                 metrics.append(Metric(
@@ -534,8 +540,11 @@ def _succeeded(result: Any) -> bool:
     return result is None or result is MetricExportResult.SUCCESS
 
 
-def _error_attr(error: bool) -> dict[str, Any]:
-    return {semconv.ATTR_REQUEST_ERROR: True} if error else {}
+def _error_attr(error: bool, mark: bool = False) -> dict[str, Any]:
+    attrs: dict[str, Any] = {semconv.ATTR_REQUEST_ERROR: True} if error else {}
+    if mark:
+        attrs[semconv.ATTR_SUMMARY_UNTIMED_COUNTED] = True
+    return attrs
 
 
 def _stage_attr(stage: str) -> dict[str, Any]:

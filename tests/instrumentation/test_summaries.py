@@ -438,7 +438,7 @@ def test_requests_the_collector_reads_otherwise_are_not_summarised(clock):
 
 def _entry(i: int) -> tuple:
     start = 10**18 + i * MS
-    return (start, start + MS, False, "m", 1.0, ("compute", start, start + MS))
+    return (start, start + MS, False, "m", 1.0, ("compute", start, start + MS), False)
 
 
 def test_a_full_buffer_drops_and_counts_and_never_blocks():
@@ -470,7 +470,7 @@ _SCOPE = InstrumentationScope(semconv.INSTRUMENTATION_SCOPE)
 
 def _stage_entry(i: int, model: str, stage: str) -> tuple:
     start = 10**18 + i * MS
-    return (start, start + MS, False, model, 1.0, (stage, start, start + MS))
+    return (start, start + MS, False, model, 1.0, (stage, start, start + MS), False)
 
 
 def test_a_request_past_the_key_bound_is_dropped_whole_not_partly_folded():
