@@ -194,6 +194,8 @@ PROM_GPU_SAMPLES_DROPPED: Final = "inferprof_gpu_samples_dropped_total"
 PROM_GPU_SAMPLES: Final = "inferprof_gpu_samples"
 #: Requests counted from summaries (contract §15), unweighted; summary data points rejected.
 PROM_SUMMARISED_REQUESTS: Final = "inferprof_summarised_requests_total"
+#: Requests a timing budget left untimed, counted by summaries (contract §15).
+PROM_SUMMARISED_UNTIMED: Final = "inferprof_summarised_untimed_requests_total"
 PROM_SUMMARIES_REJECTED: Final = "inferprof_summaries_rejected_total"
 PROM_LABELS_TRUNCATED: Final = "inferprof_labels_truncated_total"
 PROM_LABEL_LABEL: Final = "label"
@@ -428,6 +430,7 @@ SUMMARY_METRICS: Final = (
     METRIC_SUMMARY_REQUEST_DURATION,
     METRIC_SUMMARY_STAGE_DURATION,
     METRIC_SUMMARY_STAGE_TAIL,
+    METRIC_SUMMARY_REQUEST_UNTIMED,
 )
 #: Data points of requests that ended in error (on the request-duration metric).
 ATTR_REQUEST_ERROR: Final = "inferprof.request.error"

@@ -280,8 +280,10 @@ class Engine(SeriesPart, FoldPart, SummaryPart, DocumentPart):
         #: price per GPU-hour by hw.model ("": any other GPU)
         self.gpu_hour_prices = _checked_prices(gpu_hour_prices)
         self._finalised = 0
-        #: requests counted from summaries (unweighted) and summary data points rejected
+        #: requests counted from summaries (timed, unweighted; untimed) and summary data
+        #: points rejected
         self._summary_requests = 0
+        self._summary_untimed = 0
         self._summary_rejected = 0
         self._overflow = 0
         self._next_advance = 0.0
@@ -513,6 +515,7 @@ class Engine(SeriesPart, FoldPart, SummaryPart, DocumentPart):
                 gpu_samples=self._gpu.total,
                 labels_truncated=dict(self._truncated),
                 summary_requests=self._summary_requests,
+                summary_untimed_requests=self._summary_untimed,
                 summary_points_rejected=self._summary_rejected,
                 engine_steps_received=self._gen.steps.steps_received,
                 engine_steps_dropped=self._gen.steps.dropped,

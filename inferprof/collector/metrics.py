@@ -140,6 +140,14 @@ _ENGINE_COUNTERS = (
         "summary_requests",
     ),
     (
+        sc.PROM_SUMMARISED_UNTIMED,
+        (
+            "Requests a production-mode process served but did not time, counted by "
+            "summaries (contract section 15) at their end-to-end latency."
+        ),
+        "summary_untimed_requests",
+    ),
+    (
         sc.PROM_SUMMARIES_REJECTED,
         (
             "Summary data points (contract section 15) rejected as malformed; each is named "

@@ -53,9 +53,10 @@ class EngineStats:
     gpu_samples: int = 0
     #: "service" / "model" -> requests whose name was cut to semconv.MAX_LABEL_BYTES
     labels_truncated: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
-    #: requests counted from summaries (contract §15, unweighted), and summary data points
-    #: rejected (malformed: named in the OTLP answer)
+    #: requests counted from summaries (contract §15): timed (unweighted) and untimed; and
+    #: summary data points rejected (malformed: named in the OTLP answer)
     summary_requests: int = 0
+    summary_untimed_requests: int = 0
     summary_points_rejected: int = 0
     #: engine step spans (contract §14) received, and those the step index had no room for
     engine_steps_received: int = 0

@@ -8,6 +8,14 @@ into the engine's current time slice exactly where a fold of the same requests a
 would put them: request counts and errors, quantile codes (end to end as stage 0, each
 stage, ``unattributed``), the tail table, the Prometheus histograms and the fleet tables.
 
+A fourth metric counts the requests a timing budget left untimed, at their end-to-end
+latency, and a request-duration data point marked ``inferprof.summary.untimed_counted``
+holds timed requests whose untimed siblings that metric counts. Both go into request-level
+figures (request counts, errors, end-to-end quantiles and histograms) once per request,
+not weighted: those figures are then exact. The stage figures and the tail table still
+come from the timed requests alone, weighted; the tail table's per-bucket traced counts
+and weights come from the request-duration points, marked or not.
+
 Accuracy: an exponential bucket at scale ``s`` spans a factor ``base = 2**(2**-s)``; its
 representative ``2 * base**(i+1) / (1 + base)`` lies within ``(base - 1) / (base + 1)``
 of every value in it (0.27% at the producers' default scale 7), and the sketch key of
@@ -17,8 +25,9 @@ under the contract's 1%. Coarser scales are accepted and cost accuracy according
 Bad input: a data point that does not follow §15 (wrong type or temporality, a scale
 outside [-10, 20], more than ``MAX_BUCKETS`` buckets, negative values, a count that is
 not the sum of its buckets, a sum above what its buckets can hold, a bucket above
-``sketch.MAX_VALUE``, a bad weight, stage or model attribute) is rejected with its reason
-and the rest of the export is kept. Memory does not grow with what is sent: buckets fold
+``sketch.MAX_VALUE``, a bad weight, stage, model, error or mark attribute, a weight or
+stage on an untimed point, a mark off the request-duration metric) is rejected with its
+reason and the rest of the export is kept. Memory does not grow with what is sent: buckets fold
 into the sketches' bounded key space, series are capped by ``max_series`` and stage names
 by ``max_stages`` like traced ones.
 """
@@ -38,12 +47,17 @@ from inferprof.collector.layout import _BOUNDS, _E2E, _NB, _Q_LOCAL, _UNATTRIBUT
 from inferprof.collector.sketch import KEY_BITS, MAX_VALUE, MIN_VALUE, KeyMapping, reduce_codes
 from inferprof.timing import MAX_SUMMARY_SCALE, MIN_SUMMARY_SCALE, exp_log_representative
 
-#: What each data point of the three metrics is (a request's, a stage's, a tail row).
+#: What each data point of the four metrics is (a timed request's, a stage's, a tail row,
+#: an untimed request's).
 KIND_REQUEST = 0
 KIND_STAGE = 1
 KIND_TAIL = 2
+KIND_UNTIMED = 3
 _KINDS = {sc.METRIC_SUMMARY_REQUEST_DURATION: KIND_REQUEST,
-          sc.METRIC_SUMMARY_STAGE_DURATION: KIND_STAGE, sc.METRIC_SUMMARY_STAGE_TAIL: KIND_TAIL}
+          sc.METRIC_SUMMARY_STAGE_DURATION: KIND_STAGE, sc.METRIC_SUMMARY_STAGE_TAIL: KIND_TAIL,
+          sc.METRIC_SUMMARY_REQUEST_UNTIMED: KIND_UNTIMED}
+#: Data points counted per request at their end-to-end latency.
+_REQUEST_KINDS = (KIND_REQUEST, KIND_UNTIMED)
 MIN_SCALE = MIN_SUMMARY_SCALE
 MAX_SCALE = MAX_SUMMARY_SCALE
 #: Positive (and negative) buckets one data point may carry. The sketch range
@@ -69,7 +83,9 @@ class SummaryPoint:
 
     ``keys`` (sketch keys, 0: the zero bucket), ``values`` (the buckets' representative
     seconds) and ``counts`` are per non-empty bucket; ``total``: the data point's ``sum``
-    (seconds; None when absent, and for tail rows).
+    (seconds; None when absent, and for tail rows). ``once``: its requests count once in
+    request-level figures (an untimed point, or a request-duration point marked
+    ``inferprof.summary.untimed_counted``), else ``weight`` times.
     """
 
     kind: int
@@ -83,6 +99,13 @@ class SummaryPoint:
     counts: np.ndarray
     total: float | None
     count: int
+    once: bool = False
+
+    @property
+    def request_weight(self) -> float:
+        """The weight of each of its requests in request counts, errors, end-to-end
+        quantiles and histograms."""
+        return 1.0 if self.once else self.weight
 
 
 def representatives(scale: int, index: np.ndarray) -> np.ndarray:
@@ -92,10 +115,11 @@ def representatives(scale: int, index: np.ndarray) -> np.ndarray:
     return np.exp(np.clip(exp_log_representative(index, scale), _LN_MIN, _LN_MAX))
 
 
-def _attributes(kind: int, attributes: Iterable[Any]) -> tuple[str, str, bool, float] | str:
-    """(model, stage, error, weight) of a data point, or why they are not valid."""
+def _attributes(kind: int, attributes: Iterable[Any]
+                ) -> tuple[str, str, bool, float, bool] | str:
+    """(model, stage, error, weight, once) of a data point, or why they are not valid."""
     model = stage = ""
-    error = False
+    error = once = False
     weight = 1.0
     for kv in attributes:
         key, value = kv.key, kv.value
@@ -105,12 +129,16 @@ def _attributes(kind: int, attributes: Iterable[Any]) -> tuple[str, str, bool, f
                 return f"{sc.ATTR_MODEL_NAME} is not a string"
             model = value.string_value
         elif key == sc.ATTR_SAMPLE_WEIGHT:
+            if kind == KIND_UNTIMED:
+                return f"{sc.ATTR_SAMPLE_WEIGHT} on an untimed request (each counts once)"
             w = value.double_value if which == "double_value" else (
                 value.int_value if which == "int_value" else None)
             if w is None or not 1 <= w <= sc.MAX_SAMPLE_WEIGHT:
                 return f"{sc.ATTR_SAMPLE_WEIGHT} must be a number in [1, 2**56]"
             weight = float(w)
         elif key == sc.ATTR_STAGE:
+            if kind == KIND_UNTIMED:
+                return f"{sc.ATTR_STAGE} on an untimed request (it has no stage figures)"
             stage = value.string_value if which == "string_value" else ""
             if not sc.STAGE_NAME_PATTERN.match(stage):
                 return f"invalid {sc.ATTR_STAGE} value {stage[:100]!r}"
@@ -118,9 +146,16 @@ def _attributes(kind: int, attributes: Iterable[Any]) -> tuple[str, str, bool, f
             if which != "bool_value":
                 return f"{sc.ATTR_REQUEST_ERROR} is not a bool"
             error = value.bool_value
-    if kind != KIND_REQUEST and not stage:
+        elif key == sc.ATTR_SUMMARY_UNTIMED_COUNTED:
+            if kind != KIND_REQUEST:
+                return (f"{sc.ATTR_SUMMARY_UNTIMED_COUNTED} outside "
+                        f"{sc.METRIC_SUMMARY_REQUEST_DURATION}")
+            if which != "bool_value":
+                return f"{sc.ATTR_SUMMARY_UNTIMED_COUNTED} is not a bool"
+            once = value.bool_value
+    if kind not in _REQUEST_KINDS and not stage:
         return f"no {sc.ATTR_STAGE} attribute"
-    return model, stage, error, weight
+    return model, stage, error, weight, once or kind == KIND_UNTIMED
 
 
 def _buckets(dp: Any) -> tuple[np.ndarray, np.ndarray] | str:
@@ -166,7 +201,7 @@ def read_point(kind: int, service: str, dp: Any, mapping: KeyMapping) -> Summary
         return buckets
     if dp.count == 0 or dp.flags & _NO_RECORDED_VALUE:
         return None
-    model, stage, error, weight = attrs
+    model, stage, error, weight, once = attrs
     index, counts = buckets
     if kind != KIND_TAIL and dp.HasField("sum") and dp.sum > _most(dp.scale, index, counts):
         # A larger sum would reach the cumulative histogram sums and stay there.
@@ -179,7 +214,7 @@ def read_point(kind: int, service: str, dp: Any, mapping: KeyMapping) -> Summary
         counts = np.concatenate(([float(dp.zero_count)], counts))
     total = dp.sum if dp.HasField("sum") and kind != KIND_TAIL else None
     return SummaryPoint(kind, service, model, stage, error, weight, keys, values, counts,
-                        total, int(dp.count))
+                        total, int(dp.count), once)
 
 
 def read_metric(service: str, metric: Any, mapping: KeyMapping, errors: list[str]
@@ -235,10 +270,12 @@ class _Rows:
         n = p.keys.size
         self.t.append((np.full(n, sid), p.keys, np.full(n, col), values))
 
-    def histogram(self, sid: int, stage: int, p: SummaryPoint, w: np.ndarray) -> None:
-        self.h.append((np.full(p.keys.size, sid << STAGE_BITS | stage), p.values, w))
+    def histogram(self, sid: int, stage: int, p: SummaryPoint, weight: float) -> None:
+        """Every request of ``p`` at ``weight``, in the histograms and their sums."""
+        self.h.append((np.full(p.keys.size, sid << STAGE_BITS | stage), p.values,
+                       p.counts * weight))
         total = p.total if p.total is not None else float(np.dot(p.values, p.counts))
-        self.s.append((sid, stage, total * p.weight, stage != _UNATTRIBUTED))
+        self.s.append((sid, stage, total * weight, stage != _UNATTRIBUTED))
 
 
 def _columns(parts: list[tuple[np.ndarray, ...]], width: int) -> list[np.ndarray]:
@@ -269,18 +306,25 @@ class SummaryPart:
         slice_ = self._slice_at(now)
         rows = _Rows()
         for p in points:
-            sid = self._summary_series(p, p.count if p.kind == KIND_REQUEST else 0, now)
+            request = p.kind in _REQUEST_KINDS
+            sid = self._summary_series(p, p.count if request else 0, now)
             w = p.counts * p.weight
-            if p.kind == KIND_REQUEST:
-                rows.quantiles(sid, _E2E, p, w)
-                rows.tail(sid, p, COL_TRACED, p.counts)
-                rows.tail(sid, p, COL_WEIGHT, w)
-                rows.histogram(sid, _E2E, p, w)
-                self._series_requests[sid] += p.count * p.weight
-                self._summary_requests += p.count
+            if request:
+                per = p.request_weight
+                rows.quantiles(sid, _E2E, p, p.counts * per)
+                rows.histogram(sid, _E2E, p, per)
+                if p.kind == KIND_REQUEST:
+                    # The tail table's rows are the timed requests', weighted as the
+                    # stage exclusive times beside them, whatever the request figures.
+                    rows.tail(sid, p, COL_TRACED, p.counts)
+                    rows.tail(sid, p, COL_WEIGHT, w)
+                    self._summary_requests += p.count
+                else:
+                    self._summary_untimed += p.count
+                self._series_requests[sid] += p.count * per
                 if p.error:
-                    slice_.errors[sid] += p.count * p.weight
-                    self._series_errors[sid] += p.count * p.weight
+                    slice_.errors[sid] += p.count * per
+                    self._series_errors[sid] += p.count * per
                 continue
             col = self._stage_id(p.stage)
             if p.kind == KIND_TAIL:
@@ -292,7 +336,7 @@ class SummaryPart:
                 self._asm._drop(sc.DROP_TOO_MANY_STAGES, p.count)
             else:
                 rows.quantiles(sid, col, p, w)
-                rows.histogram(sid, col, p, w)
+                rows.histogram(sid, col, p, p.weight)
         self._fold_rows(rows, slice_)
 
     def _fold_rows(self, rows: _Rows, slice_: Any) -> None:
@@ -319,7 +363,8 @@ class SummaryPart:
 
 
 __all__ = [
-    "KIND_REQUEST", "KIND_STAGE", "KIND_TAIL", "MAX_BUCKETS", "MAX_SCALE", "MIN_SCALE",
+    "KIND_REQUEST", "KIND_STAGE", "KIND_TAIL", "KIND_UNTIMED", "MAX_BUCKETS", "MAX_SCALE",
+    "MIN_SCALE",
     "SummaryPart", "SummaryPoint", "read_metric", "read_point", "representatives", "service_of",
     "summary_kind",
 ]
