@@ -17,6 +17,8 @@ from inferprof import semconv as sc
 from inferprof.collector import fleet
 from inferprof.collector.attribution import exact_tail_shares
 from inferprof.collector.sketch import exact_weighted_quantile
+from inferprof.report.command import build_documents
+from inferprof.report.dump import write_pb
 from inferprof.timing import partition
 from tests.collector.summary_synth import SummaryBuilder
 from tests.collector.synth import attributes
@@ -216,6 +218,17 @@ def test_fleet_tables_with_untimed_requests_sum_across_engines_and_read_back_exa
     for row, ref_row in zip(doc["stages"], ref["stages"], strict=True):
         assert row["stage"] == ref_row["stage"]
         assert row["share_of_p95"] == pytest.approx(ref_row["share_of_p95"], abs=1e-9)
+
+
+def test_inferprof_report_of_a_file_of_summaries_counts_the_untimed_requests(tmp_path):
+    # The offline report folds a dump's metrics exports through the same engine.
+    path = tmp_path / "run.pb"
+    write_pb(path, [_summaries([REQS[i] for i in part]).export()
+                    for part in np.array_split(np.arange(len(REQS)), 3)])
+    docs = {doc["model"]: doc for doc in build_documents([path], service="svc")}
+    assert set(docs) == {"m", "n"}
+    for model, doc in docs.items():
+        _assert_matches_exact(doc, _exact(REQS, model))
 
 
 def _bad(metrics) -> list[tuple[object, str]]:

@@ -22,6 +22,8 @@ from inferprof.collector.engine import Engine
 from tests.collector.fleet_workload import exports
 from tests.collector.synth import FakeClock
 from tests.collector.test_fleet import assert_same_breakdown
+from tests.collector.test_summaries_untimed import _exact as _exact_summaries
+from tests.collector.test_summaries_untimed import _served, _summaries
 from tests.integration.test_collector_prometheus import (
     DASHBOARD,
     prometheus,  # noqa: F401 - fixture
@@ -231,6 +233,52 @@ def test_three_collectors_summed_in_prometheus_match_one_fed_everything(promethe
             shown = _query(url, expr.replace("$service", "fleet").replace("$model", ".*"))
             assert {r["metric"]["stage"]: float(r["value"][1]) for r in shown} == pytest.approx(
                 figures, rel=0.01)
+    finally:
+        for proc, _ in (*fleet, one):
+            _stop(proc)
+
+
+def _send_metrics(urls: dict[str, str], request) -> None:
+    resp = httpx.post(
+        f"{urls['OTLP/HTTP']}/v1/metrics",
+        content=request.SerializeToString(),
+        headers={"content-type": "application/x-protobuf"},
+        timeout=30,
+    )
+    assert resp.status_code == 200, resp.text
+    assert not resp.content, resp.content  # no partial success: every data point folded
+
+
+def test_three_collectors_fed_untimed_requests_give_the_exact_count_in_prometheus(
+    prometheus,  # noqa: F811
+):
+    # Summaries (contract §15) with requests a timing budget left untimed, counted, and
+    # timed ones marked to count once: the fleet's request count, errors and end-to-end
+    # quantiles summed in Prometheus are those of every request served, as on one
+    # collector fed everything.
+    reqs = [r for r in _served(2400, seed=31) if r["model"] == "m"]
+    exact = _exact_summaries(reqs, "m")
+    fleet = [_collect("--fleet-metrics") for _ in range(3)]
+    one = _collect()
+    try:
+        url = prometheus(*(u["API"].removeprefix("http://") for _, u in fleet),
+                         metrics_path="/metrics/fleet")
+        for i, (_, urls) in enumerate(fleet):
+            _send_metrics(urls, _summaries(reqs[i::3]).export(service="fleet"))
+        _send_metrics(one[1], _summaries(reqs).export(service="fleet"))
+        expected = _breakdown(one[1], exact["requests"])
+        _wait_scraped(url, exact["requests"])
+        out = subprocess.run(
+            [*CLI, "report", "--prometheus", url, "--service", "fleet", "--format", "json"],
+            capture_output=True, text=True, timeout=120, check=False,
+        )
+        assert out.returncode == 0, out.stdout + out.stderr
+        got = json.loads(out.stdout)
+        assert_same_breakdown(got, expected)
+        assert (got["requests"], got["errors"]) == (
+            round(exact["requests"]), round(exact["errors"]))
+        for key in ("p50", "p95", "p99"):
+            assert got["latency"][key] == pytest.approx(exact["latency"][key], rel=0.01)
     finally:
         for proc, _ in (*fleet, one):
             _stop(proc)
