@@ -15,6 +15,9 @@ OTLP/gRPC to a sink in this process.
 
 ``discard`` is ``production`` keeping no trace after the tail sampler's warm-up: the
 path of the ~85% of requests production mode does not keep; ``full`` keeps all.
+``untimed`` (not in the default set: ``--modes off,untimed``) is ``production`` with a
+timing budget that times (nearly) no request after its first tenth of a second: the path
+of a request the budget leaves untimed, counted in the summaries (contract §15).
 
 Instructions are not time: they leave out cache misses and how the CPU overlaps work.
 They are the part of the overhead that does not depend on the machine's mood, and they
@@ -44,15 +47,20 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 MODES = ("none", "off", "production", "discard", "full")
+ALL_MODES = (*MODES, "untimed")
 #: ``discard``: production mode keeping no trace after the tail sampler's warm-up (which
 #: both request counts include, so it cancels): the path every unkept request takes.
 _DISCARD_ENV = {"INFERPROF_SAMPLE_RATE": "0.000001", "INFERPROF_TAIL_QUANTILE": "1.0"}
+#: ``untimed``: one request timed per 100 s per route after the budget's first period
+#: (which both request counts include), when the route learns its model.
+_MODE_ENV = {"discard": _DISCARD_ENV, "untimed": {"INFERPROF_MAX_TIMED_RATE": "0.01"}}
 CLIENTS = 32
 LABELS = {
     "none": "none (uninstrumented)",
     "off": "inferprof off",
     "production": "inferprof production",
     "discard": "inferprof production, no trace kept",
+    "untimed": "inferprof production, untimed",
     "full": "inferprof full",
 }
 
@@ -92,10 +100,10 @@ def child(mode: str, n: int, endpoint: str | None) -> None:
     from inferprof.demo.service import create_app
     from inferprof.demo.settings import DemoSettings
 
-    exporting = mode in ("production", "discard", "full")
+    exporting = mode in ("production", "discard", "full", "untimed")
     app = create_app(
         DemoSettings(
-            instrumentation="production" if mode == "discard" else mode,
+            instrumentation="production" if mode in _MODE_ENV else mode,
             endpoint=endpoint if exporting else None,
             service_name="request-instructions",
             model_size="tiny",
@@ -152,8 +160,7 @@ def count(
     # request rates of callgrind, the timing budget would not apply anyway)
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONHASHSEED="0",
                INFERPROF_MAX_TIMED_RATE="0")
-    if mode == "discard":
-        env.update(_DISCARD_ENV)
+    env.update(_MODE_ENV.get(mode, {}))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"{mode} x {n} failed:\n{proc.stderr[-3000:]}")
@@ -189,9 +196,9 @@ def main() -> int:
               file=sys.stderr)
         return 2
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = sorted(set(modes) - set(MODES))
+    unknown = sorted(set(modes) - set(ALL_MODES))
     if unknown:
-        parser.error(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
+        parser.error(f"unknown modes {unknown}; choose from {', '.join(ALL_MODES)}")
     n1, n2 = (int(x) for x in args.requests.split(","))
     if not 0 < n1 < n2:
         parser.error("--requests takes two counts, the first smaller")
@@ -225,7 +232,7 @@ def main() -> int:
         v = per_request[m]
         ratio = f"{v / base:.3f}" if base else "-"
         extra = f"{v - off:+,.0f}" if off is not None and m not in ("none", "off") else "-"
-        share = f"{kept[m]:.1%}" if m in ("production", "discard", "full") else "-"
+        share = f"{kept[m]:.1%}" if m in ("production", "discard", "full", "untimed") else "-"
         row = f"| {LABELS[m]} | {v:,.0f} | {ratio} | {extra} | {share} |"
         if args.cache_sim:
             row += f" {per_req(m, 'I1mr'):,.0f} | {per_req(m, 'D1mr') + per_req(m, 'D1mw'):,.0f} |"

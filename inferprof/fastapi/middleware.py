@@ -80,6 +80,15 @@ _SSE_JSON = (b"data: {", b"data:{")
 #: Emission times send()'s short path appends to at most: one more goes through
 #: _chunk_sent(), which merges at COMPACT_AT.
 _FAST_TIMES_MAX = COMPACT_AT - 1
+#: Routes whose untimed requests the middleware counts (contract §15), at most: past it,
+#: a route not yet seen is not counted.
+_MAX_ROUTES = 1024
+#: A route's state in ``InferprofMiddleware._route_models``: unseen, or (as a record's
+#: ``summary_model``) not summarised. The other states: a model (``str`` or None), its
+#: untimed requests counted under it; ``(model,)``, not counted while its last timed request
+#: was not summarised; ``_MIXED``, not counted for good (two models).
+_UNCOUNTED: Any = object()
+_MIXED: Any = object()
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -131,12 +140,14 @@ class _HttpRequest(RequestRecord):
         "recv_start",
         "root_path",
         "route",
+        "route_model",
         "sent",
         "ser_end",
         "ser_start",
         "sse_times",
         "status",
         "stream",
+        "summary_model",
     )
 
     async def receive(self) -> Message:
@@ -284,6 +295,12 @@ class _HttpRequest(RequestRecord):
             status = self.status
             return status is not None and status >= 500
         return ends_in_error(error)
+
+    def _summarised(self, model: str | None) -> bool:
+        # (route_model and summary_model: set by the middleware's _close before the
+        # runtime summarises)
+        self.summary_model = model
+        return self.route_model == model  # a state other than a model equals none
 
     def _complete(self) -> None:
         # A body-less request (GET; or a streaming response listening for disconnects)
@@ -513,6 +530,10 @@ class InferprofMiddleware:
         #: instrument(app, fastapi_tracing=True): FastAPI's spans were kept on purpose
         self._fastapi_tracing = _fastapi_tracing
         self._runtime: Runtime | None = None
+        #: id(route) -> the route's state (_UNCOUNTED's comment), learnt from its timed
+        #: requests; ``_route_refs`` holds the routes, so that their ids stay theirs
+        self._route_models: dict[int, Any] = {}
+        self._route_refs: dict[int, Any] = {}
         #: (runtime, _content_limit_for(runtime)), worked out once per runtime
         self._content_limit: tuple[Runtime, int] | None = None
         if tracer_provider is not None:
@@ -548,14 +569,43 @@ class InferprofMiddleware:
         if not share:
             # Not timed: its stages record nothing, as with inferprof off; a trace context
             # it came with stays current, for the calls it makes downstream.
+            summaries = rt.summaries
+            if summaries is not None:  # counted, when its route is (contract §15)
+                start = _time_ns()
+                error = False
+                answer = [0, 0]  # its status; when its last body chunk was handed over
+
+                # A plain function returning the server's awaitable, not a coroutine of
+                # its own, and a closure, not an object: each would cost about as much as
+                # the rest of the count. So the end is when the last chunk is handed to
+                # the server's send, not when that returns (as for a timed request).
+                def send(message: Message, send: Send = send, answer: list = answer
+                         ) -> Awaitable[None]:
+                    if message["type"] == "http.response.start":
+                        answer[0] = message.get("status") or 0
+                    elif not answer[1] and not message.get("more_body", False):
+                        answer[1] = _time_ns()
+                    return send(message)
             otel_token = _attach_incoming(scope)
             token = SCOPE.set(UNTIMED)
             try:
                 await self.app(scope, receive, send)
+            except BaseException as exc:
+                if summaries is not None:
+                    error = ends_in_error(exc)
+                raise
             finally:
                 reset_scope(token)
                 if otel_token is not None:
                     detach_context(otel_token)
+                if summaries is not None:
+                    model = self._route_models.get(id(scope.get("route")), _UNCOUNTED)
+                    if model is None or model.__class__ is str:
+                        try:
+                            summaries.add_untimed((start, answer[1] or _time_ns(),
+                                                   error or answer[0] >= 500, model))
+                        except Exception:  # (a status that is no number)
+                            _logger.exception("inferprof could not count a request")
             return
         try:
             rec = self._open(rt, scope, receive, send, path)
@@ -680,7 +730,40 @@ class InferprofMiddleware:
         except Exception:
             _logger.exception("inferprof could not name a request")
         rec.end = rec.ser_end or now
+        if rt.summaries is None or rt.timing_budget is None:  # no request goes untimed
+            rt.finish_request(rec)
+            return
+        # What the route's untimed requests are counted under, for the mark on this one
+        # (_summarised), then what this one teaches about the route.
+        route = scope.get("route")
+        key = id(route)
+        rec.route_model = self._route_models.get(key, _UNCOUNTED)
+        rec.summary_model = _UNCOUNTED
         rt.finish_request(rec)
+        try:
+            self._learn(route, key, rec.summary_model)
+        except Exception:
+            _logger.exception("inferprof could not follow a route's model")
+
+    def _learn(self, route: Any, key: int, model: Any) -> None:
+        """A timed request of ``route`` was summarised under ``model`` (``_UNCOUNTED``:
+        not summarised): the route's state from now on (contract §15: counted while its
+        last timed request was summarised, under the one model its timed requests name)."""
+        models = self._route_models
+        state = models.get(key, _UNCOUNTED)
+        if state is model or state == model:  # the usual case: nothing changes
+            return
+        if model is _UNCOUNTED:
+            if state is None or state.__class__ is str:
+                models[key] = (state,)
+        elif state is _UNCOUNTED:
+            if len(models) < _MAX_ROUTES:
+                self._route_refs[key] = route
+                models[key] = model
+        elif state.__class__ is tuple:
+            models[key] = model if state[0] == model else _MIXED
+        elif state is not _MIXED:
+            models[key] = _MIXED
 
 
 def _incoming_carrier(scope: Scope) -> dict[str, str] | None:

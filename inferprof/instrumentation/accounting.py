@@ -113,12 +113,15 @@ class StatsSnapshot:
     spans_dropped_shutdown: int = 0
     #: timed requests handed to the summaries (contract §15)
     requests_summarised: int = 0
-    #: summarised requests that never reached the exporter's backend: the buffer was full,
-    #: their export failed, or shutdown's time ran out
+    #: summarised (or counted untimed) requests that never reached the exporter's backend:
+    #: the buffer was full, their export failed, or shutdown's time ran out
     summaries_dropped: int = 0
     #: summary exports that succeeded / failed
     summary_exports: int = 0
     summary_exports_failed: int = 0
+    #: untimed requests counted in the summaries (contract §15, "Requests not timed");
+    #: those dropped count in ``summaries_dropped`` too
+    requests_untimed_counted: int = 0
 
     @property
     def spans_dropped(self) -> int:
@@ -145,6 +148,7 @@ class Stats:
         "summary_export_failed",
         "summary_exports",
         "untimed",
+        "untimed_counted",
     )
 
     def __init__(self) -> None:
@@ -160,6 +164,7 @@ class Stats:
         self.summary_dropped = 0
         self.summary_exports = 0
         self.summary_export_failed = 0
+        self.untimed_counted = 0
         self._lock = threading.Lock()
 
     def snapshot(self) -> StatsSnapshot:
@@ -176,6 +181,7 @@ class Stats:
             summaries_dropped=self.summary_dropped,
             summary_exports=self.summary_exports,
             summary_exports_failed=self.summary_export_failed,
+            requests_untimed_counted=self.untimed_counted,
         )
 
 

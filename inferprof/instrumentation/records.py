@@ -180,6 +180,13 @@ class RequestRecord:
         the request ends."""
         return ends_in_error(self.error)
 
+    def _summarised(self, model: str | None) -> bool:
+        """For the summaries: the request is summarised under ``model``; return whether
+        its untimed siblings are counted under that model too (contract §15, "The mark on
+        timed requests"). Only a subclass that counts untimed requests says True. Called
+        at most once, by the runtime, when the request ends."""
+        return False
+
     def _complete(self) -> None:
         """The request is kept: add what only its trace needs (a subclass's deferred
         stages and attributes). Called once, by the runtime, before the spans are built."""

@@ -425,7 +425,7 @@ class Runtime:
         if model is not None and not isinstance(model, str):
             model = None  # the collector's series for a model that is not a string
         return self.summaries.add(  # type: ignore[union-attr]  # (finish_request checked)
-            (rec.start, end, error, model, rec.weight_hint, tuple(flat), False)
+            (rec.start, end, error, model, rec.weight_hint, tuple(flat), rec._summarised(model))
         )
 
     @staticmethod

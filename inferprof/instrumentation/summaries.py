@@ -130,11 +130,14 @@ class Summaries:
             export_timeout_s if export_timeout_s is not None else max(1.0, self.interval_s)
         )
         self._pending: deque[tuple[Any, ...]] = deque()
+        #: untimed requests waiting to be folded (add_untimed), bounded as _pending
+        self._untimed: deque[tuple[Any, ...]] = deque()
         self._closed = False
         # Folded since the last export; touched by the export thread only.
         self._requests: dict[_Key, _Buckets] = {}
         self._stages: dict[_Key, _Buckets] = {}
         self._tail: dict[_Key, _Buckets] = {}
+        self._counted: dict[_Key, _Buckets] = {}  # the untimed requests'
         self._folded = 0  # requests in the state above
         self._folding = 0  # requests taken off the queue by the fold under way
         self._in_flight = 0  # requests in the export under way
@@ -167,8 +170,8 @@ class Summaries:
         # child's thread did not survive the fork.
         if self._closed:
             return
-        self._pending = deque()
-        self._requests, self._stages, self._tail = {}, {}, {}
+        self._pending, self._untimed = deque(), deque()
+        self._requests, self._stages, self._tail, self._counted = {}, {}, {}, {}
         self._folded = self._folding = self._in_flight = 0
         self._account = threading.Lock()  # the parent's export thread may have held it
         self._last_export = time.time_ns()
@@ -199,17 +202,33 @@ class Summaries:
             self._drain()
         return True
 
+    def add_untimed(self, entry: tuple[Any, ...]) -> bool:
+        """Count one finished request that was not timed, ``(start_ns, end_ns, error,
+        model)``, in ``inferprof.summary.request.untimed`` at its end-to-end latency.
+        False (counted as dropped) when full or closed."""
+        pending = self._untimed
+        if len(pending) >= self._max_pending or self._closed:
+            self._stats.summary_dropped += 1
+            return False
+        pending.append(entry)
+        self._stats.untimed_counted += 1
+        if len(pending) >= self._fold_at and not self._wake.is_set():
+            self._wake.set()
+        if self._closed and not self._thread.is_alive():
+            self._drain()  # (as in add())
+        return True
+
     def _drain(self) -> None:
         """Count what waits to be folded as dropped, once the export thread is done.
         Entry by entry: request threads may drain at the same time."""
-        pending = self._pending
         n = 0
-        while True:
-            try:
-                pending.popleft()
-            except IndexError:
-                break
-            n += 1
+        for pending in (self._pending, self._untimed):
+            while True:
+                try:
+                    pending.popleft()
+                except IndexError:
+                    break
+                n += 1
         if n:
             self._stats.summary_dropped += n
 
@@ -231,24 +250,33 @@ class Summaries:
                 return
 
     def _fold(self) -> None:
-        pending = self._pending
-        n = len(pending)
-        if not n:
+        pending, untimed = self._pending, self._untimed
+        n, u = len(pending), len(untimed)
+        if not n and not u:
             return
         with self._account:  # close() counts them whichever side of the fold they are
             entries = [pending.popleft() for _ in range(n)]
-            self._folding = n
-        try:
-            dropped = self._fold_entries(entries)
-        except Exception:
-            _logger.exception("inferprof could not summarise %d requests", n)
-            dropped = n
+            counted = [untimed.popleft() for _ in range(u)]
+            self._folding = n + u
+        dropped = 0
+        if n:
+            try:
+                dropped = self._fold_entries(entries)
+            except Exception:
+                _logger.exception("inferprof could not summarise %d requests", n)
+                dropped = n
+        if u:
+            try:
+                dropped += self._fold_untimed(counted)
+            except Exception:
+                _logger.exception("inferprof could not count %d untimed requests", u)
+                dropped += u
         with self._account:
             self._folding = 0
             if self._abandoned:  # close() counted these as dropped when it gave up
                 return
             self._stats.summary_dropped += dropped
-            self._folded += n - dropped
+            self._folded += n + u - dropped
 
     def _fold_entries(self, entries: list[tuple[Any, ...]]) -> int:
         """Fold requests into the state; returns how many were dropped (past the key
@@ -313,6 +341,32 @@ class Summaries:
                           amounts[some], extreme_unit=1e9)
         return int(lost.sum()) if lost is not None else 0
 
+    def _fold_untimed(self, entries: list[tuple[Any, ...]]) -> int:
+        """Fold untimed requests into their own metric's state, one data point per
+        (model, error); returns how many were dropped (their data point past the key
+        bound)."""
+        n = len(entries)
+        e2e = (np.fromiter(map(_SECOND, entries), np.int64, n)
+               - np.fromiter(map(_FIRST, entries), np.int64, n)).astype(np.float64) * _NS
+        models = list(map(_MODEL, entries))
+        codes = dict.fromkeys(models)
+        if not {type(m) for m in codes} <= {str, type(None)}:
+            models = [_model(m) for m in models]
+            codes = dict.fromkeys(models)
+        errors = np.fromiter(map(_ERROR, entries), bool, n)
+        if len(codes) == 1:  # the usual case: one model
+            gid = errors.astype(np.int64)
+        else:
+            for i, model in enumerate(codes):
+                codes[model] = i
+            gid = np.fromiter(map(codes.__getitem__, models), np.int64, n) * 2 + errors
+        keys = [(model, 1.0, error) for model in codes for error in (False, True)]
+        lost = self._fold_values(self._counted, keys, gid, e2e)
+        return int(np.isin(gid, list(lost)).sum()) if lost else 0
+
+    def _keys_used(self) -> int:
+        return len(self._requests) + len(self._stages) + len(self._tail) + len(self._counted)
+
     def _past_bound(self, req_keys: list[_Key], req_group: npt.NDArray[np.int64],
                     pair_keys: list[_Key], pair_group: npt.NDArray[np.int64],
                     pair_req: npt.NDArray[np.int64],
@@ -322,7 +376,7 @@ class Summaries:
         first served: a data point holding a part of the requests another one counts
         would bias the collector's shares and tail attribution."""
         tables = (self._requests, self._stages, self._tail)
-        used = sum(map(len, tables))
+        used = self._keys_used()
         new = {(t, g) for t, keys, gid in ((0, req_keys, req_group),
                                            (1, pair_keys, pair_group),
                                            (2, pair_keys, pair_group[tail]))
@@ -401,7 +455,7 @@ class Summaries:
     def _slot(self, table: dict[_Key, _Buckets], key: _Key) -> _Buckets | None:
         b = table.get(key)
         if b is None:
-            if len(self._requests) + len(self._stages) + len(self._tail) >= self._max_keys:
+            if self._keys_used() >= self._max_keys:
                 return None
             b = table[key] = _Buckets()
         return b
@@ -409,15 +463,15 @@ class Summaries:
     def _export(self) -> None:
         now = time.time_ns()
         start, self._last_export = self._last_export, now
-        requests, stages, tail = self._requests, self._stages, self._tail
+        tables = (self._requests, self._stages, self._tail, self._counted)
         with self._account:  # in the export from now on, for close()
             folded, self._folded = self._folded, 0
             self._in_flight = folded
-        self._requests, self._stages, self._tail = {}, {}, {}
-        if not requests:
+        self._requests, self._stages, self._tail, self._counted = {}, {}, {}, {}
+        if not tables[0] and not tables[3]:
             self._in_flight = 0
             return
-        data = self._metrics_data(requests, stages, tail, start, now)
+        data = self._metrics_data(*tables, start, now)
         try:
             result = self._exporter.export(
                 data, timeout_millis=self._export_timeout_s * 1000
@@ -437,8 +491,8 @@ class Summaries:
                 self._stats.summary_dropped += folded
 
     def _metrics_data(self, requests: dict[_Key, _Buckets], stages: dict[_Key, _Buckets],
-                      tail: dict[_Key, _Buckets], start: int,
-                      now: int) -> Any:
+                      tail: dict[_Key, _Buckets], counted: dict[_Key, _Buckets],
+                      start: int, now: int) -> Any:
         from opentelemetry.sdk.metrics.export import (
             AggregationTemporality,
             ExponentialHistogram,
@@ -448,13 +502,14 @@ class Summaries:
             ScopeMetrics,
         )
 
-        scale = self._export_scale((requests, stages, tail))
+        scale = self._export_scale((requests, stages, tail, counted))
         shift = self.scale - scale
         metrics = []
         for name, unit, table, extra in (
             (semconv.METRIC_SUMMARY_REQUEST_DURATION, "s", requests, _error_attr),
             (semconv.METRIC_SUMMARY_STAGE_DURATION, "s", stages, _stage_attr),
             (semconv.METRIC_SUMMARY_STAGE_TAIL, "ns", tail, _stage_attr),
+            (semconv.METRIC_SUMMARY_REQUEST_UNTIMED, "s", counted, _error_attr),
         ):
             points = [
                 _point(b, _attributes(key[0], key[1], extra(*key[2:])), start, now, scale,
@@ -507,7 +562,8 @@ class Summaries:
             # dropped with the rest, and the export, should it end later, counts nothing.
             with self._account:
                 self._abandoned = True
-                left = len(self._pending) + self._folding + self._folded + self._in_flight
+                left = (len(self._pending) + len(self._untimed) + self._folding
+                        + self._folded + self._in_flight)
             self._stats.summary_dropped += left
             _logger.warning(
                 "inferprof's summary exporter did not finish within %.1f s: %d requests "
