@@ -89,6 +89,10 @@ _MAX_ROUTES = 1024
 #: was not summarised; ``_MIXED``, not counted for good (two models).
 _UNCOUNTED: Any = object()
 _MIXED: Any = object()
+# A counted untimed request's send() is a plain function returning the
+# server's awaitable, not a coroutine of its own, and a closure, not an object: each would
+# cost about as much as the rest of the count. So its end is when the last body chunk is
+# handed to the server's send, not when that returns (as for a timed request).
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -575,10 +579,7 @@ class InferprofMiddleware:
                 error = False
                 answer = [0, 0]  # its status; when its last body chunk was handed over
 
-                # A plain function returning the server's awaitable, not a coroutine of
-                # its own, and a closure, not an object: each would cost about as much as
-                # the rest of the count. So the end is when the last chunk is handed to
-                # the server's send, not when that returns (as for a timed request).
+                # (why a closure returning the server's awaitable: by the module's constants)
                 def send(message: Message, send: Send = send, answer: list = answer
                          ) -> Awaitable[None]:
                     if message["type"] == "http.response.start":
