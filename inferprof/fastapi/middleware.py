@@ -301,8 +301,6 @@ class _HttpRequest(RequestRecord):
         return ends_in_error(error)
 
     def _summarised(self, model: str | None) -> bool:
-        # (route_model and summary_model: set by the middleware's _close before the
-        # runtime summarises)
         self.summary_model = model
         return self.route_model == model  # a state other than a model equals none
 
@@ -672,6 +670,7 @@ class InferprofMiddleware:
         rec.recv_start = rec.recv_end = rec.received = 0
         rec.ser_start = rec.ser_end = rec.sent = 0
         rec.status = rec.route = None
+        rec.route_model = rec.summary_model = _UNCOUNTED  # (_close sets them when it counts)
         rec.disconnected = False
         rec.stream = _NOT_STREAMED
         rec.chunk_times = rec.chunk_tokens = rec.sse_times = None

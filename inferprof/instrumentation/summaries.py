@@ -17,6 +17,11 @@ that they are dropped and counted: ``summary_dropped``), and the folded state is
 bucket map per (model, weight, stage) key, at most ``max_keys`` of them. An exporter that
 fails or hangs costs the summaries it held (counted), never the service: it runs on the
 daemon thread, and :meth:`Summaries.close` waits for it only up to its timeout.
+
+Requests a timing budget left untimed may be counted too (:meth:`Summaries.add_untimed`:
+a four-tuple on a bounded deque of its own), into a fourth histogram of their end-to-end
+latencies in the same export; timed entries then say whether their untimed siblings are
+counted (contract §15, "Requests not timed").
 """
 
 from __future__ import annotations

@@ -263,3 +263,26 @@ def test_a_route_is_counted_while_its_last_timed_request_was_summarised_under_on
         seen[f"{'marked' if attrs.get(_MARK) else 'unmarked'} {attrs.get(_MODEL, '-')}"] += (
             d["count"])
     assert seen == Counter(want for _, _, want in steps if want is not None)
+
+
+def test_with_every_request_timed_nothing_is_marked_and_nothing_counted_untimed(clock):
+    # max_timed_rate=0: no timing budget, no request untimed; summaries as before
+    app = FastAPI()
+
+    @app.post("/a")
+    async def a(body: dict):
+        with inferprof.stage("compute"):
+            clock.tick(MS * (1 + body["i"] % 3))
+        return {}
+
+    inferprof.fastapi.instrument(app, model_name="m")
+    exporter = MemoryExporter()
+    with captured(mode="production", max_timed_rate=0, summary_exporter=exporter,
+                  summary_interval_s=3600):
+        asyncio.run(_send(app, [("/a", i) for i in range(30)]))
+        inferprof.shutdown()
+        snap = inferprof.instrumentation.stats()
+    assert snap.requests_summarised == 30 and not snap.requests_untimed_counted
+    got = decode(exporter.exports)
+    assert _UNTIMED not in got
+    assert {k: d["count"] for k, d in got[_REQ].items()} == {((_MODEL, "m"),): 30}
