@@ -20,6 +20,11 @@ When ``opentelemetry-instrumentation-fastapi`` (or any ASGI instrumentation) alr
 a SERVER span for the request, that span is enriched (model name, sample weight) and
 inferprof's stages hang under it, instead of a second request span being created.
 
+In ``production`` mode a request the timing budget leaves untimed records nothing, but is
+counted in the summaries at its end-to-end latency (contract §15, "Requests not timed")
+when its route is counted: the route's last timed request was summarised, under the one
+model its timed requests name (learnt at their end, :meth:`InferprofMiddleware._learn`).
+
 Nothing about the request's content (bodies, header values) is recorded unless
 ``record_content=True``; then only a prefix of each body (``content_max_bytes``).
 """
@@ -89,10 +94,10 @@ _MAX_ROUTES = 1024
 #: was not summarised; ``_MIXED``, not counted for good (two models).
 _UNCOUNTED: Any = object()
 _MIXED: Any = object()
-# A counted untimed request's send() is a plain function returning the
-# server's awaitable, not a coroutine of its own, and a closure, not an object: each would
-# cost about as much as the rest of the count. So its end is when the last body chunk is
-# handed to the server's send, not when that returns (as for a timed request).
+# A counted untimed request's send() is a plain function returning the server's awaitable,
+# not a coroutine of its own, and a closure, not an object: each would cost about as much
+# as the rest of the count. So its end is when the last body chunk is handed to the
+# server's send, not when that returns (as for a timed request).
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
