@@ -286,3 +286,58 @@ def test_with_every_request_timed_nothing_is_marked_and_nothing_counted_untimed(
     got = decode(exporter.exports)
     assert _UNTIMED not in got
     assert {k: d["count"] for k, d in got[_REQ].items()} == {((_MODEL, "m"),): 30}
+
+
+def test_the_collector_counts_every_request_served_exactly(clock):
+    # End to end: the summaries (and the kept traces) of a service whose requests are
+    # mostly untimed, encoded by the SDK's OTLP encoders and folded by the collector's
+    # engine, give the request count and errors of every request served, and end-to-end
+    # quantiles to the buckets' accuracy.
+    from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+
+    from inferprof.collector.engine import Engine
+    from inferprof.collector.sketch import exact_weighted_quantile
+    from tests.collector.synth import FakeClock as SecondsClock
+
+    log: list = []
+    app = _app(clock, log)
+    exporter = MemoryExporter()
+    paths = ("/a", "/b", "/nope")
+    n = 200
+    with captured(mode="production", max_timed_rate=100, sample_rate=0.05,
+                  summary_exporter=exporter, summary_interval_s=3600) as cap:
+        rt = inferprof._config.active_runtime()
+        budget_clock = BudgetClock()
+        rt.timing_budget = TimingBudget(100, clock=budget_clock)
+        asyncio.run(_send(app, [(p, 1) for p in paths]))  # every route learns its model
+        for path in paths:
+            for _ in range(1600):
+                rt.timing_budget.share(path)
+        budget_clock.now += 1.0
+        asyncio.run(_send(app, [(p, i) for i in range(n) for p in paths]))
+        inferprof.shutdown()
+        spans = cap.spans()
+        service = cap.provider.resource.attributes[semconv.RESOURCE_SERVICE_NAME]
+        snap = inferprof.instrumentation.stats()
+    assert snap.requests_untimed > 2 * n  # most requests untimed
+    served = len(paths) * (n + 1)
+    # the handlers' latencies, and 0 for the 404s (no handler: the clock does not move)
+    e2e = [ns * 1e-9 for _, _, _, ns, _ in log] + [0.0] * (n + 1)
+    errors = sum(1 for route, _, _, _, error in log if error)
+    assert len(e2e) == served and errors == sum(
+        1 for i in [1, *range(n)] if i % 5 == 0 or i % 7 == 0)
+    engine = Engine(clock=SecondsClock(clock.now * 1e-9 + 60), settle_s=0.0)
+    for data in exporter.exports:
+        result = engine.ingest_metrics(encode_metrics(data))
+        assert result.rejected_spans == 0, result.errors
+    assert spans  # a few kept traces: marked counted, drill-down only
+    result = engine.ingest_traces(encode_spans(spans))
+    assert result.rejected_spans == 0, result.errors
+    engine.flush()
+    doc = engine.breakdown(service, window_s=None)
+    assert doc["requests"] == served
+    assert doc["errors"] == errors
+    for k, q in {"p50": 0.5, "p95": 0.95, "p99": 0.99}.items():
+        assert doc["latency"][k] == pytest.approx(exact_weighted_quantile(e2e, None, q),
+                                                  rel=0.01), k
