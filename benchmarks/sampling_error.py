@@ -46,11 +46,14 @@ slow requests kept at the weight of a timed slow request (1 / the share).
 The production rows (``--production-only`` for them alone) simulate one replica's
 ``--window`` seconds (default 60) of each scenario under production mode's defaults: the
 real ``TimingBudget`` at the default ``max_timed_rate`` (and with every request timed),
-the default sampler over the timed requests. A real ``Engine`` reads them twice: from the
+the default sampler over the timed requests. A real ``Engine`` reads them: from the
 kept traces alone, as before summaries, and from the summaries of every timed request
 (contract §15, built by the producer's own accumulator ``instrumentation.summaries`` and
 encoded by the SDK's OTLP encoder) plus the same traces, marked
-``inferprof.summary.counted``. Both against the exact figures of every request in the window:
+``inferprof.summary.counted``; under a budget, a third time from the same summaries, traces
+and every untimed request counted (``inferprof.summary.request.untimed``, the timed ones
+marked ``inferprof.summary.untimed_counted``, as the middleware does on a counted route).
+Each against the exact figures of every request in the window:
 request count, e2e p95, worst stage p95, worst ``share_of_p95`` and the verdict (taken from
 the exact shares with the document's GPU and queue evidence).
 """
@@ -564,6 +567,8 @@ def run(
 
 #: Seconds of one replica's traffic in the production rows' window.
 WINDOW_S = 60.0
+#: The production rows' pipeline whose untimed requests are counted (§15's fourth metric).
+UNTIMED_COUNTED = "summaries, untimed counted, + traces"
 
 
 def window_requests(scen: Scenario, window_s: float) -> int:
@@ -608,35 +613,43 @@ class _Kept(MetricExporter):
         return None
 
 
-def summary_exports(w: Workload, timed: np.ndarray, weights: np.ndarray
-                    ) -> list[ExportMetricsServiceRequest]:
+def summary_exports(w: Workload, timed: np.ndarray, weights: np.ndarray,
+                    untimed_counted: bool = False) -> list[ExportMetricsServiceRequest]:
     """Contract §15's metrics over the ``timed`` requests, each at its weight, from the
     producer's own accumulator (``instrumentation.summaries.Summaries``: ``timing.partition``
-    and ``timing.exp_index`` at scale 7), encoded by the SDK's OTLP encoder."""
+    and ``timing.exp_index`` at scale 7), encoded by the SDK's OTLP encoder.
+    ``untimed_counted``: the others counted too (``inferprof.summary.request.untimed``,
+    what the middleware does on a counted route), the timed ones marked."""
     exporter = _Kept()
     stats = Stats()
     rows = np.flatnonzero(timed).tolist()
     summaries = Summaries(
         exporter, SdkResource({sc.RESOURCE_SERVICE_NAME: SERVICE}),
         InstrumentationScope(sc.INSTRUMENTATION_SCOPE), stats, interval_s=3600.0,
-        max_pending=len(rows) + 1)
+        max_pending=len(timed) + 1)
     bounds = (w.bounds + round(BASE_UNIX * 1e9)).tolist()
     for i in rows:
         b = bounds[i]
         spans = tuple(x for k, stage in enumerate(STAGES) for x in (stage, b[k], b[k + 1]))
-        summaries.add((b[0], b[-1], False, MODEL, float(weights[i]), spans, False))
+        summaries.add((b[0], b[-1], False, MODEL, float(weights[i]), spans, untimed_counted))
+    if untimed_counted:
+        for i in np.flatnonzero(~timed).tolist():
+            b = bounds[i]
+            summaries.add_untimed((b[0], b[-1], False, MODEL))
     summaries.close(600.0)
     assert stats.summarised == len(rows) and not stats.summary_dropped, stats
     return [encode_metrics(data) for data in exporter.exports]
 
 
 def production_breakdown(w: Workload, spans: Spans, order: np.ndarray, timed: np.ndarray,
-                         shares: np.ndarray, trace_weights: np.ndarray) -> dict:
+                         shares: np.ndarray, trace_weights: np.ndarray,
+                         untimed_counted: bool = False) -> dict:
     """The engine's breakdown from the summaries of the ``timed`` requests (weight
-    1/share) and the kept traces (``trace_weights``, NaN: not kept), marked counted."""
+    1/share; with ``untimed_counted`` the others counted too) and the kept traces
+    (``trace_weights``, NaN: not kept), marked counted."""
     engine = Engine(clock=FakeClock(), settle_s=0.0, retention_s=math.inf)
     engine.ingest_metrics(gpu_metrics(w.gpu_samples, hw_id=GPU_ID))
-    for export in summary_exports(w, timed, 1.0 / shares):
+    for export in summary_exports(w, timed, 1.0 / shares, untimed_counted):
         result = engine.ingest_metrics(export)
         assert result.rejected_spans == 0, result
     builder = TraceBuilder(SERVICE)
@@ -692,11 +705,15 @@ def production_run(scenario: Scenario, seed: int, window_s: float = WINDOW_S,
     kept = float(np.mean(~np.isnan(trace_weights)))
     tail = w.e2e_ns * 1e-9 >= np.quantile(w.e2e_ns * 1e-9, 0.95)
     out = {}
-    for name, doc in (
+    docs = [
         ("traces only", breakdown(w, spans, order, trace_weights)),
         ("summaries + traces", production_breakdown(w, spans, order, timed, shares,
                                                     trace_weights)),
-    ):
+    ]
+    if not timed.all():  # untimed requests to count
+        docs.append((UNTIMED_COUNTED, production_breakdown(
+            w, spans, order, timed, shares, trace_weights, untimed_counted=True)))
+    for name, doc in docs:
         exact = exact_figures(w, doc["gpu"], doc["queue"])
         errs = compare(figures(doc), exact, kept, float(np.mean(~np.isnan(trace_weights[tail]))),
                        float(np.mean(timed[tail])))
@@ -718,8 +735,10 @@ def _production_table(args: argparse.Namespace) -> list[str]:
         runs = [production_run(scen, args.seed + s, args.window, rate)
                 for s in range(args.seeds)]
         budget = f"budget {rate:g}/s" if rate else "every request timed"
-        for pipeline in ("traces only", "summaries + traces"):
-            errs = [r[pipeline] for r in runs]
+        for pipeline in ("traces only", "summaries + traces", UNTIMED_COUNTED):
+            errs = [r[pipeline] for r in runs if pipeline in r]
+            if not errs:
+                continue
             worst = max(errs, key=lambda e: e.errors.stage_p95)
             lines.append(
                 f"| {scen.name}, {budget}: {pipeline} | {int(np.median([e.n for e in errs])):,} "
