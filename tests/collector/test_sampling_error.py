@@ -63,3 +63,18 @@ def test_summaries_count_every_timed_request_of_a_window_exactly():
     assert max(both.errors.e2e) <= 0.02, both.errors
     assert both.errors.share_pp <= 1.0 and both.errors.verdict_ok
     assert traces.errors.stage_p95 > both.errors.stage_p95
+
+
+def test_untimed_requests_counted_make_request_count_and_e2e_exact_under_the_budget():
+    # The default timing budget: a share of the requests timed. With the untimed ones
+    # counted (§15's fourth metric, the timed ones marked), the request count is exact and
+    # the e2e quantiles are those of every request (bucket + sketch); from the timed share
+    # alone both are estimates. Stage figures still come from the timed share.
+    runs = sampling_error.production_run(
+        sampling_error.SCENARIOS["compute-bound"], seed=2, window_s=10.0,
+        rate=sampling_error.DEFAULT_MAX_TIMED_RATE)
+    counted, timed_only = runs[sampling_error.UNTIMED_COUNTED], runs["summaries + traces"]
+    assert 0.05 < counted.timed < 0.9
+    assert counted.requests == 0.0 and timed_only.requests > 0.0
+    assert max(counted.errors.e2e) <= 0.01, counted.errors
+    assert counted.errors.stage_p95 == timed_only.errors.stage_p95
