@@ -22,8 +22,9 @@ inferprof's stages hang under it, instead of a second request span being created
 
 In ``production`` mode a request the timing budget leaves untimed records nothing, but is
 counted in the summaries at its end-to-end latency (contract §15, "Requests not timed")
-when its route is counted: the route's last timed request was summarised, under the one
-model its timed requests name (learnt at their end, :meth:`InferprofMiddleware._learn`).
+when its route is counted: the route's last answered timed request was summarised, under
+the one model its timed requests name (learnt at their end,
+:meth:`InferprofMiddleware._learn`), and the request was answered.
 
 Nothing about the request's content (bodies, header values) is recorded unless
 ``record_content=True``; then only a prefix of each body (``content_max_bytes``).
@@ -307,7 +308,9 @@ class _HttpRequest(RequestRecord):
 
     def _summarised(self, model: str | None) -> bool:
         self.summary_model = model
-        return self.route_model == model  # a state other than a model equals none
+        # a state other than a model equals none; not answered: its untimed likes are not
+        # counted (the untimed branch of InferprofMiddleware.__call__)
+        return self.route_model == model and self.ser_start != 0
 
     def _complete(self) -> None:
         # A body-less request (GET; or a streaming response listening for disconnects)
@@ -586,7 +589,7 @@ class InferprofMiddleware:
                 def send(message: Message, send: Send = send, answer: list = answer
                          ) -> Awaitable[None]:
                     if message["type"] == "http.response.start":
-                        answer[0] = message.get("status") or 0
+                        answer[0] = message.get("status") or -1  # (0: no answer started)
                     elif not answer[1] and not message.get("more_body", False):
                         answer[1] = _time_ns()
                     return send(message)
@@ -604,7 +607,9 @@ class InferprofMiddleware:
                     detach_context(otel_token)
                 if summaries is not None:
                     model = self._route_models.get(id(scope.get("route")), _UNCOUNTED)
-                    if model is None or model.__class__ is str:
+                    # Only an answered request: a timed one that was not answered is not
+                    # marked (_summarised), and may have no stage span to be summarised by.
+                    if answer[0] and (model is None or model.__class__ is str):
                         try:
                             summaries.add_untimed((start, answer[1] or _time_ns(),
                                                    error or answer[0] >= 500, model))
@@ -745,6 +750,8 @@ class InferprofMiddleware:
         rec.route_model = self._route_models.get(key, _UNCOUNTED)
         rec.summary_model = _UNCOUNTED
         rt.finish_request(rec)
+        if not rec.ser_start:  # not answered: neither counted untimed nor marked, whatever
+            return             # the route's state, so it teaches nothing about the route
         try:
             self._learn(route, key, rec.summary_model)
         except Exception:

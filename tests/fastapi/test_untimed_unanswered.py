@@ -1,0 +1,139 @@
+"""Requests that end with no answer started (an exception before the response) on a
+route whose untimed requests are counted (contract §15): a timed one may have no stage
+span, so it is counted from its trace at the budget's weight, covering its untimed likes.
+So those are not counted untimed (nor is a timed one marked): each request counts once,
+and the collector's request count and errors are unbiased, exact for the answered ones."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+import inferprof
+import inferprof.fastapi
+from inferprof import semconv
+from inferprof.fastapi import middleware
+from inferprof.instrumentation import stage as stage_module
+from inferprof.instrumentation.sampling import TimingBudget
+from tests.instrumentation.helpers import captured
+from tests.instrumentation.test_summaries import FakeClock, MemoryExporter, decode
+
+MS = 1_000_000
+_UNTIMED = semconv.METRIC_SUMMARY_REQUEST_UNTIMED
+_REQ = semconv.METRIC_SUMMARY_REQUEST_DURATION
+_ERROR = semconv.ATTR_REQUEST_ERROR
+
+
+class BudgetClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    c = FakeClock()
+    monkeypatch.setattr(stage_module, "_time_ns", c)
+    monkeypatch.setattr(middleware, "_time_ns", c)
+    return c
+
+
+def test_unanswered_requests_are_not_counted_untimed_so_each_request_counts_once(
+        clock, monkeypatch):
+    from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+
+    from inferprof.collector.engine import Engine
+    from tests.collector.synth import FakeClock as SecondsClock
+
+    app = FastAPI()
+    kinds = ("raise", "stage-raise", "body-raise", "503", "stream-raise", "ok", "ok", "ok")
+
+    @app.post("/r")
+    async def r(request: Request):
+        how = request.query_params["how"]
+        if how == "body-raise":
+            await request.body()
+            raise RuntimeError("after the body")
+        if how == "raise":  # no body read, no stage, no answer: no stage span if timed
+            raise RuntimeError("before anything")
+        with inferprof.stage("compute"):
+            clock.tick(MS)
+        if how == "stage-raise":
+            raise RuntimeError("after a stage")
+        timed.append(inferprof.current_request() is not None)
+        if how == "503":
+            return JSONResponse({}, status_code=503)
+        if how == "stream-raise":  # answered (200), then an exception: an error
+
+            async def chunks():
+                yield b"a"
+                raise RuntimeError("mid-stream")
+
+            return StreamingResponse(chunks())
+        return {}
+
+    timed: list[bool] = []  # of the answered requests, in order
+    inferprof.fastapi.instrument(app, model_name="m")
+    rng = random.Random(7)
+    sent = [rng.choice(kinds) for _ in range(3000)]
+    monkeypatch.setattr(stage_module, "_random", random.Random(11).random)
+    exporter = MemoryExporter()
+    # sample_rate=1: every timed request's trace is kept (the fast ones at weight 1 x the
+    # budget's), so the only randomness is which requests the budget times
+    with captured(mode="production", max_timed_rate=100, sample_rate=1.0,
+                  summary_exporter=exporter, summary_interval_s=3600) as cap:
+        rt = inferprof._config.active_runtime()
+        budget_clock = BudgetClock()
+        rt.timing_budget = TimingBudget(100, clock=budget_clock)
+        for _ in range(300):  # 300 a second: a share of 1/4
+            rt.timing_budget.share("/r")
+        budget_clock.now += 1.0
+
+        async def run() -> list[int]:
+            transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+                return [(await c.post("/r", params={"how": how}, content=b"x" * 10)
+                         ).status_code for how in sent]
+
+        statuses = asyncio.run(run())
+        inferprof.shutdown()
+        spans = cap.spans()
+        service = cap.provider.resource.attributes[semconv.RESOURCE_SERVICE_NAME]
+        snap = inferprof.instrumentation.stats()
+    assert snap.requests_untimed > len(sent) // 2
+    answered = sum(1 for how in sent if how in ("503", "stream-raise", "ok"))
+    unanswered = len(sent) - answered
+    assert statuses.count(500) == unanswered and statuses.count(503) == sent.count("503")
+    # the answered ones, exactly: untimed counted and marked timed
+    got = decode(exporter.exports)
+    counted = sum(d["count"] for d in got[_UNTIMED].values())
+    counted += sum(d["count"] for k, d in got[_REQ].items()
+                   if dict(k).get(semconv.ATTR_SUMMARY_UNTIMED_COUNTED))
+    # (those up to the first timed one, which teaches the route, are not)
+    assert len(timed) == answered and counted == answered - 1 - timed.index(True)
+    errors = sum(d["count"] for k, d in got[_UNTIMED].items() if dict(k).get(_ERROR))
+    errors += sum(d["count"] for k, d in got[_REQ].items()
+                  if dict(k).get(semconv.ATTR_SUMMARY_UNTIMED_COUNTED) and dict(k).get(_ERROR))
+    first = timed.index(True)
+    assert errors == sum(1 for how in [h for h in sent if h in ("503", "stream-raise", "ok")
+                                       ][first + 1:] if how != "ok")
+    engine = Engine(clock=SecondsClock(clock.now * 1e-9 + 60), settle_s=0.0)
+    for data in exporter.exports:
+        assert engine.ingest_metrics(encode_metrics(data)).rejected_spans == 0
+    assert engine.ingest_traces(encode_spans(spans)).rejected_spans == 0
+    engine.flush()
+    doc = engine.breakdown(service, window_s=None)
+    # the unanswered ones, estimated from the timed ones (weight 4): about 1,100 requests,
+    # a standard error of about 2 x sqrt(1100 x 3/4 x 1/4)... = 29; counted twice (untimed
+    # while the route was counted, and in the estimate) they made about 1,550
+    assert doc["requests"] == pytest.approx(len(sent), abs=100)
+    errors = unanswered + sent.count("503") + sent.count("stream-raise")
+    assert doc["errors"] == pytest.approx(errors, abs=100)
