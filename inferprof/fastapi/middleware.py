@@ -92,7 +92,7 @@ _MAX_ROUTES = 1024
 #: A route's state in ``InferprofMiddleware._route_models``: unseen, or (as a record's
 #: ``summary_model``) not summarised. The other states: a model (``str`` or None), its
 #: untimed requests counted under it; ``(model,)``, not counted while its last timed request
-#: was not summarised; ``_MIXED``, not counted for good (two models).
+#: was not summarised; ``_MIXED``, not counted for good (two models, or a generation).
 _UNCOUNTED: Any = object()
 _MIXED: Any = object()
 # A counted untimed request's send() is a plain function returning the server's awaitable,
@@ -749,18 +749,22 @@ class InferprofMiddleware:
         key = id(route)
         rec.route_model = self._route_models.get(key, _UNCOUNTED)
         rec.summary_model = _UNCOUNTED
+        # A generation of the engine step API is not summarised, and an untimed one cannot
+        # be told from the route's other requests: the route is not counted for good.
+        generation = rec.generation is not None  # (finish_request may unset it)
         rt.finish_request(rec)
         if not rec.ser_start:  # not answered: neither counted untimed nor marked, whatever
             return             # the route's state, so it teaches nothing about the route
         try:
-            self._learn(route, key, rec.summary_model)
+            self._learn(route, key, _MIXED if generation else rec.summary_model)
         except Exception:
             _logger.exception("inferprof could not follow a route's model")
 
     def _learn(self, route: Any, key: int, model: Any) -> None:
         """A timed request of ``route`` was summarised under ``model`` (``_UNCOUNTED``:
-        not summarised): the route's state from now on (contract §15: counted while its
-        last timed request was summarised, under the one model its timed requests name)."""
+        not summarised; ``_MIXED``: a generation): the route's state from now on (contract
+        §15: counted while its last timed request was summarised, under the one model its
+        timed requests name, and none was a generation)."""
         models = self._route_models
         state = models.get(key, _UNCOUNTED)
         if state is model or state == model:  # the usual case: nothing changes

@@ -2,7 +2,8 @@
 route whose untimed requests are counted (contract §15): a timed one may have no stage
 span, so it is counted from its trace at the budget's weight, covering its untimed likes.
 So those are not counted untimed (nor is a timed one marked): each request counts once,
-and the collector's request count and errors are unbiased, exact for the answered ones."""
+and the collector's request count and errors are unbiased, exact for the answered ones.
+Likewise a route that serves generations of the engine step API is not counted."""
 
 from __future__ import annotations
 
@@ -137,3 +138,68 @@ def test_unanswered_requests_are_not_counted_untimed_so_each_request_counts_once
     assert doc["requests"] == pytest.approx(len(sent), abs=100)
     errors = unanswered + sent.count("503") + sent.count("stream-raise")
     assert doc["errors"] == pytest.approx(errors, abs=100)
+
+
+def test_a_route_serving_generations_is_not_counted_so_each_request_counts_once(
+        clock, monkeypatch):
+    # A route whose requests are sometimes generations of the engine step API (a cache
+    # answering the others, say): a timed generation is not summarised, it is counted from
+    # its trace at the budget's weight, covering its untimed likes; the untimed branch
+    # cannot tell them from the others, so the route is counted no more.
+    from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+
+    from inferprof.collector.engine import Engine
+    from tests.collector.synth import FakeClock as SecondsClock
+
+    app = FastAPI()
+    recorder = inferprof.Engine("g0")
+
+    @app.get("/c")
+    async def c(how: str):
+        if how == "generate":
+            gen = recorder.request(prompt_tokens=2)
+            clock.tick(MS)
+            gen.finish()
+            return {}
+        with inferprof.stage("compute"):
+            clock.tick(MS)
+        return {}
+
+    inferprof.fastapi.instrument(app, model_name="m")
+    rng = random.Random(5)
+    sent = [rng.choice(("generate", "cached")) for _ in range(3000)]
+    monkeypatch.setattr(stage_module, "_random", random.Random(13).random)
+    exporter = MemoryExporter()
+    with captured(mode="production", max_timed_rate=100, sample_rate=1.0,
+                  summary_exporter=exporter, summary_interval_s=3600) as cap:
+        rt = inferprof._config.active_runtime()
+        budget_clock = BudgetClock()
+        rt.timing_budget = TimingBudget(100, clock=budget_clock)
+        for _ in range(300):  # a share of 1/4
+            rt.timing_budget.share("/c")
+        budget_clock.now += 1.0
+
+        async def run() -> None:
+            transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+                for how in sent:
+                    assert (await c.get("/c", params={"how": how})).status_code == 200
+
+        asyncio.run(run())
+        inferprof.shutdown()
+        recorder.flush()
+        spans = cap.spans()
+        service = cap.provider.resource.attributes[semconv.RESOURCE_SERVICE_NAME]
+        snap = inferprof.instrumentation.stats()
+    assert snap.requests_untimed > len(sent) // 2
+    engine = Engine(clock=SecondsClock(clock.now * 1e-9 + 60), settle_s=0.0)
+    for data in exporter.exports:
+        assert engine.ingest_metrics(encode_metrics(data)).rejected_spans == 0
+    assert engine.ingest_traces(encode_spans(spans)).rejected_spans == 0
+    engine.flush()
+    doc = engine.breakdown(service, window_s=None)
+    # all estimated from the timed ones (weight 4): a standard error of about
+    # 4 x sqrt(3000 x 3/16) = 95 requests; counted untimed while the route's last timed
+    # request was no generation, the untimed generations made about 3,500
+    assert doc["requests"] == pytest.approx(len(sent), abs=300)
