@@ -5,8 +5,11 @@ inferprof in ``production`` mode at its defaults (the endpoint and protocol from
 timings written to ``INFERPROF_TEST_TIMINGS`` (one JSON line per request): the start and
 end of the request and of every stage span its trace would hold (its own stages, and the
 middleware's ``receive`` and ``serialize``). Read from the record as the runtime gets it,
-before inferprof decides whether to keep its trace. A last line holds inferprof's
-``stats()`` after its shutdown.
+before inferprof decides whether to keep its trace. A request the timing budget leaves
+untimed writes ``{"untimed": true, "start", "end", "error"}``, as the middleware counts it
+(contract §15). A last line holds inferprof's ``stats()`` after its shutdown.
+
+``{"i": i, "fail": "raise"}`` ends in an exception (500), ``"fail": "503"`` answers 503.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, HTTPException
 
 import inferprof
 import inferprof.fastapi
@@ -41,11 +44,23 @@ def _recording(finish: Any) -> Any:
     return finish_request
 
 
+def _recording_untimed(add_untimed: Any) -> Any:
+    def counted(entry: tuple) -> Any:
+        start, end, error, _model = entry
+        _out.write(json.dumps({"untimed": True, "start": start, "end": end,
+                               "error": bool(error)}) + "\n")
+        return add_untimed(entry)
+
+    return counted
+
+
 @asynccontextmanager
 async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
     inferprof.configure(service_name="summaries-e2e", mode="production")
     rt = active_runtime()
     rt.finish_request = _recording(rt.finish_request)
+    if rt.summaries is not None and hasattr(rt.summaries, "add_untimed"):
+        rt.summaries.add_untimed = _recording_untimed(rt.summaries.add_untimed)
     yield
     inferprof.shutdown()  # the last interval's summaries and the queued traces
     from dataclasses import asdict
@@ -80,4 +95,8 @@ async def work(body: dict) -> dict:
     await asyncio.sleep(0.001)  # no stage: unattributed
     with inferprof.stage("postprocess"):
         _busy(0.0003 + (i % 3) * 0.0004)
+    if body.get("fail") == "raise":
+        raise RuntimeError(f"request {i} fails")
+    if body.get("fail") == "503":
+        raise HTTPException(status_code=503)
     return {"i": i}

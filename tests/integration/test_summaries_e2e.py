@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import subprocess
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -58,7 +60,11 @@ def _exact(timings: list[dict]) -> tuple[np.ndarray, dict, list[dict]]:
     return e2e, stage, exclusive
 
 
-def test_the_collector_counts_every_request_and_matches_exact_figures(tmp_path):
+def _serve(tmp_path: Path, send: Callable[[httpx.Client, str], None], requests: int,
+           env: dict[str, str] | None = None) -> tuple[dict, list[dict]]:
+    """The service exporting into a real collector, ``send(client, url)`` run against
+    it: the collector's breakdown once it counts ``requests`` (or 20 s on), and the
+    lines the service wrote (its timings, then its stats)."""
     timings_file = tmp_path / "timings.jsonl"
     collector, urls = _start(["--grpc-port", "0", "--http-port", "0", "--api-port", "0",
                               "--settle-s", "0.1"])
@@ -68,17 +74,20 @@ def test_the_collector_counts_every_request_and_matches_exact_figures(tmp_path):
             "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
             "OTEL_EXPORTER_OTLP_ENDPOINT": urls["OTLP/HTTP"],
             "INFERPROF_TEST_TIMINGS": str(timings_file),
+            **(env or {}),
         })
+        # Read as it comes: a full pipe (access log lines, tracebacks) would block it.
+        lines: list[str] = []
+        drain = threading.Thread(target=lambda: lines.extend(service.stderr), daemon=True)
+        drain.start()
         try:
             with httpx.Client(timeout=30) as client:
-                for i in range(REQUESTS):
-                    t0 = time.monotonic()
-                    assert client.post(url + "/v1/work", json={"i": i}).status_code == 200
-                    time.sleep(max(0.0, _PACE_S - (time.monotonic() - t0)))
+                send(client, url)
         finally:
             _stop_service(service)  # the lifespan's inferprof.shutdown() flushes
-            errors = service.stderr.read()
+            drain.join(30)
             service.stderr.close()
+            errors = "".join(lines)
         assert "Failed to export" not in errors, errors
 
         def breakdown() -> dict | None:
@@ -87,7 +96,7 @@ def test_the_collector_counts_every_request_and_matches_exact_figures(tmp_path):
 
         deadline = time.monotonic() + 20
         body = breakdown()
-        while (body is None or body.get("requests", 0) < REQUESTS) and (
+        while (body is None or body.get("requests", 0) < requests) and (
                 time.monotonic() < deadline):
             time.sleep(0.2)
             body = breakdown()
@@ -95,8 +104,19 @@ def test_the_collector_counts_every_request_and_matches_exact_figures(tmp_path):
     finally:
         code, out = _stop_collector(collector)
     assert code == 0, out
+    return body, [json.loads(line) for line in timings_file.read_text().splitlines()]
 
-    *timings, last = [json.loads(line) for line in timings_file.read_text().splitlines()]
+
+def _paced(client: httpx.Client, url: str, n: int = REQUESTS) -> None:
+    for i in range(n):
+        t0 = time.monotonic()
+        assert client.post(url + "/v1/work", json={"i": i}).status_code == 200
+        time.sleep(max(0.0, _PACE_S - (time.monotonic() - t0)))
+
+
+def test_the_collector_counts_every_request_and_matches_exact_figures(tmp_path):
+    body, lines = _serve(tmp_path, _paced, REQUESTS)
+    *timings, last = lines
     assert len(timings) == REQUESTS  # every request was timed (the budget never cut in)
     stats = last["stats"]
     assert stats["requests_summarised"] == REQUESTS and stats["summaries_dropped"] == 0
@@ -126,3 +146,50 @@ def test_the_collector_counts_every_request_and_matches_exact_figures(tmp_path):
         # over the same tail set the shares are exact (the tail metric carries every
         # request's exclusive nanoseconds), well inside the 1-point target
         assert abs(got[name]["share_of_p95"] - shares[name]) <= 1e-6, (name, got[name])
+
+
+#: Over its timing budget: a budget of 20 timed requests a second on the route, against
+#: requests sent back to back (about 100 a second here), after a paced warm-up that
+#: teaches the middleware the route's model (contract §15: a route is counted once its
+#: timed requests are summarised under one model).
+_BUDGET = "20"
+_WARM_UP = 20
+_BURST = 600
+
+
+def test_over_its_timing_budget_the_collector_counts_every_request_exactly(tmp_path):
+    statuses: list[int] = []
+
+    def send(client: httpx.Client, url: str) -> None:
+        _paced(client, url, _WARM_UP)
+        statuses.extend([200] * _WARM_UP)
+        for i in range(_WARM_UP, _WARM_UP + _BURST):
+            fail = {3: "raise", 17: "503"}.get(i % 40)
+            body = {"i": i} if fail is None else {"i": i, "fail": fail}
+            # (uvicorn closes a connection whose request raised: a connection of its own)
+            post = client.post if fail is None else httpx.post
+            statuses.append(post(url + "/v1/work", json=body, timeout=30).status_code)
+
+    total = _WARM_UP + _BURST
+    body, lines = _serve(tmp_path, send, total, {"INFERPROF_MAX_TIMED_RATE": _BUDGET})
+    *timings, last = lines
+    untimed = [t for t in timings if t.get("untimed")]
+    timed = [t for t in timings if not t.get("untimed")]
+    stats = last["stats"]
+    # The budget cut in: most requests were not timed, each counted once all the same.
+    assert len(timed) + len(untimed) == total
+    assert len(untimed) > total / 2, (len(timed), len(untimed))
+    assert stats["requests_untimed_counted"] == len(untimed)
+    assert stats["summaries_dropped"] == 0
+    failed = sum(1 for s in statuses if s >= 500)
+    assert failed == 2 * (_BURST // 40) and sum(t["error"] for t in untimed) > 0
+    # Exactly the requests served and the errors among them, not a weighted estimate.
+    assert (body["requests"], body["errors"]) == (total, failed)
+    assert body["traced_requests"] == len(timed)
+    # End to end over every request, timed or not, within the buckets' and sketch's 1%.
+    e2e = np.array([(t["end"] - t["start"]) * 1e-9 for t in timings])
+    for name, q in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99)):
+        want = exact_weighted_quantile(e2e, None, q)
+        assert abs(body["latency"][name] - want) <= 0.01 * want, (name, body["latency"], want)
+    # Stage figures come from the timed requests, weighted: their shares still sum to 1.
+    assert sum(s["share_of_p95"] for s in body["stages"]) == pytest.approx(1.0, abs=1e-9)
