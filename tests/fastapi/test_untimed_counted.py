@@ -13,6 +13,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
+from opentelemetry import propagate
 
 import inferprof
 import inferprof.fastapi
@@ -78,7 +79,9 @@ def _app(clock: FakeClock, log: list) -> FastAPI:
     @app.post("/b")
     async def b(body: dict):
         serve("/b", "b", body["i"], False)
-        return {"i": body["i"]}
+        headers: dict = {}
+        propagate.inject(headers)  # what a downstream call would carry
+        return {"i": body["i"], "traceparent": headers.get("traceparent")}
 
     @app.post("/mixed")
     async def mixed(body: dict):
@@ -91,6 +94,8 @@ def _app(clock: FakeClock, log: list) -> FastAPI:
 
 
 async def _send(app: FastAPI, requests: list[tuple[str, int]]) -> list[int]:
+    """The answers' statuses; the requests carry a caller's traceparent one in three, and
+    /b's answers must name the caller's trace for those (timed or not, counted or not)."""
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
     async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
         statuses = []
@@ -101,6 +106,8 @@ async def _send(app: FastAPI, requests: list[tuple[str, int]]) -> list[int]:
             else:
                 r = await c.post(path, json={"i": i}, headers=headers)
             statuses.append(r.status_code)
+            if path == "/b" and headers:
+                assert r.json()["traceparent"].split("-")[1] == TRACEPARENT.split("-")[1]
         return statuses
 
 
