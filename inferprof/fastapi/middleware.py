@@ -22,9 +22,9 @@ inferprof's stages hang under it, instead of a second request span being created
 
 In ``production`` mode a request the timing budget leaves untimed records nothing, but is
 counted in the summaries at its end-to-end latency (contract §15, "Requests not timed")
-when its route is counted: the route's last answered timed request was summarised, under
-the one model its timed requests name (learnt at their end,
-:meth:`InferprofMiddleware._learn`), and the request was answered.
+when its route is counted: the route's last timed request was summarised, under the one
+model its timed requests name (learnt at their end, :meth:`InferprofMiddleware._learn`;
+requests that end before an answer starts apart from the others).
 
 Nothing about the request's content (bodies, header values) is recorded unless
 ``record_content=True``; then only a prefix of each body (``content_max_bytes``).
@@ -92,7 +92,9 @@ _MAX_ROUTES = 1024
 #: A route's state in ``InferprofMiddleware._route_models``: unseen, or (as a record's
 #: ``summary_model``) not summarised. The other states: a model (``str`` or None), its
 #: untimed requests counted under it; ``(model,)``, not counted while its last timed request
-#: was not summarised; ``_MIXED``, not counted for good (two models, or a generation).
+#: was not summarised; ``_MIXED``, not counted for good (two models, a generation, or an
+#: unanswered request with no stage span). Keyed by ``id(route)``, ``~id(route)`` for the
+#: route's requests that end before an answer starts.
 _UNCOUNTED: Any = object()
 _MIXED: Any = object()
 # A counted untimed request's send() is a plain function returning the server's awaitable,
@@ -308,9 +310,7 @@ class _HttpRequest(RequestRecord):
 
     def _summarised(self, model: str | None) -> bool:
         self.summary_model = model
-        # a state other than a model equals none; not answered: its untimed likes are not
-        # counted (the untimed branch of InferprofMiddleware.__call__)
-        return self.route_model == model and self.ser_start != 0
+        return self.route_model == model  # a state other than a model equals none
 
     def _complete(self) -> None:
         # A body-less request (GET; or a streaming response listening for disconnects)
@@ -606,10 +606,10 @@ class InferprofMiddleware:
                 if otel_token is not None:
                     detach_context(otel_token)
                 if summaries is not None:
-                    model = self._route_models.get(id(scope.get("route")), _UNCOUNTED)
-                    # Only an answered request: a timed one that was not answered is not
-                    # marked (_summarised), and may have no stage span to be summarised by.
-                    if answer[0] and (model is None or model.__class__ is str):
+                    key = id(scope.get("route"))
+                    # (one not answered: the route's unanswered requests, learnt apart)
+                    model = self._route_models.get(key if answer[0] else ~key, _UNCOUNTED)
+                    if model is None or model.__class__ is str:
                         try:
                             summaries.add_untimed((start, answer[1] or _time_ns(),
                                                    error or answer[0] >= 500, model))
@@ -745,26 +745,33 @@ class InferprofMiddleware:
             return
         # What the route's untimed requests are counted under, for the mark on this one
         # (_summarised), then what this one teaches about the route.
+        # A route's requests that end before an answer starts are learnt apart (key ~id):
+        # one may have no stage span (a body-less request failing first), so not be
+        # summarised, when its likes with an answer (a serialize stage at least) are.
         route = scope.get("route")
-        key = id(route)
+        key = id(route) if rec.ser_start else ~id(route)
         rec.route_model = self._route_models.get(key, _UNCOUNTED)
         rec.summary_model = _UNCOUNTED
-        # A generation of the engine step API is not summarised, and an untimed one cannot
-        # be told from the route's other requests: the route is not counted for good.
         generation = rec.generation is not None  # (finish_request may unset it)
         rt.finish_request(rec)
-        if not rec.ser_start:  # not answered: neither counted untimed nor marked, whatever
-            return             # the route's state, so it teaches nothing about the route
         try:
-            self._learn(route, key, _MIXED if generation else rec.summary_model)
+            model = rec.summary_model
+            if generation:
+                # A generation of the engine step API is not summarised, and an untimed
+                # one cannot be told from the route's other requests: not counted for good.
+                self._learn(route, ~key, _MIXED)
+                model = _MIXED
+            elif model is _UNCOUNTED and not rec.ser_start:
+                model = _MIXED  # no stage span: its untimed likes cannot be told apart
+            self._learn(route, key, model)
         except Exception:
             _logger.exception("inferprof could not follow a route's model")
 
     def _learn(self, route: Any, key: int, model: Any) -> None:
-        """A timed request of ``route`` was summarised under ``model`` (``_UNCOUNTED``:
-        not summarised; ``_MIXED``: a generation): the route's state from now on (contract
-        §15: counted while its last timed request was summarised, under the one model its
-        timed requests name, and none was a generation)."""
+        """A timed request of ``route`` (``key``) was summarised under ``model``
+        (``_UNCOUNTED``: not summarised; ``_MIXED``: not to be counted for good): the
+        route's state from now on (contract §15: counted while its last timed request was
+        summarised, under the one model its timed requests name)."""
         models = self._route_models
         state = models.get(key, _UNCOUNTED)
         if state is model or state == model:  # the usual case: nothing changes

@@ -232,10 +232,11 @@ def test_a_route_is_counted_while_its_last_timed_request_was_summarised_under_on
         (True, "/r/ok", "unmarked m"),  # unseen route: counted under m from now on
         (False, "/r/ok", "untimed m"),
         (True, "/r/ok", "marked m"),
-        (True, "/r/fail", None),  # not summarised, not answered: teaches nothing
+        (True, "/r/fail", None),  # unanswered, no stage span: the route's unanswered part
+        #                           is not counted for good, its answered part unchanged
         (False, "/r/ok", "untimed m"),
         (True, "/r/ok", "marked m"),
-        (False, "/r/fail", None),  # not answered: not counted (its timed likes: weighted)
+        (False, "/r/fail", None),  # unanswered: not counted (its timed likes: weighted)
         (True, "/r/m2", "unmarked m2"),  # a second model: not counted for good
         (False, "/r/ok", None),
         (True, "/r/ok", "unmarked m"),
