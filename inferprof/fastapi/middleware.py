@@ -606,15 +606,7 @@ class InferprofMiddleware:
                 if otel_token is not None:
                     detach_context(otel_token)
                 if summaries is not None:
-                    key = id(scope.get("route"))
-                    # (one not answered: the route's unanswered requests, learnt apart)
-                    model = self._route_models.get(key if answer[0] else ~key, _UNCOUNTED)
-                    if model is None or model.__class__ is str:
-                        try:
-                            summaries.add_untimed((start, answer[1] or _time_ns(),
-                                                   error or answer[0] >= 500, model))
-                        except Exception:  # (a status that is no number)
-                            _logger.exception("inferprof could not count a request")
+                    self._count_untimed(summaries, scope, start, answer, error)
             return
         try:
             rec = self._open(rt, scope, receive, send, path)
@@ -636,6 +628,21 @@ class InferprofMiddleware:
             raise
         finally:
             self._close(rt, scope, rec)
+
+    def _count_untimed(self, summaries: Any, scope: Scope, start: int, answer: list,
+                       error: bool) -> None:
+        """Count an untimed request that ended (``answer``: its status, 0 when none
+        started, and when its last body chunk was handed over) if its route is counted,
+        under the route's model (contract §15)."""
+        key = id(scope.get("route"))
+        # (one not answered: the route's unanswered requests, learnt apart)
+        model = self._route_models.get(key if answer[0] else ~key, _UNCOUNTED)
+        if model is None or model.__class__ is str:
+            try:
+                summaries.add_untimed((start, answer[1] or _time_ns(),
+                                       error or answer[0] >= 500, model))
+            except Exception:  # (a status that is no number)
+                _logger.exception("inferprof could not count a request")
 
     # --- open / close --------------------------------------------------------------------
     def _content_limit_for(self, rt: Runtime) -> int:
