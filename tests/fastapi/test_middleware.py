@@ -530,9 +530,13 @@ async def test_production_mode_builds_http_stages_and_attributes_only_for_kept_r
     with captured(mode="production", sample_rate=0.001, tail_quantile=0.9, max_timed_rate=0) as cap:
         rt = inferprof._config.active_runtime()
         async with client(app) as c:
-            # past the tail sampler's warm-up (which keeps every trace)
-            for _ in range(rt.tail_sampler._warmup):
+            # past the tail sampler's warm-up (which keeps every trace); one in five
+            # warm-up requests 20 ms slower puts its running p90 at ~20 ms, far above a
+            # fast request's latency even on a loaded machine
+            for i in range(rt.tail_sampler._warmup):
+                delay["s"] = 0.02 if i % 5 == 0 else 0.0
                 await c.post("/v1/run/m", json={"prompt": "a"})
+            delay["s"] = 0.0
             cap.clear()
             kept_before, discarded_before = rt.stats.kept, rt.stats.discarded
             for _ in range(20):
