@@ -19,9 +19,8 @@ import inferprof
 import inferprof.fastapi
 from inferprof import semconv
 from inferprof.fastapi import middleware
-from inferprof.instrumentation import stage as stage_module
-from inferprof.instrumentation.sampling import TimingBudget
 from inferprof.timing import DEFAULT_SUMMARY_SCALE, exp_index
+from tests.fastapi.budget_helpers import install_budget
 from tests.instrumentation.helpers import captured
 from tests.instrumentation.test_summaries import FakeClock, MemoryExporter, decode
 
@@ -32,22 +31,6 @@ _MODEL = semconv.ATTR_MODEL_NAME
 _ERROR = semconv.ATTR_REQUEST_ERROR
 _MARK = semconv.ATTR_SUMMARY_UNTIMED_COUNTED
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
-
-
-class BudgetClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def clock(monkeypatch):
-    c = FakeClock()
-    monkeypatch.setattr(stage_module, "_time_ns", c)
-    monkeypatch.setattr(middleware, "_time_ns", c)
-    return c
 
 
 def _app(clock: FakeClock, log: list) -> FastAPI:
@@ -123,8 +106,7 @@ def test_untimed_and_marked_requests_count_every_request_exactly_once(clock):
     with captured(mode="production", max_timed_rate=100, sample_rate=0.05,
                   summary_exporter=exporter, summary_interval_s=3600) as cap:
         rt = inferprof._config.active_runtime()
-        budget_clock = BudgetClock()
-        rt.timing_budget = TimingBudget(100, clock=budget_clock)
+        budget_clock = install_budget(rt)
         # Warm-up, under the budget: every request timed. Each route's first timed request
         # is summarised before any state is known, so it is not marked; /mixed sees both
         # of its models.
@@ -317,8 +299,7 @@ def test_the_collector_counts_every_request_served_exactly(clock):
     with captured(mode="production", max_timed_rate=100, sample_rate=0.05,
                   summary_exporter=exporter, summary_interval_s=3600) as cap:
         rt = inferprof._config.active_runtime()
-        budget_clock = BudgetClock()
-        rt.timing_budget = TimingBudget(100, clock=budget_clock)
+        budget_clock = install_budget(rt)
         asyncio.run(_send(app, [(p, 1) for p in paths]))  # every route learns its model
         for path in paths:
             for _ in range(1600):

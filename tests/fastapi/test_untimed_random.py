@@ -22,29 +22,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 import inferprof
 import inferprof.fastapi
 from inferprof import semconv
-from inferprof.fastapi import middleware
 from inferprof.instrumentation import stage as stage_module
-from inferprof.instrumentation.sampling import TimingBudget
+from tests.fastapi.budget_helpers import install_budget
 from tests.instrumentation.helpers import captured
-from tests.instrumentation.test_summaries import FakeClock, MemoryExporter
+from tests.instrumentation.test_summaries import MemoryExporter
 
 MS = 1_000_000
-
-
-class BudgetClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def clock(monkeypatch):
-    c = FakeClock()
-    monkeypatch.setattr(stage_module, "_time_ns", c)
-    monkeypatch.setattr(middleware, "_time_ns", c)
-    return c
 
 
 @pytest.mark.parametrize("seed", [1, 2])
@@ -143,8 +126,7 @@ def test_a_random_mix_counts_each_request_once_per_model(clock, monkeypatch, see
     with captured(mode="production", max_timed_rate=100, sample_rate=1.0,
                   summary_exporter=exporter, summary_interval_s=3600) as cap:
         rt = inferprof._config.active_runtime()
-        bc = BudgetClock()
-        rt.timing_budget = TimingBudget(100, clock=bc)
+        bc = install_budget(rt)
 
         async def run(reqs):
             transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)

@@ -20,32 +20,15 @@ from fastapi.responses import JSONResponse, StreamingResponse
 import inferprof
 import inferprof.fastapi
 from inferprof import semconv
-from inferprof.fastapi import middleware
 from inferprof.instrumentation import stage as stage_module
-from inferprof.instrumentation.sampling import TimingBudget
+from tests.fastapi.budget_helpers import install_budget
 from tests.instrumentation.helpers import captured
-from tests.instrumentation.test_summaries import FakeClock, MemoryExporter, decode
+from tests.instrumentation.test_summaries import MemoryExporter, decode
 
 MS = 1_000_000
 _UNTIMED = semconv.METRIC_SUMMARY_REQUEST_UNTIMED
 _REQ = semconv.METRIC_SUMMARY_REQUEST_DURATION
 _ERROR = semconv.ATTR_REQUEST_ERROR
-
-
-class BudgetClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def clock(monkeypatch):
-    c = FakeClock()
-    monkeypatch.setattr(stage_module, "_time_ns", c)
-    monkeypatch.setattr(middleware, "_time_ns", c)
-    return c
 
 
 @pytest.mark.parametrize("no_stage", [True, False])
@@ -99,8 +82,7 @@ def test_unanswered_requests_count_once_learnt_apart_from_the_answered_ones(
     with captured(mode="production", max_timed_rate=100, sample_rate=1.0,
                   summary_exporter=exporter, summary_interval_s=3600) as cap:
         rt = inferprof._config.active_runtime()
-        budget_clock = BudgetClock()
-        rt.timing_budget = TimingBudget(100, clock=budget_clock)
+        budget_clock = install_budget(rt)
 
         async def run(hows: list[str]) -> list[int]:
             transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
@@ -188,8 +170,7 @@ def test_a_route_serving_generations_is_not_counted_so_each_request_counts_once(
     with captured(mode="production", max_timed_rate=100, sample_rate=1.0,
                   summary_exporter=exporter, summary_interval_s=3600) as cap:
         rt = inferprof._config.active_runtime()
-        budget_clock = BudgetClock()
-        rt.timing_budget = TimingBudget(100, clock=budget_clock)
+        budget_clock = install_budget(rt)
         for _ in range(300):  # a share of 1/4
             rt.timing_budget.share("/c")
         budget_clock.now += 1.0
