@@ -73,6 +73,18 @@ def with_links(doc: dict[str, Any], template: str | None) -> dict[str, Any]:
     return out
 
 
+
+def _by_request(rows: set[int], req: np.ndarray, col: np.ndarray,
+                value: np.ndarray) -> dict[int, list[tuple[int, float]]]:
+    """The ``(column, value)`` pairs of each request in ``rows``, in array order, from
+    per-pair arrays ``req``, ``col``, ``value`` (every row present, maybe empty)."""
+    out: dict[int, list[tuple[int, float]]] = {r: [] for r in rows}
+    mask = np.isin(req, np.fromiter(rows, np.int64, len(rows)))
+    for r, c, v in zip(req[mask].tolist(), col[mask].tolist(), value[mask].tolist(),
+                       strict=True):
+        out[r].append((c, v))
+    return out
+
 class _Kept:
     __slots__ = ("slowest", "stages")
 
@@ -137,20 +149,8 @@ class ExampleStore:
             stage_rows = first
         # Exclusive split of each candidate request.
         rows = set(top_rows.tolist()) | set(pair_req[stage_rows].tolist())
-        split: dict[int, list[tuple[int, float]]] = {r: [] for r in rows}
-        mask = np.isin(pair_req, np.fromiter(rows, np.int64, len(rows)))
-        for r, st, excl in zip(
-            pair_req[mask].tolist(), pair_stage[mask].tolist(), pair_excl[mask].tolist(),
-            strict=True,
-        ):
-            split[r].append((st, excl))
-        gpu: dict[int, list[tuple[int, float]]] = {r: [] for r in rows}
-        if gpu_seconds is not None:
-            g_req, g_col, g_sec = gpu_seconds
-            mask = np.isin(g_req, np.fromiter(rows, np.int64, len(rows)))
-            for r, st, sec in zip(g_req[mask].tolist(), g_col[mask].tolist(),
-                                  g_sec[mask].tolist(), strict=True):
-                gpu[r].append((st, sec))
+        split = _by_request(rows, pair_req, pair_stage, pair_excl)
+        gpu = _by_request(rows, *(gpu_seconds or (pair_req[:0], pair_stage[:0], pair_excl[:0])))
         top = self.top
         e2e_l = e2e.tolist()
         for r in top_rows.tolist():

@@ -113,21 +113,36 @@ class FoldPart:
             rr = span_req[pos][o]
             bad = (rr[1:] == rr[:-1]) & (cs[pos][o][1:] < ce[pos][o][:-1])
             if bad.any():
-                for i in np.unique(rr[1:][bad]).tolist():
-                    lo = int(np.searchsorted(sorted_code, i * n_ids))
-                    hi = int(np.searchsorted(sorted_code, (i + 1) * n_ids))
-                    members = np.sort(order[lo:hi]).tolist()
-                    intervals = [
-                        (self._column_name(int(stage[j])), fin.span_start[j], fin.span_end[j])
-                        for j in members
-                    ]
-                    _, exclusive, unatt = partition(fin.start[i], fin.end[i], intervals)
-                    plo = int(np.searchsorted(pair_req, i))
-                    phi = int(np.searchsorted(pair_req, i + 1))
-                    for j in range(plo, phi):
-                        pair_excl[j] = exclusive[self._column_name(int(pair_stage[j]))]
-                    unattributed[i] = unatt
+                self._sweep_overlapping(fin, stage, np.unique(rr[1:][bad]).tolist(),
+                                        (sorted_code, order, n_ids),
+                                        (pair_req, pair_stage, pair_excl), unattributed)
         return e2e_ns * _NS, unattributed, pair_req, pair_stage, pair_time, pair_excl
+
+    def _sweep_overlapping(
+        self, fin: Finalised, stage: np.ndarray, requests: list[int], spans: tuple,
+        pairs: tuple, unattributed: np.ndarray,
+    ) -> None:
+        """Exclusive times of the ``requests`` whose stage spans overlap, by the exact
+        sweep of ``partition``, written into ``pairs``' exclusive times and
+        ``unattributed``. ``spans``: the spans' sorted (request, stage) codes, their
+        order and the codes' stride; ``pairs``: each pair's request, stage and exclusive
+        time (request-major)."""
+        sorted_code, order, n_ids = spans
+        pair_req, pair_stage, pair_excl = pairs
+        for i in requests:
+            lo = int(np.searchsorted(sorted_code, i * n_ids))
+            hi = int(np.searchsorted(sorted_code, (i + 1) * n_ids))
+            members = np.sort(order[lo:hi]).tolist()
+            intervals = [
+                (self._column_name(int(stage[j])), fin.span_start[j], fin.span_end[j])
+                for j in members
+            ]
+            _, exclusive, unatt = partition(fin.start[i], fin.end[i], intervals)
+            plo = int(np.searchsorted(pair_req, i))
+            phi = int(np.searchsorted(pair_req, i + 1))
+            for j in range(plo, phi):
+                pair_excl[j] = exclusive[self._column_name(int(pair_stage[j]))]
+            unattributed[i] = unatt
 
     def _partition_slow(
         self, fin: Finalised, stage: np.ndarray

@@ -141,54 +141,17 @@ def decide(gen: Mapping[str, Any], base: Mapping[str, Any]) -> dict[str, Any]:
     itl_shares = {c["cause"]: c["share_of_p95"] for c in gen["itl"].get("causes", ())}
     kv = (gen.get("kv_cache") or {}).get("usage_p95")
     preempted = gen.get("preempted_requests") or 0
-    waiting = ttft_shares.get(sc.STAGE_QUEUE, 0.0) + ttft_shares.get(sc.STAGE_PREEMPTED, 0.0)
     ttft_top = _top(ttft_shares, merge={sc.STAGE_QUEUE, sc.STAGE_PREEMPTED})
     itl_top = _top(itl_shares)
     kv_pressure = (kv is not None and kv >= KV_NEARLY_FULL) or preempted > 0
-    candidates: list[tuple[float, str, list[str]]] = []
-    if kv_pressure and (ttft_top == "waiting" or itl_top == sc.ITL_CAUSE_PREEMPTED):
-        share = max(
-            waiting if ttft_top == "waiting" else 0.0,
-            itl_shares.get(sc.ITL_CAUSE_PREEMPTED, 0.0) if itl_top == sc.ITL_CAUSE_PREEMPTED
-            else 0.0,
-        )
-        evidence = []
-        if ttft_top == "waiting":
-            queue = ttft_shares.get(sc.STAGE_QUEUE, 0.0)
-            evicted = ttft_shares.get(sc.STAGE_PREEMPTED, 0.0)
-            evidence.append(
-                f"{_pct(waiting)} of p95 TTFT is waiting for KV-cache admission (queue "
-                f"{_pct(queue)}, preempted {_pct(evicted)})"
-            )
-        if itl_top == sc.ITL_CAUSE_PREEMPTED:
-            evidence.append(
-                f"{_pct(itl_shares[sc.ITL_CAUSE_PREEMPTED])} of the slowest inter-token gaps "
-                "is time evicted from the KV cache"
-            )
-        if kv is not None:
-            evidence.append(f"KV-cache usage p95 {_pct(kv)}")
-        if preempted:
-            evidence.append(f"{preempted} requests evicted and recomputed (preempted)")
-        candidates.append((share, sc.VERDICT_KV_CACHE, evidence))
+    candidates: list[_Candidate] = []
+    if kv_pressure:
+        kv_candidate = _kv_cache_candidate(ttft_shares, itl_shares, ttft_top, itl_top, kv,
+                                           preempted)
+        if kv_candidate is not None:
+            candidates.append(kv_candidate)
     if itl_top == sc.ITL_CAUSE_PREFILL_INTERFERENCE:
-        share = itl_shares[sc.ITL_CAUSE_PREFILL_INTERFERENCE]
-        candidates.append(
-            (
-                share,
-                sc.VERDICT_SCHEDULING,
-                [
-                    (
-                        f"{_pct(share)} of the slowest inter-token gaps is other requests' "
-                        "prefill in the same engine steps: smaller prefill chunks or "
-                        "prefill/decode disaggregation shorten it"
-                    ),
-                    (
-                        f"decode {_pct(itl_shares.get(sc.ITL_CAUSE_DECODE, 0.0))}, host "
-                        f"{_pct(itl_shares.get(sc.ITL_CAUSE_HOST, 0.0))} of those gaps"
-                    ),
-                ],
-            )
-        )
+        candidates.append(_scheduling_candidate(itl_shares))
     if not candidates:
         evidence = [f"§6 verdict of the same window: {e}" for e in base.get("evidence", ())]
         if ttft_shares:
@@ -207,6 +170,64 @@ def decide(gen: Mapping[str, Any], base: Mapping[str, Any]) -> dict[str, Any]:
     # As §6's: more data and a larger tail share, more confidence.
     confidence = min(1.0, requests / FULL_CONFIDENCE_REQUESTS) * (0.5 + 0.5 * min(1.0, share))
     return {"bottleneck": name, "confidence": round(confidence, 3), "evidence": evidence}
+
+
+_Candidate = tuple[float, str, list[str]]
+
+
+def _kv_cache_candidate(
+    ttft_shares: Mapping[str, float], itl_shares: Mapping[str, float], ttft_top: str | None,
+    itl_top: str | None, kv: float | None, preempted: int,
+) -> _Candidate | None:
+    """``kv_cache`` under KV-cache pressure, when the TTFT tail is waiting for admission
+    or the ITL tail is time evicted; its share and evidence. None otherwise."""
+    waiting_top = ttft_top == "waiting"
+    evicted_top = itl_top == sc.ITL_CAUSE_PREEMPTED
+    if not (waiting_top or evicted_top):
+        return None
+    waiting = ttft_shares.get(sc.STAGE_QUEUE, 0.0) + ttft_shares.get(sc.STAGE_PREEMPTED, 0.0)
+    share = max(
+        waiting if waiting_top else 0.0,
+        itl_shares.get(sc.ITL_CAUSE_PREEMPTED, 0.0) if evicted_top else 0.0,
+    )
+    evidence = []
+    if waiting_top:
+        queue = ttft_shares.get(sc.STAGE_QUEUE, 0.0)
+        evicted = ttft_shares.get(sc.STAGE_PREEMPTED, 0.0)
+        evidence.append(
+            f"{_pct(waiting)} of p95 TTFT is waiting for KV-cache admission (queue "
+            f"{_pct(queue)}, preempted {_pct(evicted)})"
+        )
+    if evicted_top:
+        evidence.append(
+            f"{_pct(itl_shares[sc.ITL_CAUSE_PREEMPTED])} of the slowest inter-token gaps "
+            "is time evicted from the KV cache"
+        )
+    if kv is not None:
+        evidence.append(f"KV-cache usage p95 {_pct(kv)}")
+    if preempted:
+        evidence.append(f"{preempted} requests evicted and recomputed (preempted)")
+    return share, sc.VERDICT_KV_CACHE, evidence
+
+
+def _scheduling_candidate(itl_shares: Mapping[str, float]) -> _Candidate:
+    """``scheduling``: the ITL tail is other requests' prefill in the same steps."""
+    share = itl_shares[sc.ITL_CAUSE_PREFILL_INTERFERENCE]
+    return (
+        share,
+        sc.VERDICT_SCHEDULING,
+        [
+            (
+                f"{_pct(share)} of the slowest inter-token gaps is other requests' "
+                "prefill in the same engine steps: smaller prefill chunks or "
+                "prefill/decode disaggregation shorten it"
+            ),
+            (
+                f"decode {_pct(itl_shares.get(sc.ITL_CAUSE_DECODE, 0.0))}, host "
+                f"{_pct(itl_shares.get(sc.ITL_CAUSE_HOST, 0.0))} of those gaps"
+            ),
+        ],
+    )
 
 
 def _top(shares: Mapping[str, float], merge: set[str] | None = None) -> str | None:
