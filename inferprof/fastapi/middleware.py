@@ -448,6 +448,22 @@ def _starlette_routing() -> Any:
 
 _UNSEEN: Any = object()
 _routing: Any = _UNSEEN
+_client_disconnect: Any = _UNSEEN
+
+
+def _client_gone(exc: BaseException) -> bool:
+    """Whether ``exc`` says the client went away: Starlette's ``ClientDisconnect``, which
+    its request reads raise on ``http.disconnect`` and its streaming responses raise when
+    an ASGI 2.4 server's ``send`` raises ``OSError``. (An ``OSError`` of its own may be the
+    app's: a failed upstream call is an error.) Read on an exception's path only."""
+    global _client_disconnect
+    if _client_disconnect is _UNSEEN:
+        try:
+            from starlette.requests import ClientDisconnect as found
+        except ImportError:
+            found = None  # type: ignore[assignment,misc]
+        _client_disconnect = found
+    return _client_disconnect is not None and isinstance(exc, _client_disconnect)
 
 
 def _is_mount(route: Any) -> bool:
@@ -599,7 +615,9 @@ class InferprofMiddleware:
                 await self.app(scope, receive, send)
             except BaseException as exc:
                 if summaries is not None:
-                    error = ends_in_error(exc)
+                    # A client gone after the answer started is no error (a timed
+                    # request's send() and receive() see it: `disconnected`).
+                    error = ends_in_error(exc) and not (answer[0] and _client_gone(exc))
                 raise
             finally:
                 reset_scope(token)
