@@ -133,3 +133,100 @@ def test_a_client_leaving_a_stream_is_no_error_timed_or_untimed(monkeypatch, spe
     # every request counted once; its errors the 503s alone (a client leaving is none:
     # 2.4 counted the untimed ones' ClientDisconnect as errors: 414 for 171)
     assert (doc["requests"], doc["errors"]) == (len(results), answered_503)
+
+
+def test_a_worker_forked_after_configure_counts_its_own_requests_once(monkeypatch):
+    # A pre-forking server (gunicorn --preload): configure() and the app in the parent,
+    # which served requests of its own whose untimed counts wait to be folded; the worker
+    # forked then counts its requests, exactly, and none of its parent's.
+    import os
+
+    from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+
+    from inferprof.collector.engine import Engine
+
+    app = FastAPI()
+
+    @app.get("/a")
+    async def a(i: int):
+        with inferprof.stage("compute"):
+            await asyncio.sleep(0)
+        return JSONResponse({}, status_code=503 if i % 5 == 0 else 200)
+
+    inferprof.fastapi.instrument(app, model_name="m")
+    monkeypatch.setattr(stage_module, "_random", random.Random(3).random)
+    exporter = MemoryExporter()
+    with captured(mode="production", max_timed_rate=100, sample_rate=1.0,
+                  summary_exporter=exporter, summary_interval_s=3600) as cap:
+        rt = inferprof._config.active_runtime()
+        budget_clock = install_budget(rt)
+
+        def run(first: int, n: int) -> list[int]:
+            async def go() -> list[int]:
+                return [(await serve(app, "/a", f"i={i}".encode()))[0]
+                        for i in range(first, first + n)]
+            return asyncio.run(go())
+
+        statuses = run(0, 1)  # timed: the route learnt
+        for _ in range(300):  # 300 a second: a share of 1/4
+            rt.timing_budget.share("/a")
+        budget_clock.now += 1.0
+        statuses += run(1, 200)
+        # counted, not exported yet: what the worker must not send
+        assert inferprof.instrumentation.stats().requests_untimed_counted > 100
+        assert not exporter.exports
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the worker: its exports and spans, encoded, down the pipe
+            code = 1
+            try:
+                worker = run(1000, 400)
+                inferprof.shutdown()
+                blobs = [encode_metrics(d).SerializeToString() for d in exporter.exports]
+                blobs.append(encode_spans(cap.spans()).SerializeToString())
+                blobs.append(str(worker.count(503)).encode())
+                with os.fdopen(write, "wb") as out:
+                    for blob in blobs:
+                        out.write(len(blob).to_bytes(8, "big") + blob)
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(write)
+        with os.fdopen(read, "rb") as pipe:
+            data = pipe.read()
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        inferprof.shutdown()
+        spans = cap.spans()
+        service = cap.provider.resource.attributes[semconv.RESOURCE_SERVICE_NAME]
+    blobs = []
+    while data:
+        n = int.from_bytes(data[:8], "big")
+        blobs.append(data[8:8 + n])
+        data = data[8 + n:]
+    *worker_metrics, worker_spans, worker_503 = blobs
+    assert worker_metrics  # the worker exported (its summaries' thread ran)
+
+    def breakdown(metrics: list[bytes], traces: bytes) -> tuple[int, int]:
+        from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+            ExportMetricsServiceRequest,
+        )
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+            ExportTraceServiceRequest,
+        )
+
+        engine = Engine(settle_s=0.0)
+        for blob in metrics:
+            request = ExportMetricsServiceRequest.FromString(blob)
+            assert engine.ingest_metrics(request).rejected_spans == 0
+        assert engine.ingest_traces(ExportTraceServiceRequest.FromString(traces)
+                                    ).rejected_spans == 0
+        engine.flush()
+        doc = engine.breakdown(service, model="m", window_s=None)
+        return doc["requests"], doc["errors"]
+
+    assert breakdown(worker_metrics, worker_spans) == (400, int(worker_503))
+    parent = [encode_metrics(d).SerializeToString() for d in exporter.exports]
+    assert breakdown(parent, encode_spans(spans).SerializeToString()) == (
+        len(statuses), statuses.count(503))
