@@ -22,7 +22,7 @@ from opentelemetry.proto.common.v1.common_pb2 import KeyValue
 from inferprof import semconv as sc
 from inferprof.collector.engine import Engine
 from inferprof.collector.gen_spans import array_value
-from inferprof.collector.generation import StepIndex
+from inferprof.collector.steps import StepIndex
 from tests.collector.gen_synth import (
     Scenario,
     inferprof_exports,
