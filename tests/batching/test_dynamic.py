@@ -10,6 +10,8 @@ from inferprof import semconv
 from inferprof.batching import Collated, current_batch
 from tests.instrumentation.helpers import captured, children_of
 
+_ATTR_BEHIND = semconv.ATTR_QUEUE_BEHIND_BATCHES_S
+
 BATCH_ATTRS = (
     semconv.ATTR_BATCH_ID,
     semconv.ATTR_BATCH_SIZE,
@@ -361,24 +363,30 @@ def test_batcher_survives_a_new_event_loop():
 
 
 async def test_max_delay_counts_from_the_oldest_arrival(cap):
-    starts = []
+    runs = []
+    release = threading.Event()
 
     def fn(xs):
-        starts.append((time.monotonic(), list(xs)))
-        if len(starts) == 1:
-            time.sleep(0.3)  # a slow first batch; the next request arrives meanwhile
+        start = time.monotonic()
+        if not runs:  # the first batch runs until released; the next request arrives meanwhile
+            assert release.wait(30), "never released"
+        runs.append((start, time.monotonic(), list(xs)))
         return xs
 
-    async with inferprof.DynamicBatcher(fn, max_batch_size=2, max_delay_ms=200) as b:
-        first = [asyncio.create_task(b.submit(x)) for x in ("a", "a2")]  # full: leaves at once
-        await asyncio.sleep(0.05)
-        second = asyncio.create_task(b.submit("b"))
+    async with inferprof.DynamicBatcher(fn, max_batch_size=2, max_delay_ms=500) as b:
+        try:
+            first = [asyncio.create_task(b.submit(x)) for x in ("a", "a2")]  # full: leaves at once
+            await asyncio.sleep(0.01)
+            second = asyncio.create_task(b.submit("b"))
+            await asyncio.sleep(0.6)  # "b" waits past its delay behind the first batch
+        finally:
+            release.set()
         await asyncio.gather(*first, second)
-    (t1, batch1), (t2, batch2) = starts
+    (_, end1, batch1), (start2, _, batch2) = runs
     assert batch1 == ["a", "a2"] and batch2 == ["b"]
-    # "b" had waited 250 ms > max_delay when batch 1 finished: it leaves at once
-    # (counting from when the loop got to it, it would leave 200 ms later)
-    assert t2 - t1 < 0.3 + 0.15  # the wrong rule gives >= 0.3 + 0.2
+    # "b" is overdue when the first batch ends: its batch starts at once. Counting from
+    # when the loop got to it, it would start a whole delay (500 ms) after that.
+    assert start2 - end1 < 0.5
 
 
 @pytest.mark.parametrize("encoding", ["children", "links"])
@@ -420,69 +428,129 @@ async def test_a_served_batch_leaves_no_reference_cycle(encoding):
         assert len(cap.stages("h2d")) > 0
 
 
-def _slow(seconds):
-    def fn(xs):
-        time.sleep(seconds)
+class _Held:
+    """A batch function whose first ``held`` calls block until ``release()``: a test
+    decides when batches end instead of guessing how long they take on a loaded machine.
+    Every call's run is kept as a ``(start, end)`` interval in the spans' clock."""
+
+    def __init__(self, held):
+        self.held = held
+        self.runs = []
+        self._calls = 0
+        self._waiting = 0
+        self._lock = threading.Lock()
+        self._gate = threading.Event()
+
+    def __call__(self, xs):
+        start = time.time_ns()
+        with self._lock:
+            self._calls += 1
+            hold = self._calls <= self.held
+            if hold:
+                self._waiting += 1
+        if hold:
+            assert self._gate.wait(30), "never released"
+        self.runs.append((start, time.time_ns()))
         return xs
 
-    return fn
+    async def all_held(self):
+        """Return once every held call is running (each holds a slot)."""
+        deadline = time.monotonic() + 30
+        while self._waiting < self.held:
+            assert time.monotonic() < deadline, "the held batches never started"
+            await asyncio.sleep(0.001)
+
+    def release(self):
+        self._gate.set()
 
 
-async def _arrive(batcher, n, gap):
-    async def one(i):
-        async with inferprof.request(model="m", i=i):
-            return await batcher.submit(i)
-
-    tasks = []
-    for i in range(n):
-        tasks.append(asyncio.create_task(one(i)))
-        await asyncio.sleep(gap)
-    return await asyncio.gather(*tasks)
+#: The batcher's busy clock is ``time.monotonic``, spans use ``time.time_ns``: durations
+#: measured on the two agree to well within this (seconds).
+_CLOCKS = 0.001
 
 
-def _behind(cap):
-    spans = sorted(cap.stages(semconv.STAGE_QUEUE), key=lambda s: s.start_time)
-    return [((s.end_time - s.start_time) / 1e9,
-             s.attributes[semconv.ATTR_QUEUE_BEHIND_BATCHES_S]) for s in spans]
+def _all_running(runs, n):
+    """The periods (ns) during which at least ``n`` of ``runs`` ran at once."""
+    edges = sorted([(s, 1) for s, _ in runs] + [(e, -1) for _, e in runs])
+    periods, running, since = [], 0, None
+    for t, step in edges:
+        running += step
+        if running >= n and since is None:
+            since = t
+        elif running < n and since is not None:
+            periods.append((since, t))
+            since = None
+    return periods
+
+
+def _overlap_s(span, periods):
+    return sum(
+        max(0, min(end, span.end_time) - max(start, span.start_time)) for start, end in periods
+    ) / 1e9
+
+
+def _queues(cap):
+    return sorted(cap.stages(semconv.STAGE_QUEUE), key=lambda s: s.start_time)
 
 
 @pytest.mark.parametrize("slots", [1, 4])
 async def test_queue_time_is_behind_batches_only_while_every_slot_runs_one(cap, slots):
+    fn = _Held(slots)
     async with inferprof.DynamicBatcher(
-        _slow(0.04), max_batch_size=1, max_delay_ms=0, max_concurrent_batches=slots
+        fn, max_batch_size=1, max_delay_ms=0, max_concurrent_batches=slots
     ) as b:
-        await _arrive(b, slots + 2, 0.005)
-    behind = _behind(cap)
-    # the first `slots` requests find a slot free; the next ones wait for one
-    assert [m for _, m in behind[:slots]] == pytest.approx([0.0] * slots, abs=0.002)
-    for queued, measured in behind[slots:]:
-        assert queued > 0.015
-        assert measured == pytest.approx(queued, abs=0.005)
+        try:
+            first = [asyncio.create_task(_one(b, i)) for i in range(slots)]
+            await fn.all_held()  # every slot runs a batch...
+            later = [asyncio.create_task(_one(b, i)) for i in range(slots, slots + 2)]
+            await asyncio.sleep(0.03)  # ...while two more requests wait for one
+        finally:
+            fn.release()
+        assert await asyncio.gather(*first, *later) == list(range(slots + 2))
+    queues = _queues(cap)
+    # the first `slots` requests found a slot free: none of their wait is behind batches
+    assert [s.attributes[_ATTR_BEHIND] for s in queues[:slots]] == [0.0] * slots
+    # The later ones waited while every slot ran a batch (their functions running, which
+    # the batcher's busy clock encloses): all of that is behind batches, and nothing is
+    # counted beyond their wait.
+    busy = _all_running(fn.runs, slots)
+    for s in queues[slots:]:
+        behind = _overlap_s(s, busy)
+        assert behind > 0.025  # the held batches ran through its wait
+        queued = (s.end_time - s.start_time) / 1e9
+        assert behind - _CLOCKS <= s.attributes[_ATTR_BEHIND] <= queued + _CLOCKS
 
 
 async def test_waiting_for_the_delay_with_a_free_slot_is_not_behind_batches(cap):
     async with inferprof.DynamicBatcher(
-        _slow(0.001), max_batch_size=8, max_delay_ms=30, max_concurrent_batches=2
+        lambda xs: xs, max_batch_size=8, max_delay_ms=30, max_concurrent_batches=2
     ) as b:
-        await _arrive(b, 3, 0.002)
-    for queued, measured in _behind(cap):
-        assert queued > 0.02  # held for company
-        assert measured == pytest.approx(0.0, abs=0.002)
+        assert await asyncio.gather(*(_one(b, i) for i in range(3))) == [0, 1, 2]
+    queues = _queues(cap)
+    assert len(queues) == 3
+    for s in queues:
+        # held for company: no batch left before the oldest request had waited the delay
+        assert (s.end_time - queues[0].start_time) / 1e9 >= 0.03 - _CLOCKS
+        assert s.attributes[_ATTR_BEHIND] == 0.0
 
 
 async def test_a_running_batch_on_one_slot_does_not_make_the_other_slot_busy(cap):
-    # Slot 1 runs a 100 ms batch; a request arriving meanwhile has slot 2 free and
-    # waits only for the delay: none of that wait is behind batches.
+    # Slot 1 runs a batch held until the end; a request arriving meanwhile has slot 2
+    # free and waits only for the delay: none of that wait is behind batches.
+    fn = _Held(1)
     async with inferprof.DynamicBatcher(
-        _slow(0.1), max_batch_size=2, max_delay_ms=30, max_concurrent_batches=2
+        fn, max_batch_size=2, max_delay_ms=30, max_concurrent_batches=2
     ) as b:
-        first = asyncio.create_task(_arrive(b, 1, 0))
-        await asyncio.sleep(0.04)  # the first batch formed at 30 ms and runs
-        await _arrive(b, 1, 0)
-        await first
-    _, (queued, measured) = _behind(cap)
-    assert queued > 0.02  # held for the delay
-    assert measured == pytest.approx(0.0, abs=0.002)
+        try:
+            first = asyncio.create_task(_one(b, 0))
+            await fn.all_held()
+            assert await _one(b, 1) == 1  # served on slot 2 while slot 1 is held
+        finally:
+            fn.release()
+        assert await first == 0
+    _, second = _queues(cap)
+    assert (second.end_time - second.start_time) / 1e9 >= 0.03 - _CLOCKS  # held for the delay
+    assert second.attributes[_ATTR_BEHIND] == 0.0
 
 
 async def test_restarted_while_batches_run_one_slot_stays_one_slot():

@@ -2,6 +2,8 @@
 and the demo reports its batching and telemetry counters on /healthz."""
 
 import asyncio
+import threading
+import time
 
 import httpx
 import pytest
@@ -11,10 +13,14 @@ from inferprof.demo.plain_batcher import PlainBatcher
 from inferprof.demo.service import CLASSIFY_PATH, HEALTH_PATH, create_app
 from inferprof.demo.settings import DemoSettings
 
+#: Long enough that the later arrivals below (10 ms apart) land inside the oldest waiting
+#: request's window however slowly a loaded machine runs the event loop.
+_WINDOW_MS = 500
+
 
 async def _batch_sizes(make) -> list[int]:
     """Sizes of the batches formed for one arrival pattern: 6 requests at once, then 3 more
-    arriving 10 ms apart, each within the 60 ms window of the oldest waiting one."""
+    arriving 10 ms apart, each within the window of the oldest waiting one."""
     sizes: list[int] = []
 
     def fn(batch):
@@ -44,51 +50,66 @@ def unconfigured():
 
 
 async def test_plain_batcher_forms_the_same_batches_as_dynamic_batcher(unconfigured):
-    plain = await _batch_sizes(lambda fn: PlainBatcher(fn, max_batch_size=4, max_delay_ms=60))
-    dynamic = await _batch_sizes(
-        lambda fn: inferprof.DynamicBatcher(fn, max_batch_size=4, max_delay_ms=60)
+    plain = await _batch_sizes(
+        lambda fn: PlainBatcher(fn, max_batch_size=4, max_delay_ms=_WINDOW_MS)
     )
-    assert plain == dynamic
-    assert plain[0] == 4 and sum(plain) == 9
+    dynamic = await _batch_sizes(
+        lambda fn: inferprof.DynamicBatcher(fn, max_batch_size=4, max_delay_ms=_WINDOW_MS)
+    )
+    # full batches leave at once, the last one when its window ends
+    assert plain == dynamic == [4, 4, 1]
 
 
-async def _overdue_pattern(make) -> list[list]:
+async def _overdue_pattern(make, max_delay_s: float) -> list[list]:
     """A request that waited through a running batch is overdue when that batch ends: it
     must leave at once (its deadline counts from its arrival), not wait for company."""
     seen: list[list] = []
-    loop = asyncio.get_running_loop()
-    first_done = asyncio.Event()
+    release = threading.Event()
 
     def fn(batch):
         seen.append(list(batch))
-        if batch == ["a"]:
-            import time
-
-            time.sleep(0.3)
-            loop.call_soon_threadsafe(first_done.set)
+        if batch == ["a", "a2"]:
+            assert release.wait(30), "never released"
         return list(batch)
 
     b = make(fn)
     try:
-        a = asyncio.ensure_future(b.submit("a"))
-        await asyncio.sleep(0.15)  # "a" is running (it left after 100 ms)
+        a = [asyncio.ensure_future(b.submit(i)) for i in ("a", "a2")]  # full: leaves at once
+        await _until(lambda: seen)
         x = asyncio.ensure_future(b.submit("x"))
-        await first_done.wait()
-        await asyncio.sleep(0.03)  # inside x's window had it been counted from pickup
+        await asyncio.sleep(max_delay_s * 1.2)  # "x" waits past its delay behind the batch
+        release.set()
+        await asyncio.gather(*a)
+        # Counted from its arrival, "x" is overdue and its batch starts at once; counted
+        # from when the loop got to it, it would wait a whole delay more, and "y" (sent
+        # before that) would join it.
+        await _until(lambda: len(seen) > 1, max_delay_s * 0.8, fail=False)
         y = asyncio.ensure_future(b.submit("y"))
-        await asyncio.gather(a, x, y)
+        await asyncio.gather(x, y)
     finally:
+        release.set()
         await b.stop()
     return seen
 
 
+async def _until(condition, timeout_s: float = 30.0, *, fail: bool = True) -> None:
+    """Wait on the event loop until ``condition()``; after ``timeout_s``, fail or return."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            assert not fail, "timed out"
+            return
+        await asyncio.sleep(0.001)
+
+
 async def test_plain_batcher_deadline_counts_from_the_oldest_arrival(unconfigured):
-    plain = await _overdue_pattern(lambda fn: PlainBatcher(fn, max_batch_size=8,
-                                                           max_delay_ms=100))
-    dynamic = await _overdue_pattern(
-        lambda fn: inferprof.DynamicBatcher(fn, max_batch_size=8, max_delay_ms=100)
+    plain = await _overdue_pattern(
+        lambda fn: PlainBatcher(fn, max_batch_size=2, max_delay_ms=500), 0.5
     )
-    assert plain == dynamic == [["a"], ["x"], ["y"]]
+    dynamic = await _overdue_pattern(
+        lambda fn: inferprof.DynamicBatcher(fn, max_batch_size=2, max_delay_ms=500), 0.5
+    )
+    assert plain == dynamic == [["a", "a2"], ["x"], ["y"]]
 
 
 async def test_a_cancelled_request_leaves_the_plain_batchers_queue():
@@ -133,8 +154,6 @@ async def _resumed_before_next_batch(make) -> list[int]:
     """For each batch, how many requests of earlier batches had resumed (their ``await
     submit`` returned and their first step ran) when its function started. Each resumed
     request then blocks the loop for 10 ms, as a response's post-processing would."""
-    import time
-
     resumed = 0
     seen: list[int] = []
 
