@@ -9,7 +9,6 @@ from collections import defaultdict
 import numpy as np
 
 from inferprof import semconv as sc
-from inferprof.collector.assembly import Finalised
 from inferprof.collector.attribution import (
     COL_E2E,
     COL_STAGE0,
@@ -17,6 +16,7 @@ from inferprof.collector.attribution import (
     COL_WEIGHT,
     tail_codes,
 )
+from inferprof.collector.finalised import Finalised
 from inferprof.collector.layout import (
     _BOUNDS,
     _INT64_LIMIT,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from inferprof.collector.assembly import Finalised
+from inferprof.collector.finalised import Finalised
 from inferprof.collector.sketch import KEY_BITS
 
 #: Upper bounds (seconds) of the Prometheus histogram buckets: 0.5 ms .. 60 s, the
