@@ -16,13 +16,16 @@ from __future__ import annotations
 import logging
 import pathlib
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from inferprof import semconv
 from inferprof._optional import require
 from inferprof.collector.http_server import PATH_LOGS, PATH_METRICS
 from inferprof.collector.intake import IngestOutcome, Intake, TransportMetrics
 from inferprof.collector.settings import CollectorSettings
+
+if TYPE_CHECKING:  # the receivers and forwarders are imported when the collector starts
+    from inferprof.collector.forward import ForwardSet
 
 _log = logging.getLogger(__name__)
 
@@ -86,10 +89,51 @@ class CollectorApp:
         return self
 
     def _start(self) -> None:
-        from inferprof.collector.forward import Forwarder, ForwardSet
         from inferprof.collector.grpc_server import GrpcReceiver
-        from inferprof.collector.http_server import HttpServers, api_app, otlp_app
+        from inferprof.collector.http_server import HttpServers
 
+        s = self.settings
+        token, cert, key = self._credentials()
+        self._register_engine_collector()
+        self._forwarders = self._make_forwarders()
+        intake = Intake(self.engine, self.metrics, self._forwarders, s.retry_after_s)
+
+        self._grpc = GrpcReceiver(
+            intake,
+            host=s.grpc_bind_host,
+            port=s.grpc_port,
+            workers=s.grpc_workers,
+            max_concurrent_requests=s.max_concurrent_requests,
+            max_message_bytes=s.max_body_bytes,
+            auth_token=token,
+            tls_cert=cert,
+            tls_key=key,
+        )
+        self._ports["grpc"] = self._grpc.port
+
+        self._http = HttpServers(tls_cert=s.tls_cert, tls_key=s.tls_key)
+        otlp, api = self._http_apps(intake, token)
+        self._ports["http"] = self._http.add(otlp, s.http_bind_host, s.http_port, "OTLP/HTTP")
+        self._ports["api"] = self._http.add(api, s.api_bind_host, s.api_port, "the API")
+
+        self._forwarders.start()
+        self._grpc.start()
+        self._http.start()
+        self._advance_thread = threading.Thread(
+            target=self._advance_loop, name="inferprof-engine-advance", daemon=True
+        )
+        self._advance_thread.start()
+        st = self.settings
+        _log.info(
+            "inferprof collector listening: OTLP/gRPC %s, OTLP/HTTP %s, API %s",
+            self._bound(st.grpc_bind_host, "grpc", self.otlp_grpc_endpoint),
+            self._bound(st.http_bind_host, "http", self.otlp_http_endpoint),
+            self._bound(st.api_bind_host, "api", self.api_url),
+        )
+
+    def _credentials(self) -> tuple[str | None, bytes | None, bytes | None]:
+        """The bearer token (warning when gRPC clients cannot send it), and the TLS
+        certificate and key read from their files (None: no TLS)."""
         s = self.settings
         token = s.resolved_auth_token()
         if token and not token.isascii():
@@ -101,8 +145,14 @@ class CollectorApp:
         if s.tls_enabled:
             cert = pathlib.Path(s.tls_cert).read_bytes()  # type: ignore[arg-type]
             key = pathlib.Path(s.tls_key).read_bytes()  # type: ignore[arg-type]
+        return token, cert, key
 
-        self._register_engine_collector()
+    def _make_forwarders(self) -> ForwardSet:
+        """A forwarder per ``--forward`` destination, its queue exposed as metrics (not
+        started)."""
+        from inferprof.collector.forward import Forwarder, ForwardSet
+
+        s = self.settings
         if s.forward and s.forward_queue_bytes < s.max_body_bytes:
             _log.warning(
                 "--forward-queue-bytes %d is below --max-body-bytes %d: an export larger "
@@ -124,23 +174,13 @@ class CollectorApp:
             self.metrics.forward_queue.labels(f.destination).set_function(f.queue_length)
             self.metrics.forward_queue_bytes.labels(f.destination).set_function(f.queue_bytes)
             forwarders.append(f)
-        self._forwarders = ForwardSet(forwarders)
-        intake = Intake(self.engine, self.metrics, self._forwarders, s.retry_after_s)
+        return ForwardSet(forwarders)
 
-        self._grpc = GrpcReceiver(
-            intake,
-            host=s.grpc_bind_host,
-            port=s.grpc_port,
-            workers=s.grpc_workers,
-            max_concurrent_requests=s.max_concurrent_requests,
-            max_message_bytes=s.max_body_bytes,
-            auth_token=token,
-            tls_cert=cert,
-            tls_key=key,
-        )
-        self._ports["grpc"] = self._grpc.port
+    def _http_apps(self, intake: Intake, token: str | None) -> tuple[Any, Any]:
+        """The OTLP/HTTP and API applications, behind the bearer token when there is one."""
+        from inferprof.collector.http_server import api_app, otlp_app
 
-        self._http = HttpServers(tls_cert=s.tls_cert, tls_key=s.tls_key)
+        s = self.settings
         otlp = otlp_app(
             intake,
             max_body_bytes=s.max_body_bytes,
@@ -165,23 +205,7 @@ class CollectorApp:
             otlp = BearerAuthMiddleware(otlp, token=token, on_reject=self._http_rejected,
                                         otlp=True)
             api = BearerAuthMiddleware(api, token=token)
-        self._ports["http"] = self._http.add(otlp, s.http_bind_host, s.http_port, "OTLP/HTTP")
-        self._ports["api"] = self._http.add(api, s.api_bind_host, s.api_port, "the API")
-
-        self._forwarders.start()
-        self._grpc.start()
-        self._http.start()
-        self._advance_thread = threading.Thread(
-            target=self._advance_loop, name="inferprof-engine-advance", daemon=True
-        )
-        self._advance_thread.start()
-        st = self.settings
-        _log.info(
-            "inferprof collector listening: OTLP/gRPC %s, OTLP/HTTP %s, API %s",
-            self._bound(st.grpc_bind_host, "grpc", self.otlp_grpc_endpoint),
-            self._bound(st.http_bind_host, "http", self.otlp_http_endpoint),
-            self._bound(st.api_bind_host, "api", self.api_url),
-        )
+        return otlp, api
 
     def _bound(self, host: str, key: str, url: str) -> str:
         """What a listener is bound to, as the start-up line says it: the URL to dial, and

@@ -150,6 +150,12 @@ def _check_limits(**limits: Any) -> None:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
+def _check_flags(**flags: Any) -> None:
+    for name, flag in flags.items():
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True or False, got {flag!r}")
+
+
 def _check_max_stages(max_stages: Any) -> None:
     if (
         not isinstance(max_stages, int)
@@ -220,10 +226,7 @@ class Engine(SeriesPart, FoldPart, SummaryPart, DocumentPart):
             max_gpu_hosts=max_gpu_hosts,
         )
         _check_max_stages(max_stages)
-        flags = (("triton_spans", triton_spans), ("share_pending_cap", share_pending_cap))
-        for name, flag in flags:
-            if not isinstance(flag, bool):
-                raise TypeError(f"{name} must be True or False, got {flag!r}")
+        _check_flags(triton_spans=triton_spans, share_pending_cap=share_pending_cap)
         self.max_stages = max_stages
         # Random keys of the queue-span sample (uniform; seeded: a run is repeatable).
         self._rng = np.random.default_rng(0)
@@ -262,6 +265,12 @@ class Engine(SeriesPart, FoldPart, SummaryPart, DocumentPart):
         # Assembler stage number -> stage column (-1: not mapped yet).
         self._col_of = np.empty(0, np.int64)
         self._init_series(max_series)
+        self._init_stores(max_gpu_samples, max_gpus_per_host, max_gpu_hosts, gpu_hour_prices)
+
+    def _init_stores(self, max_gpu_samples: int, max_gpus_per_host: int, max_gpu_hosts: int,
+                     gpu_hour_prices: Iterable[tuple[str, float]]) -> None:
+        """What the engine keeps of what it folds (time slices, fleet tables, histograms,
+        GPU samples, examples, exemplars, cost) and its counters."""
         self._slices: dict[int, TimeSlice] = {}
         #: the sketch tables since start, for the fleet exposition (fleet.py)
         self._fleet = FleetStore(_Q_LOCAL, STAGE_BITS)
