@@ -590,8 +590,19 @@ class InferprofMiddleware:
         if outer is not None and (outer is UNTIMED or isinstance(outer[0], RequestRecord)):
             await self.app(scope, receive, send)  # installed twice
             return
+        context = current_otel_context()
+        if context and rt.production and _sampled_out_elsewhere(rt, scope, context):
+            # Another instrumentation's request span that its sampler did not keep, in a
+            # trace whose kept requests it weights: they count this one, so it is neither
+            # timed nor counted (a nested request() or stage records nothing).
+            token = SCOPE.set(UNTIMED)
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                reset_scope(token)
+            return
         # production mode's timing budget (none: every request is timed)
-        share = timed_share(rt, path) if rt.timing_budget is not None else 1.0
+        share = timed_share(rt, path, context) if rt.timing_budget is not None else 1.0
         if not share:
             # Not timed: its stages record nothing, as with inferprof off; a trace context
             # it came with stays current, for the calls it makes downstream.
@@ -627,7 +638,7 @@ class InferprofMiddleware:
                     self._count_untimed(summaries, scope, start, answer, error)
             return
         try:
-            rec = self._open(rt, scope, receive, send, path)
+            rec = self._open(rt, scope, receive, send, path, context)
         except Exception:
             _logger.exception("inferprof could not open a request; serving it untraced")
             await self.app(scope, receive, send)
@@ -673,7 +684,7 @@ class InferprofMiddleware:
         return self._content_max_bytes or rt.config.content_max_bytes
 
     def _open(
-        self, rt: Runtime, scope: Scope, receive: Receive, send: Send, path: str
+        self, rt: Runtime, scope: Scope, receive: Receive, send: Send, path: str, context: Any
     ) -> _HttpRequest:
         start = _time_ns()
         parent = None
@@ -692,7 +703,6 @@ class InferprofMiddleware:
         }
         if self.model_name is not None:
             attrs[_MODEL_NAME] = self.model_name
-        context = current_otel_context()
         if context:  # maybe another instrumentation's server span to enrich
             rec = begin_request(rt, method, _SERVER, attrs, parent, start, context, _HttpRequest)
             if rec.live_span is not None and rt.production and not self._warned_foreign_span:
@@ -826,6 +836,31 @@ def _incoming_carrier(scope: Scope) -> dict[str, str] | None:
         if key in _PROPAGATION_HEADERS:
             carrier[key.decode("latin-1")] = value.decode("latin-1")
     return carrier
+
+
+def _sampled_out_elsewhere(rt: Runtime, scope: Scope, context: Any) -> bool:
+    """Whether the request runs under a span another instrumentation of this process opened
+    for it (not an extracted caller's context: those are remote) and its sampler did not
+    keep, while the ones it keeps carry a weight above 1 (``inferprof.sample.weight``, a
+    root under a ratio sampler): those count this request, which inferprof must not count
+    again (contract §15). With a weight of 1 (a caller's decision followed, by
+    ``ParentBased``) nothing stands for it, and inferprof records it as usual."""
+    try:
+        span = trace_api.get_current_span(context)
+        if span.is_recording():
+            return False
+        sc = span.get_span_context()
+        if not sc.is_valid or sc.is_remote:
+            return False
+        parent = None
+        carrier = _incoming_carrier(scope)
+        if carrier is not None:  # the caller's context the other instrumentation continued
+            caller = trace_api.get_current_span(propagate.extract(carrier)).get_span_context()
+            parent = caller if caller.is_valid else None
+        return rt.sampled_weight(parent) > 1.0
+    except Exception:
+        _logger.exception("inferprof could not read another instrumentation's span")
+        return False
 
 
 def _attach_incoming(scope: Scope) -> Any:

@@ -346,9 +346,14 @@ class Runtime:
 
     def live_weight(self, live: Any) -> float:
         """Weight of a request span another instrumentation created, per the SDK sampler."""
+        return self.sampled_weight(getattr(live, "parent", None))
+
+    def sampled_weight(self, parent: trace_api.SpanContext | None) -> float:
+        """Weight of a span the SDK sampler keeps in a trace continuing ``parent`` (None:
+        a root): 1 / the probability it keeps one, when it says (ratio samplers); else 1."""
         if self._sampler is None:
             return 1.0
-        return 1.0 / _sampler_ratio(self._sampler, getattr(live, "parent", None))
+        return 1.0 / _sampler_ratio(self._sampler, parent)
 
     def finish_request(self, rec: RequestRecord) -> None:
         """Decide, build and emit the request's spans. Never raises."""

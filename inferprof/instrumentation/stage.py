@@ -344,12 +344,14 @@ def under_live_span(context: Any) -> bool:
     return bool(context) and _live_server_span(trace_api.get_current_span(context)) is not None
 
 
-def timed_share(rt: Any, key: object) -> float:
+def timed_share(rt: Any, key: object, context: Any = None) -> float:
     """Production mode's timing budget for one request of ``key``: the probability it was
     timed with (1.0 with no budget, under it, or under another instrumentation's request
-    span, whose sampler decides), or 0.0 when it is not to be timed (counted)."""
+    span, whose sampler decides), or 0.0 when it is not to be timed (counted).
+    ``context``: the current OpenTelemetry context, when the caller has it already."""
     budget = rt.timing_budget
-    if budget is None or under_live_span(current_otel_context()):
+    if budget is None or under_live_span(
+            current_otel_context() if context is None else context):
         return 1.0
     share = budget.share(key)
     if share < 1.0 and _random() >= share:

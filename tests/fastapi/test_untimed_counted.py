@@ -228,7 +228,8 @@ def test_a_route_is_counted_while_its_last_timed_request_was_summarised_under_on
         (True, "/s", "unmarked -"),
     ]
     script = iter(timed for timed, _, _ in steps)
-    monkeypatch.setattr(middleware, "timed_share", lambda rt, key: 1.0 if next(script) else 0.0)
+    monkeypatch.setattr(middleware, "timed_share",
+                        lambda rt, key, context=None: 1.0 if next(script) else 0.0)
     monkeypatch.setattr(middleware, "_MAX_ROUTES", 1)
     exporter = MemoryExporter()
     with captured(mode="production", max_timed_rate=100, summary_exporter=exporter,
