@@ -21,6 +21,7 @@ Field numbers are those of ``opentelemetry/proto/trace/v1/trace.proto`` and
 from __future__ import annotations
 
 import logging
+import math
 import random
 import struct
 from collections.abc import Mapping, Sequence
@@ -159,15 +160,20 @@ def _attributes(field: int, attributes: Mapping[str, Any] | None) -> bytes:
         # The type is part of the key: True == 1 == 1.0 must not share an encoding.
         vtype = type(value)
         if vtype in _CACHEABLE:
-            enc = cache.get((field, key, vtype, value))
+            scalar: tuple = (field, key, vtype, value)
+            if vtype is float and not value:  # -0.0 == 0.0, hashed alike: the sign too
+                scalar += (math.copysign(1.0, value),)
+            enc = cache.get(scalar)
             if enc is not None:
                 parts.append(enc)
                 continue
-            ck: tuple | None = (field, key, vtype, value)
+            ck: tuple | None = scalar
         elif vtype is tuple:  # its entries' types too: (0,) == (0.0,) == (False,)
             types = tuple(map(type, value))
             # (an array of arrays is not cached: ((0,),) == ((False,),), types alike)
             ck = (field, key, vtype, value, types) if _CACHEABLE.issuperset(types) else None
+            if ck is not None and float in types and 0.0 in value:  # and the zeros' signs
+                ck += (tuple(math.copysign(1.0, v) for v in value if type(v) is float),)
         else:
             ck = (field, key, vtype, value) if not isinstance(value, (list, dict)) else None
         if ck is not None:

@@ -107,6 +107,16 @@ def test_cached_encodings_keep_types_apart():
     _same(list(reversed(spans)))
 
 
+def test_cached_encodings_keep_the_sign_of_zero():
+    # -0.0 == 0.0 and they hash alike, but their doubles differ (hypothesis found it in
+    # test_arbitrary_attributes_match_the_sdk_encoder: the cache lives across examples)
+    for values in ((0.0, -0.0), ((0.0, 1.5), (-0.0, 1.5)), ((0, 0.0), (0, -0.0))):
+        spans = [_span(i, {"v": v}) for i, v in enumerate(values)]
+        otlp_encode._attr_cache.clear()
+        _same(spans)
+        _same(list(reversed(spans)))
+
+
 def test_nan_and_infinities_encode_like_the_sdk():
     _same([_span(0, {"nan": math.nan, "inf": math.inf, "-inf": -math.inf})])
 
