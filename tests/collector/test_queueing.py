@@ -415,9 +415,10 @@ def test_a_malformed_report_is_ignored_and_the_span_compared_with_the_work(bad):
 
 
 def test_a_real_batcher_with_free_slots_is_not_read_as_waiting_behind_batches():
-    """The case the overlap cannot tell: four slots, each request held for the 50 ms delay
-    while the batch before (40 ms of h2d, compute and d2h) runs: batches overlap much of
-    the queue time, yet nobody waited for a slot."""
+    """The case the overlap cannot tell: four slots, each request held for the 100 ms delay
+    while the batch before (80 ms of h2d, compute and d2h) runs: batches overlap much of
+    the queue time, yet nobody waited for a slot. (Long enough that a loaded machine's
+    late wake-ups, a few ms each, do not turn the tail's queue time into transfers.)"""
     import asyncio
     import time
 
@@ -426,18 +427,18 @@ def test_a_real_batcher_with_free_slots_is_not_read_as_waiting_behind_batches():
     import inferprof
     from tests.instrumentation.helpers import captured
 
-    def model(xs):  # 40 ms of work in three stages: no one group outweighs the queue
+    def model(xs):  # 80 ms of work in three stages: no one group outweighs the queue
         with inferprof.stage("h2d"):
-            time.sleep(0.015)
+            time.sleep(0.03)
         with inferprof.stage("compute"):
-            time.sleep(0.01)
+            time.sleep(0.02)
         with inferprof.stage("d2h"):
-            time.sleep(0.015)
+            time.sleep(0.03)
         return xs
 
     async def serve():
         async with inferprof.DynamicBatcher(
-            model, max_batch_size=64, max_delay_ms=50, max_concurrent_batches=4,
+            model, max_batch_size=64, max_delay_ms=100, max_concurrent_batches=4,
             model_name="m",
         ) as batcher:
             async def one(i):
@@ -447,7 +448,7 @@ def test_a_real_batcher_with_free_slots_is_not_read_as_waiting_behind_batches():
             tasks = []
             for i in range(150):
                 tasks.append(asyncio.create_task(one(i)))
-                await asyncio.sleep(0.003)
+                await asyncio.sleep(0.006)
             await asyncio.gather(*tasks)
 
     with captured() as cap:
