@@ -5,6 +5,7 @@ Pure ASGI: nothing here imports FastAPI or Starlette. See ``docs/instrumenting.m
 
 from __future__ import annotations
 
-from inferprof.fastapi.middleware import InferprofMiddleware, chunk_tokens, instrument
+from inferprof.fastapi.exchange import chunk_tokens
+from inferprof.fastapi.middleware import InferprofMiddleware, instrument
 
 __all__ = ["InferprofMiddleware", "chunk_tokens", "instrument"]

@@ -1,20 +1,13 @@
 """``InferprofMiddleware``: pure ASGI middleware opening one request per HTTP request.
 
-It times ``receive`` by wrapping the ASGI ``receive`` callable (from the app's first read to
-the last body chunk) and ``serialize`` by wrapping ``send`` (from ``http.response.start``
-to the last body chunk), counting ``inferprof.bytes`` both ways, without buffering: a
-streaming response (SSE, ``StreamingResponse``) flows through chunk by chunk and
-``serialize`` covers the whole stream. The request ends when the last body chunk has been
-handed to the server, so background tasks that run afterwards are not counted as latency.
-
-Streamed responses (``text/event-stream``, or a body sent in several messages without
-``content-length``) are
-timed chunk by chunk for generation (contract §7, §14): the time each chunk carrying
-generated content was handed to the server becomes an entry of
-``inferprof.gen.emit_offsets_s``, one token per chunk unless the app says otherwise
-(:func:`chunk_tokens`). These times win over the step API's own emissions
-(``inferprof.Engine``): a token's time is when it leaves the service. A client that goes
-away mid-stream marks the request ``inferprof.cancelled``; what was recorded is kept.
+Each request gets a record (:class:`inferprof.fastapi.exchange.HttpRequest`) whose wrapped
+``receive`` and ``send`` time ``receive`` (from the app's first read to the last body
+chunk) and ``serialize`` (from ``http.response.start`` to the last body chunk), without
+buffering: a streaming response flows through chunk by chunk, each chunk of a streamed
+generation timed as an emission (contract §7, §14). The request ends when the last body
+chunk has been handed to the server, so background tasks that run afterwards are not
+counted as latency. Its span is named after the route that served it
+(:mod:`inferprof.fastapi.routes`).
 
 When ``opentelemetry-instrumentation-fastapi`` (or any ASGI instrumentation) already opened
 a SERVER span for the request, that span is enriched (model name, sample weight) and
@@ -34,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable
 from operator import itemgetter
 from typing import Any
 
@@ -46,15 +39,23 @@ from opentelemetry.trace import SpanKind
 
 from inferprof import semconv
 from inferprof.fastapi._fastapi_compat import native_tracing
+from inferprof.fastapi.exchange import (
+    NOT_STREAMED,
+    Content,
+    HttpRequest,
+    Message,
+    Receive,
+    Scope,
+    Send,
+)
+from inferprof.fastapi.routes import route_template
 from inferprof.instrumentation.active import active_runtime
 from inferprof.instrumentation.config import excluded_paths_setting, resolve
-from inferprof.instrumentation.generation import COMPACT_AT, generation_attributes, merge_pairs
 from inferprof.instrumentation.records import (
     SCOPE,
     UNTIMED,
     RequestRecord,
     RequestSpan,
-    StageRecord,
     attach_span,
     current_otel_context,
     detach_context,
@@ -67,25 +68,11 @@ _logger = logging.getLogger(__name__)
 _time_ns = time.time_ns
 _PROPAGATION_HEADERS = frozenset((b"traceparent", b"tracestate", b"baggage"))
 _header_name = itemgetter(0)
-_STAGE_RECEIVE = semconv.STAGE_RECEIVE
-_STAGE_SERIALIZE = semconv.STAGE_SERIALIZE
-_ATTR_BYTES = semconv.ATTR_BYTES
 _MODEL_NAME = semconv.ATTR_MODEL_NAME
 _METHOD = http_attributes.HTTP_REQUEST_METHOD
 _PATH = url_attributes.URL_PATH
 _SCHEME = url_attributes.URL_SCHEME
-_ROUTE = http_attributes.HTTP_ROUTE
-_STATUS_CODE = http_attributes.HTTP_RESPONSE_STATUS_CODE
 _SERVER = SpanKind.SERVER
-# Streamed responses (generation timing): not streamed, a chunked body, server-sent events.
-_NOT_STREAMED, _CHUNKED, _SSE = 0, 1, 2
-#: The chunk that ends an OpenAI-style event stream (no content).
-_SSE_DONE = (b"data: [DONE]", b"data:[DONE]")
-#: How an event stream's usual chunk starts: a data: field holding a JSON object.
-_SSE_JSON = (b"data: {", b"data:{")
-#: Emission times send()'s short path appends to at most: one more goes through
-#: _chunk_sent(), which merges at COMPACT_AT.
-_FAST_TIMES_MAX = COMPACT_AT - 1
 #: Routes whose untimed requests the middleware counts (contract §15), at most: past it,
 #: a route not yet seen is not counted.
 _MAX_ROUTES = 1024
@@ -102,352 +89,9 @@ _MIXED: Any = object()
 # as the rest of the count. So its end is when the last body chunk is handed to the
 # server's send, not when that returns (as for a timed request).
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-
-class _Content:
-    """Body prefixes of one request, kept only when content recording is opted in."""
-
-    __slots__ = ("limit", "request", "response")
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.request = bytearray()
-        self.response = bytearray()
-
-    def add(self, buf: bytearray, body: bytes) -> None:
-        if len(buf) < self.limit:
-            buf += body[: self.limit - len(buf)]
-
-
-class _HttpRequest(RequestRecord):
-    """The record of one HTTP request, holding the middleware's state too, and the wrapped
-    ``receive``/``send`` the app is given (bound methods): one object per request where
-    a separate exchange object and two closures made four.
-
-    ``receive`` and ``serialize`` are kept as timestamps on the record, and the HTTP
-    attributes (route, status) as the values they come from: their stage records and
-    attributes are made in :meth:`_complete`, only for a request whose trace is kept (in
-    ``production`` mode most are not).
-    """
-
-    __slots__ = (
-        "_otel_token",
-        "_receive",
-        "_scope_token",
-        "_send",
-        "chunk_merged",
-        "chunk_times",
-        "chunk_tokens",
-        "content",
-        "disconnected",
-        "live_scope",
-        "next_tokens",
-        "received",
-        "recv_end",
-        "recv_start",
-        "root_path",
-        "route",
-        "route_model",
-        "sent",
-        "ser_end",
-        "ser_start",
-        "sse_times",
-        "status",
-        "stream",
-        "summary_model",
-    )
-
-    async def receive(self) -> Message:
-        if self.recv_end:  # the body is in: later reads (disconnect listeners) pass through
-            message = await self._receive()
-            if message["type"] == "http.disconnect" and not self.ser_end:
-                self.disconnected = True  # the client left before the response's end
-            return message
-        t0 = _time_ns()
-        message = await self._receive()
-        if message["type"] == "http.request":
-            if not self.recv_start:
-                self.recv_start = t0
-            body = message.get("body")
-            if body:
-                self.received += len(body)
-                if self.content is not None:
-                    self.content.add(self.content.request, body)
-            if not message.get("more_body", False):
-                self.recv_end = _time_ns()
-        elif message["type"] == "http.disconnect" and not self.ser_end:
-            self.disconnected = True
-        return message
-
-    async def send(self, message: Message) -> None:
-        times = self.sse_times
-        if times is not None:
-            # The usual chunk of an event stream: one token, as a data: field holding a
-            # JSON object (so not [DONE]); what the general path below does for it, in
-            # fewer steps. Any other chunk takes the general path.
-            body = message.get("body")
-            if (body.__class__ is bytes and message.get("more_body")
-                    and message["type"] == "http.response.body"
-                    and body.startswith(_SSE_JSON)):
-                self.sent += len(body)
-                handed = _time_ns()
-                try:
-                    await self._send(message)
-                except OSError:
-                    if not self.ser_end:
-                        self.disconnected = True
-                    raise
-                times.append(handed)
-                if len(times) >= _FAST_TIMES_MAX:
-                    self.sse_times = None  # the next one may need merging (_chunk_sent)
-                return
-        if message["type"] == "http.response.body":
-            body = message.get("body")
-            more = message.get("more_body", False)
-            if body:
-                self.sent += len(body)
-                if self.content is not None:
-                    self.content.add(self.content.response, body)
-            if self.live_scope is not None and not more:
-                # The outer instrumentation (opentelemetry-instrumentation-asgi) ends its
-                # span when the last body chunk passes it: its attributes go on now.
-                self._enrich_live()
-            stream = self.stream
-            # When a chunk of a stream leaves: handed to the server, which writes it to the
-            # socket in this call (a time taken after the call may follow the client's read)
-            handed = 0
-            if stream and body:
-                if stream == _SSE:
-                    # content: a data: field other than the [DONE] OpenAI-style streams
-                    # end with (comments, keep-alives and bare event: lines dispatch nothing).
-                    # find(), not `in`: bytes.__contains__ tries the operand as an int first
-                    # and builds a TypeError for every chunk.
-                    text = body if type(body) is bytes else bytes(body)  # (ASGI: bytes)
-                    if text.find(b"data:") != -1 and text.strip() not in _SSE_DONE:
-                        handed = _time_ns()
-                # a body in one message is not a stream, whatever its headers
-                elif more or self.chunk_times:
-                    handed = _time_ns()
-            try:
-                await self._send(message)
-            except OSError:  # ASGI 2.4 servers: the client went away mid-response
-                if not self.ser_end:
-                    self.disconnected = True
-                raise
-            if handed:  # (not for a chunk the server refused)
-                times = self.chunk_times
-                if (times is not None and self.next_tokens == 1 and self.chunk_tokens is None
-                        and len(times) < _FAST_TIMES_MAX):
-                    times.append(handed)  # the usual chunk: what _chunk_sent() does for it
-                else:
-                    self._chunk_sent(handed)
-            if stream == _SSE:
-                self.sse_times = self._fast_times()
-            if not more and not self.ser_end:
-                self.ser_end = _time_ns()  # also the request's end: the last byte handed over
-            return
-        if message["type"] == "http.response.start":
-            self.status = message.get("status")
-            self.ser_start = _time_ns()
-            self.stream = stream = _stream_kind(message.get("headers"))
-            if stream == _SSE and self.content is None and self.chunk_times is None:
-                self.chunk_times = []  # (empty: no emission, as None)
-                self.sse_times = self._fast_times()
-        await self._send(message)
-
-    def _fast_times(self) -> list[int] | None:
-        """``chunk_times`` while the next chunk of an event stream takes send()'s short
-        path: one token, no body recorded, no merge due."""
-        times = self.chunk_times
-        if (times is not None and self.next_tokens == 1 and self.chunk_tokens is None
-                and self.content is None and len(times) < _FAST_TIMES_MAX):
-            return times
-        return None
-
-    def _chunk_sent(self, when: int) -> None:
-        """A chunk of generated content was handed to the server at ``when``: one emission
-        (none for a chunk the app said carries no token)."""
-        tokens, self.next_tokens = self.next_tokens, 1
-        if not tokens:
-            return
-        times = self.chunk_times
-        if times is None:
-            times = self.chunk_times = []
-        times.append(when)
-        counts = self.chunk_tokens
-        if counts is not None:
-            counts.append(tokens)
-        elif tokens != 1:
-            counts = self.chunk_tokens = [1] * (len(times) - 1)
-            counts.append(tokens)
-        if len(times) >= COMPACT_AT:  # a runaway stream: bounded memory (generation module)
-            if counts is None:
-                counts = self.chunk_tokens = [1] * len(times)
-            self.chunk_merged += merge_pairs(times, counts)
-
-    def _summary_parts(self, flat: list) -> bool:
-        # What _complete() makes, for a request with no engine stages (the runtime does
-        # not summarise those): receive and serialize, and an error for a 5xx answer.
-        ser_start = self.ser_start
-        if self.recv_start and self.received:
-            if ser_start:  # the usual case: both
-                flat += (_STAGE_RECEIVE, self.recv_start, self.recv_end,
-                         _STAGE_SERIALIZE, ser_start, self.ser_end)
-            else:
-                flat += (_STAGE_RECEIVE, self.recv_start, self.recv_end)
-        elif ser_start:
-            flat += (_STAGE_SERIALIZE, ser_start, self.ser_end)
-        error = self.error
-        if error is None:  # _complete() makes a 5xx answer the error
-            status = self.status
-            return status is not None and status >= 500
-        return ends_in_error(error)
-
-    def _summarised(self, model: str | None) -> bool:
-        self.summary_model = model
-        return self.route_model == model  # a state other than a model equals none
-
-    def _complete(self) -> None:
-        # A body-less request (GET; or a streaming response listening for disconnects)
-        # has nothing to time: no `receive` stage for it.
-        if self.recv_start and self.received:
-            self.stages.insert(
-                0,
-                _ended_stage(_STAGE_RECEIVE, self.recv_start, self.recv_end, self.received),
-            )
-        if self.ser_start:
-            start = self.ser_start
-            if self.chunk_times and self.generation is not None:
-                # A stream the engine's stages cover (queue, prefill, decode): serialize is
-                # what follows its last token, so that the stages do not overlap (§14).
-                start = min(self.chunk_times[-1], self.ser_end or start)
-            self.stages.append(_ended_stage(_STAGE_SERIALIZE, start, self.ser_end, self.sent))
-        status = self.status
-        if status is not None and status >= 500 and self.error is None:
-            self.error = f"HTTP {status}"
-        generation = None
-        if self.chunk_times or self.generation is not None:
-            generation = generation_attributes(self, self._emissions())
-        if self.live_span is not None:  # another instrumentation's span
-            if self.live_scope is not None:  # no last body chunk went out (the app failed)
-                self._enrich_live()
-            if generation:  # on it while it records (it may have ended at the last chunk)
-                self.set_attributes(generation)
-            return
-        # Our own request span: its attributes go straight into the record (what
-        # set_attribute() does, minus the check for a live span).
-        self._http_attributes(self.attrs.__setitem__)
-        if generation:
-            self.attrs.update(generation)
-
-    def _emissions(self) -> tuple[list[int], list[int] | None, int] | None:
-        """When the response's tokens left: each streamed chunk's time; for a generation
-        the engine recorded (the step API) answered in one body, the response's end."""
-        if self.chunk_times:
-            return self.chunk_times, self.chunk_tokens, self.chunk_merged
-        gen = self.generation
-        if gen is not None and gen.output and self.ser_end and not self.stream:
-            return [self.ser_end], [gen.output], 0
-        return None
-
-    def _enrich_live(self) -> None:
-        """The HTTP attributes on another instrumentation's request span, while it still
-        records (once)."""
-        scope, self.live_scope = self.live_scope, None
-        try:
-            self.route = _route_template(scope, self.root_path or "")
-        except Exception:
-            _logger.exception("inferprof could not find the request's route")
-        self._http_attributes(self.set_attribute)
-
-    def _http_attributes(self, set_attribute: Callable[[str, Any], None]) -> None:
-        if self.route:
-            set_attribute(_ROUTE, self.route)
-        if self.disconnected:  # e.g. a user stopping a streamed generation
-            set_attribute(semconv.ATTR_CANCELLED, True)
-        if self.status is not None:
-            set_attribute(_STATUS_CODE, self.status)
-        content = self.content
-        if content is not None:
-            set_attribute(
-                semconv.ATTR_REQUEST_BODY, bytes(content.request).decode("utf-8", "replace")
-            )
-            set_attribute(
-                semconv.ATTR_RESPONSE_BODY, bytes(content.response).decode("utf-8", "replace")
-            )
-            self.content = None
-
-
-def _route_template(scope: Scope, open_root: str) -> str | None:
-    """The path template of the route that served the request, mount prefixes included
-    (``/v1/generate/{m}`` for ``app.mount("/v1", sub)``); None when no route matched.
-
-    Starlette's router records the route it matched in ``scope["route"]``; a mounted
-    app's router overwrites it with its own and extends ``root_path`` by the mount's
-    path, which is where the prefix comes from. FastAPI 0.16x records only its own
-    routes there (not ``/docs``, ``/openapi.json`` or mounted non-Starlette apps): for
-    those the app's routes are matched again here.
-    """
-    root = scope.get("root_path") or ""
-    prefix = root[len(open_root):] if root != open_root and root.startswith(open_root) else ""
-    route = scope.get("route")
-    if route is None:
-        route, prefix = _match_route(scope, open_root, prefix)
-        if route is None:
-            return None
-    path = getattr(route, "path", None)
-    if not isinstance(path, str):
-        return None
-    if prefix and _is_mount(route) and prefix.endswith(path):
-        return prefix  # the matched route is a mount, already in root_path
-    return prefix + path
-
-
-def _match_route(scope: Scope, open_root: str, prefix: str) -> tuple[Any, str]:
-    """(route, prefix) of the app's route that fully matches the request, else (None, "")."""
-    routes = getattr(scope.get("app"), "routes", None)
-    if not routes:  # a pure ASGI app: no routes to match
-        return None, ""
-    routing = _starlette_routing()
-    if routing is None:
-        return None, ""
-    # As served (the innermost Starlette app, its root_path); then from the root path the
-    # request came in with (a mount whose app is not a Starlette app extends root_path
-    # without a router of its own).
-    candidates = [(scope, prefix)]
-    if prefix:
-        candidates.append(({**scope, "root_path": open_root}, ""))
-    for candidate, candidate_prefix in candidates:
-        for route in routes:
-            try:
-                match, _ = route.matches(candidate)
-            except Exception:
-                continue
-            if match is routing.Match.FULL:
-                return route, candidate_prefix
-    return None, ""
-
-
-def _starlette_routing() -> Any:
-    """``starlette.routing``, or None without Starlette; imported once, on first use (a
-    route matched again per request must not run the import machinery each time)."""
-    global _routing
-    if _routing is _UNSEEN:
-        try:
-            from starlette import routing as found
-        except ImportError:
-            found = None  # type: ignore[assignment]
-        _routing = found
-    return _routing
-
-
 _UNSEEN: Any = object()
-_routing: Any = _UNSEEN
 _client_disconnect: Any = _UNSEEN
 
 
@@ -464,42 +108,6 @@ def _client_gone(exc: BaseException) -> bool:
             found = None  # type: ignore[assignment,misc]
         _client_disconnect = found
     return _client_disconnect is not None and isinstance(exc, _client_disconnect)
-
-
-def _is_mount(route: Any) -> bool:
-    routing = _starlette_routing()
-    return routing is not None and isinstance(route, routing.Mount)
-
-
-def _stream_kind(headers: Any) -> int:
-    """How a response is sent, from its ``http.response.start`` headers (lower-case names,
-    as ASGI servers and Starlette send them)."""
-    if not headers:
-        return _CHUNKED
-    fields = dict(headers)
-    if fields.get(b"content-type", b"")[:17].lower() == b"text/event-stream":
-        return _SSE
-    return _NOT_STREAMED if b"content-length" in fields else _CHUNKED
-
-
-def chunk_tokens(tokens: int) -> None:
-    """The next body chunk of the current request's streamed response carries ``tokens``
-    output tokens (default: one per chunk); 0: it carries none and is no emission (an
-    OpenAI-style chat stream's first chunk, which names the role only). Call it before
-    yielding the chunk; a no-op outside a request the middleware times."""
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-        raise ValueError(f"tokens must be a non-negative int, got {tokens!r}")
-    scope = SCOPE.get()
-    if scope is not None and isinstance(scope[0], _HttpRequest):
-        rec = scope[0]
-        rec.next_tokens = tokens
-        rec.sse_times = None  # the next chunk takes send()'s general path
-
-
-def _ended_stage(name: str, start: int, end: int, nbytes: int) -> StageRecord:
-    st = StageRecord(name, None, start, {_ATTR_BYTES: nbytes})
-    st.end = end
-    return st
 
 
 class InferprofMiddleware:
@@ -592,14 +200,7 @@ class InferprofMiddleware:
             return
         context = current_otel_context()
         if context and rt.production and _sampled_out_elsewhere(rt, scope, context):
-            # Another instrumentation's request span that its sampler did not keep, in a
-            # trace whose kept requests it weights: they count this one, so it is neither
-            # timed nor counted (a nested request() or stage records nothing).
-            token = SCOPE.set(UNTIMED)
-            try:
-                await self.app(scope, receive, send)
-            finally:
-                reset_scope(token)
+            await self._serve_unrecorded(scope, receive, send)
             return
         # production mode's timing budget (none: every request is timed)
         share = timed_share(rt, path, context) if rt.timing_budget is not None else 1.0
@@ -658,6 +259,16 @@ class InferprofMiddleware:
         finally:
             self._close(rt, scope, rec)
 
+    async def _serve_unrecorded(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Serve a request under another instrumentation's request span that its sampler
+        did not keep, in a trace whose kept requests it weights: they count this one, so
+        it is neither timed nor counted (a nested request() or stage records nothing)."""
+        token = SCOPE.set(UNTIMED)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            reset_scope(token)
+
     def _count_untimed(self, summaries: Any, scope: Scope, start: int, answer: list,
                        error: bool) -> None:
         """Count an untimed request that ended (``answer``: its status, 0 when none
@@ -685,7 +296,7 @@ class InferprofMiddleware:
 
     def _open(
         self, rt: Runtime, scope: Scope, receive: Receive, send: Send, path: str, context: Any
-    ) -> _HttpRequest:
+    ) -> HttpRequest:
         start = _time_ns()
         parent = None
         headers = scope.get("headers")
@@ -704,20 +315,20 @@ class InferprofMiddleware:
         if self.model_name is not None:
             attrs[_MODEL_NAME] = self.model_name
         if context:  # maybe another instrumentation's server span to enrich
-            rec = begin_request(rt, method, _SERVER, attrs, parent, start, context, _HttpRequest)
+            rec = begin_request(rt, method, _SERVER, attrs, parent, start, context, HttpRequest)
             if rec.live_span is not None and rt.production and not self._warned_foreign_span:
                 self._warn_foreign_span(rec.live_span)
             # Another instrumentation's span gets the HTTP attributes before it ends (send()).
             rec.live_scope = scope if rec.live_span is not None else None
         else:  # nothing current (the usual case): straight to a new record
-            rec = rt.start_request(method, _SERVER, attrs, parent, start, _HttpRequest)
+            rec = rt.start_request(method, _SERVER, attrs, parent, start, HttpRequest)
             rec.live_scope = None
         rec.recv_start = rec.recv_end = rec.received = 0
         rec.ser_start = rec.ser_end = rec.sent = 0
         rec.status = rec.route = None
         rec.route_model = rec.summary_model = _UNCOUNTED  # (_close sets them when it counts)
         rec.disconnected = False
-        rec.stream = _NOT_STREAMED
+        rec.stream = NOT_STREAMED
         rec.chunk_times = rec.chunk_tokens = rec.sse_times = None
         rec.chunk_merged = 0
         rec.next_tokens = 1
@@ -728,7 +339,7 @@ class InferprofMiddleware:
         if limit is None or limit[0] is not rt:
             limit = self._content_limit = (rt, self._content_limit_for(rt))
         nbytes = limit[1]
-        rec.content = _Content(nbytes) if nbytes else None
+        rec.content = Content(nbytes) if nbytes else None
         rec._scope_token = SCOPE.set((rec, None))
         # One attach per request (not per stage): downstream clients inject our
         # traceparent and other instrumentations parent their spans on the request.
@@ -746,7 +357,7 @@ class InferprofMiddleware:
             "(%s), so its sampler, not inferprof's tail sampler, decides which traces are "
             "exported (with the default sampler: all of them).%s", scope, hint)
 
-    def _close(self, rt: Runtime, scope: Scope, rec: _HttpRequest) -> None:
+    def _close(self, rt: Runtime, scope: Scope, rec: HttpRequest) -> None:
         now = _time_ns()
         try:
             SCOPE.reset(rec._scope_token)
@@ -765,7 +376,7 @@ class InferprofMiddleware:
             if route is not None and scope.get("root_path") is rec.root_path:
                 template = getattr(route, "path", None)  # no mount crossed: the usual case
             else:
-                template = _route_template(scope, rec.root_path or "")
+                template = route_template(scope, rec.root_path or "")
             rec.route = template
             if rec.live_span is None:
                 if self._span_name is not None:
@@ -921,4 +532,4 @@ def _native_tracing_off(app: Any) -> None:
                      "fastapi_tracing=True) keeps FastAPI's)")
 
 
-__all__ = ["InferprofMiddleware", "chunk_tokens", "instrument"]
+__all__ = ["InferprofMiddleware", "instrument"]

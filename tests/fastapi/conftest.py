@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from inferprof.fastapi import middleware
+from inferprof.fastapi import exchange, middleware
 from inferprof.instrumentation import stage as stage_module
 from tests.instrumentation.test_summaries import FakeClock
 
@@ -13,4 +13,5 @@ def clock(monkeypatch):
     c = FakeClock()
     monkeypatch.setattr(stage_module, "_time_ns", c)
     monkeypatch.setattr(middleware, "_time_ns", c)
+    monkeypatch.setattr(exchange, "_time_ns", c)
     return c

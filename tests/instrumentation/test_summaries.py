@@ -30,7 +30,7 @@ import inferprof
 import inferprof.fastapi
 from inferprof import semconv, timing
 from inferprof.batching import hooks
-from inferprof.fastapi import middleware
+from inferprof.fastapi import exchange, middleware
 from inferprof.instrumentation import stage as stage_module
 from inferprof.instrumentation import summaries as summaries_module
 from inferprof.instrumentation.accounting import Stats
@@ -89,6 +89,7 @@ def clock(monkeypatch):
     monkeypatch.setattr(stage_module, "_time_ns", c)
     monkeypatch.setattr(hooks, "_time_ns", c)
     monkeypatch.setattr(middleware, "_time_ns", c)
+    monkeypatch.setattr(exchange, "_time_ns", c)
     return c
 
 
