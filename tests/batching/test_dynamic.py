@@ -216,26 +216,25 @@ async def test_fn_returning_wrong_number_of_results_fails_the_batch(cap):
 async def test_sync_fn_runs_off_the_event_loop(cap):
     loop_thread = threading.get_ident()
     fn_threads = []
+    loop_ran = threading.Event()
 
     def slow(xs):
         fn_threads.append(threading.get_ident())
-        time.sleep(0.1)
+        # set by a task on the event loop: it can only happen while fn waits here if the
+        # loop keeps running meanwhile
+        assert loop_ran.wait(10), "the event loop stood still while fn ran"
         return xs
 
-    ticks = 0
-
-    async def ticker():
-        nonlocal ticks
-        for _ in range(100):
-            await asyncio.sleep(0.005)
-            ticks += 1
+    async def on_the_loop():
+        while not fn_threads:
+            await asyncio.sleep(0.001)
+        loop_ran.set()
 
     async with inferprof.DynamicBatcher(slow, max_batch_size=2, max_delay_ms=1) as b:
-        t = asyncio.create_task(ticker())
+        t = asyncio.create_task(on_the_loop())
         await asyncio.gather(*(_one(b, i) for i in range(2)))
-        t.cancel()
+        await t
     assert fn_threads and fn_threads[0] != loop_thread
-    assert ticks >= 5  # the loop kept running while fn slept
 
 
 async def test_async_fn_and_collate_reporting_tokens(cap):
