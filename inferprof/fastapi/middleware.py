@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from operator import itemgetter
 from typing import Any
@@ -165,7 +166,9 @@ class InferprofMiddleware:
         self._fastapi_tracing = _fastapi_tracing
         self._runtime: Runtime | None = None
         #: id(route) -> the route's state (_UNCOUNTED's comment), learnt from its timed
-        #: requests; ``_route_refs`` holds the routes, so that their ids stay theirs
+        #: requests; ``_route_refs`` holds a weak reference to each route, which forgets
+        #: its state when the route is freed (before its id can be another's): routes
+        #: rebuilt at runtime (models mounted and unmounted) do not fill the bound
         self._route_models: dict[int, Any] = {}
         self._route_refs: dict[int, Any] = {}
         #: (runtime, _content_limit_for(runtime)), worked out once per runtime
@@ -427,12 +430,27 @@ class InferprofMiddleware:
                 models[key] = (state,)
         elif state is _UNCOUNTED:
             if len(models) < _MAX_ROUTES:
-                self._route_refs[key] = route
+                self._route_refs[key] = _route_ref(route, key, models, self._route_refs)
                 models[key] = model
         elif state.__class__ is tuple:
             models[key] = model if state[0] == model else _MIXED
         elif state is not _MIXED:
             models[key] = _MIXED
+
+
+def _route_ref(route: Any, key: int, models: dict[int, Any], refs: dict[int, Any]) -> Any:
+    """A weak reference to ``route`` that forgets ``key`` in ``models`` and ``refs`` when
+    the route is freed; the route itself when it takes no weak reference (None, an object
+    with ``__slots__``): held, its id stays its own."""
+
+    def forget(_: Any) -> None:
+        models.pop(key, None)
+        refs.pop(key, None)
+
+    try:
+        return weakref.ref(route, forget)
+    except TypeError:
+        return route
 
 
 def _incoming_carrier(scope: Scope) -> dict[str, str] | None:
