@@ -3,9 +3,13 @@ test moves, so which requests it times depends on the test's requests alone."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
+import inferprof
 from inferprof.instrumentation.sampling import TimingBudget
+from tests.instrumentation.helpers import captured
 
 
 class BudgetClock:
@@ -22,3 +26,14 @@ def install_budget(rt: Any, rate: float = 100) -> BudgetClock:
     clock = BudgetClock()
     rt.timing_budget = TimingBudget(rate, clock=clock)
     return clock
+
+
+@contextmanager
+def budgeted_capture(exporter: Any, sample_rate: float) -> Iterator[tuple[Any, Any, BudgetClock]]:
+    """``captured()`` in production mode exporting summaries to ``exporter`` (exported at
+    shutdown only), the runtime given a timing budget of 100 a second on a clock the test
+    moves: ``(capture, runtime, clock)``."""
+    with captured(mode="production", max_timed_rate=100, sample_rate=sample_rate,
+                  summary_exporter=exporter, summary_interval_s=3600) as cap:
+        rt = inferprof._config.active_runtime()
+        yield cap, rt, install_budget(rt)

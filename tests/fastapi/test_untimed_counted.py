@@ -20,7 +20,7 @@ import inferprof.fastapi
 from inferprof import semconv
 from inferprof.fastapi import middleware
 from inferprof.timing import DEFAULT_SUMMARY_SCALE, exp_index
-from tests.fastapi.budget_helpers import install_budget
+from tests.fastapi.budget_helpers import budgeted_capture
 from tests.instrumentation.helpers import captured
 from tests.instrumentation.test_summaries import FakeClock, MemoryExporter, decode
 
@@ -103,10 +103,7 @@ def test_untimed_and_marked_requests_count_every_request_exactly_once(clock):
     app = _app(clock, log)
     exporter = MemoryExporter()
     paths = ("/a", "/b", "/mixed", "/nope")
-    with captured(mode="production", max_timed_rate=100, sample_rate=0.05,
-                  summary_exporter=exporter, summary_interval_s=3600) as cap:
-        rt = inferprof._config.active_runtime()
-        budget_clock = install_budget(rt)
+    with budgeted_capture(exporter, sample_rate=0.05) as (cap, rt, budget_clock):
         # Warm-up, under the budget: every request timed. Each route's first timed request
         # is summarised before any state is known, so it is not marked; /mixed sees both
         # of its models.
@@ -297,10 +294,7 @@ def test_the_collector_counts_every_request_served_exactly(clock):
     exporter = MemoryExporter()
     paths = ("/a", "/b", "/nope")
     n = 200
-    with captured(mode="production", max_timed_rate=100, sample_rate=0.05,
-                  summary_exporter=exporter, summary_interval_s=3600) as cap:
-        rt = inferprof._config.active_runtime()
-        budget_clock = install_budget(rt)
+    with budgeted_capture(exporter, sample_rate=0.05) as (cap, rt, budget_clock):
         asyncio.run(_send(app, [(p, 1) for p in paths]))  # every route learns its model
         for path in paths:
             for _ in range(1600):

@@ -23,8 +23,7 @@ import inferprof
 import inferprof.fastapi
 from inferprof import semconv
 from inferprof.instrumentation import stage as stage_module
-from tests.fastapi.budget_helpers import install_budget
-from tests.instrumentation.helpers import captured
+from tests.fastapi.budget_helpers import budgeted_capture
 from tests.instrumentation.test_summaries import MemoryExporter
 
 MS = 1_000_000
@@ -123,10 +122,7 @@ def test_a_random_mix_counts_each_request_once_per_model(clock, monkeypatch, see
     sent = [(p := rng.choice(list(kinds)), i, rng.choice(kinds[p])) for i in range(4000)]
     monkeypatch.setattr(stage_module, "_random", random.Random(seed + 100).random)
     exporter = MemoryExporter()
-    with captured(mode="production", max_timed_rate=100, sample_rate=1.0,
-                  summary_exporter=exporter, summary_interval_s=3600) as cap:
-        rt = inferprof._config.active_runtime()
-        bc = install_budget(rt)
+    with budgeted_capture(exporter, sample_rate=1.0) as (cap, rt, bc):
 
         async def run(reqs):
             transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)

@@ -19,8 +19,7 @@ import inferprof
 import inferprof.fastapi
 from inferprof import semconv
 from inferprof.instrumentation import stage as stage_module
-from tests.fastapi.budget_helpers import install_budget
-from tests.instrumentation.helpers import captured
+from tests.fastapi.budget_helpers import budgeted_capture
 from tests.instrumentation.test_summaries import MemoryExporter
 
 
@@ -94,10 +93,7 @@ def test_a_client_leaving_a_stream_is_no_error_timed_or_untimed(monkeypatch, spe
     rng = random.Random(5)
     monkeypatch.setattr(stage_module, "_random", random.Random(3).random)
     exporter = MemoryExporter()
-    with captured(mode="production", max_timed_rate=100, sample_rate=1.0,
-                  summary_exporter=exporter, summary_interval_s=3600) as cap:
-        rt = inferprof._config.active_runtime()
-        budget_clock = install_budget(rt)
+    with budgeted_capture(exporter, sample_rate=1.0) as (cap, rt, budget_clock):
 
         async def run() -> list:
             out = [await serve(app, "/chat", b"i=1", spec=spec)]  # timed: the route learnt
@@ -157,10 +153,7 @@ def test_a_worker_forked_after_configure_counts_its_own_requests_once(monkeypatc
     inferprof.fastapi.instrument(app, model_name="m")
     monkeypatch.setattr(stage_module, "_random", random.Random(3).random)
     exporter = MemoryExporter()
-    with captured(mode="production", max_timed_rate=100, sample_rate=1.0,
-                  summary_exporter=exporter, summary_interval_s=3600) as cap:
-        rt = inferprof._config.active_runtime()
-        budget_clock = install_budget(rt)
+    with budgeted_capture(exporter, sample_rate=1.0) as (cap, rt, budget_clock):
 
         def run(first: int, n: int) -> list[int]:
             async def go() -> list[int]:

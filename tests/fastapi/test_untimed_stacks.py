@@ -24,8 +24,7 @@ import inferprof
 import inferprof.fastapi
 from inferprof import semconv
 from inferprof.instrumentation import stage as stage_module
-from tests.fastapi.budget_helpers import install_budget
-from tests.instrumentation.helpers import captured
+from tests.fastapi.budget_helpers import budgeted_capture
 from tests.instrumentation.test_summaries import MemoryExporter
 
 _PREFLIGHT = {"origin": "http://ui", "access-control-request-method": "GET"}
@@ -102,10 +101,7 @@ def test_every_request_reaching_the_middleware_counts_once_through_middleware_st
     sent = [rng.choice(KINDS) for _ in range(2000)]
     monkeypatch.setattr(stage_module, "_random", random.Random(2).random)
     exporter = MemoryExporter()
-    with captured(mode="production", max_timed_rate=100, sample_rate=1.0,
-                  summary_exporter=exporter, summary_interval_s=3600) as cap:
-        rt = inferprof._config.active_runtime()
-        budget_clock = install_budget(rt)
+    with budgeted_capture(exporter, sample_rate=1.0) as (cap, rt, budget_clock):
 
         async def run(requests: list) -> list[tuple[int, bool]]:
             transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)

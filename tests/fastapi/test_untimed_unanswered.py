@@ -21,8 +21,7 @@ import inferprof
 import inferprof.fastapi
 from inferprof import semconv
 from inferprof.instrumentation import stage as stage_module
-from tests.fastapi.budget_helpers import install_budget
-from tests.instrumentation.helpers import captured
+from tests.fastapi.budget_helpers import budgeted_capture
 from tests.instrumentation.test_summaries import MemoryExporter, decode
 
 MS = 1_000_000
@@ -79,10 +78,7 @@ def test_unanswered_requests_count_once_learnt_apart_from_the_answered_ones(
     exporter = MemoryExporter()
     # sample_rate=1: every timed request's trace is kept (the fast ones at weight 1 x the
     # budget's), so the only randomness is which requests the budget times
-    with captured(mode="production", max_timed_rate=100, sample_rate=1.0,
-                  summary_exporter=exporter, summary_interval_s=3600) as cap:
-        rt = inferprof._config.active_runtime()
-        budget_clock = install_budget(rt)
+    with budgeted_capture(exporter, sample_rate=1.0) as (cap, rt, budget_clock):
 
         async def run(hows: list[str]) -> list[int]:
             transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
@@ -167,10 +163,7 @@ def test_a_route_serving_generations_is_not_counted_so_each_request_counts_once(
     sent = [rng.choice(("generate", "cached")) for _ in range(3000)]
     monkeypatch.setattr(stage_module, "_random", random.Random(13).random)
     exporter = MemoryExporter()
-    with captured(mode="production", max_timed_rate=100, sample_rate=1.0,
-                  summary_exporter=exporter, summary_interval_s=3600) as cap:
-        rt = inferprof._config.active_runtime()
-        budget_clock = install_budget(rt)
+    with budgeted_capture(exporter, sample_rate=1.0) as (cap, rt, budget_clock):
         for _ in range(300):  # a share of 1/4
             rt.timing_budget.share("/c")
         budget_clock.now += 1.0
