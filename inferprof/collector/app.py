@@ -123,12 +123,11 @@ class CollectorApp:
             target=self._advance_loop, name="inferprof-engine-advance", daemon=True
         )
         self._advance_thread.start()
-        st = self.settings
         _log.info(
             "inferprof collector listening: OTLP/gRPC %s, OTLP/HTTP %s, API %s",
-            self._bound(st.grpc_bind_host, "grpc", self.otlp_grpc_endpoint),
-            self._bound(st.http_bind_host, "http", self.otlp_http_endpoint),
-            self._bound(st.api_bind_host, "api", self.api_url),
+            self._bound(s.grpc_bind_host, "grpc", self.otlp_grpc_endpoint),
+            self._bound(s.http_bind_host, "http", self.otlp_http_endpoint),
+            self._bound(s.api_bind_host, "api", self.api_url),
         )
 
     def _credentials(self) -> tuple[str | None, bytes | None, bytes | None]:

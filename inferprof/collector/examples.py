@@ -150,7 +150,8 @@ class ExampleStore:
         # Exclusive split of each candidate request.
         rows = set(top_rows.tolist()) | set(pair_req[stage_rows].tolist())
         split = _by_request(rows, pair_req, pair_stage, pair_excl)
-        gpu = _by_request(rows, *(gpu_seconds or (pair_req[:0], pair_stage[:0], pair_excl[:0])))
+        gpu = (_by_request(rows, *gpu_seconds) if gpu_seconds is not None
+               else {r: [] for r in rows})
         top = self.top
         e2e_l = e2e.tolist()
         for r in top_rows.tolist():
