@@ -17,7 +17,9 @@ OTLP/gRPC to a sink in this process.
 path of the ~85% of requests production mode does not keep; ``full`` keeps all.
 ``untimed`` (not in the default set: ``--modes off,untimed``) is ``production`` with a
 timing budget that times (nearly) no request after its first tenth of a second: the path
-of a request the budget leaves untimed, counted in the summaries (contract §15).
+of a request the budget leaves untimed, summarised with its stages (the default,
+``untimed_stages``); ``counted``, the same with ``INFERPROF_UNTIMED_STAGES=false``: only
+counted in the summaries (contract §15).
 
 Instructions are not time: they leave out cache misses and how the CPU overlaps work.
 They are the part of the overhead that does not depend on the machine's mood, and they
@@ -47,20 +49,23 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 MODES = ("none", "off", "production", "discard", "full")
-ALL_MODES = (*MODES, "untimed")
+ALL_MODES = (*MODES, "untimed", "counted")
 #: ``discard``: production mode keeping no trace after the tail sampler's warm-up (which
 #: both request counts include, so it cancels): the path every unkept request takes.
 _DISCARD_ENV = {"INFERPROF_SAMPLE_RATE": "0.000001", "INFERPROF_TAIL_QUANTILE": "1.0"}
 #: ``untimed``: one request timed per 100 s per route after the budget's first period
 #: (which both request counts include), when the route learns its model.
-_MODE_ENV = {"discard": _DISCARD_ENV, "untimed": {"INFERPROF_MAX_TIMED_RATE": "0.01"}}
+_MODE_ENV = {"discard": _DISCARD_ENV, "untimed": {"INFERPROF_MAX_TIMED_RATE": "0.01"},
+             "counted": {"INFERPROF_MAX_TIMED_RATE": "0.01",
+                         "INFERPROF_UNTIMED_STAGES": "false"}}
 CLIENTS = 32
 LABELS = {
     "none": "none (uninstrumented)",
     "off": "inferprof off",
     "production": "inferprof production",
     "discard": "inferprof production, no trace kept",
-    "untimed": "inferprof production, untimed",
+    "untimed": "inferprof production, untimed (summarised with its stages)",
+    "counted": "inferprof production, untimed (counted only)",
     "full": "inferprof full",
 }
 
@@ -100,7 +105,7 @@ def child(mode: str, n: int, endpoint: str | None) -> None:
     from inferprof.demo.service import create_app
     from inferprof.demo.settings import DemoSettings
 
-    exporting = mode in ("production", "discard", "full", "untimed")
+    exporting = mode in ("production", "discard", "full", "untimed", "counted")
     app = create_app(
         DemoSettings(
             instrumentation="production" if mode in _MODE_ENV else mode,
@@ -232,7 +237,7 @@ def main() -> int:
         v = per_request[m]
         ratio = f"{v / base:.3f}" if base else "-"
         extra = f"{v - off:+,.0f}" if off is not None and m not in ("none", "off") else "-"
-        share = f"{kept[m]:.1%}" if m in ("production", "discard", "full", "untimed") else "-"
+        share = f"{kept[m]:.1%}" if m in ("production", "discard", "full", "untimed", "counted") else "-"
         row = f"| {LABELS[m]} | {v:,.0f} | {ratio} | {extra} | {share} |"
         if args.cache_sim:
             row += f" {per_req(m, 'I1mr'):,.0f} | {per_req(m, 'D1mr') + per_req(m, 'D1mw'):,.0f} |"

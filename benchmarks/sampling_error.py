@@ -52,7 +52,10 @@ kept traces alone, as before summaries, and from the summaries of every timed re
 encoded by the SDK's OTLP encoder) plus the same traces, marked
 ``inferprof.summary.counted``; under a budget, a third time from the same summaries, traces
 and every untimed request counted (``inferprof.summary.request.untimed``, the timed ones
-marked ``inferprof.summary.untimed_counted``, as the middleware does on a counted route).
+marked ``inferprof.summary.untimed_counted``, as the middleware does on a counted route
+with ``untimed_stages=False``), and a fourth time as the middleware does by default
+(``untimed_stages``): every request summarised with its stages at weight 1, untimed
+or not, plus the same traces of the timed share.
 Each against the exact figures of every request in the window:
 request count, e2e p95, worst stage p95, worst ``share_of_p95`` and the verdict (taken from
 the exact shares with the document's GPU and queue evidence).
@@ -569,6 +572,8 @@ def run(
 WINDOW_S = 60.0
 #: The production rows' pipeline whose untimed requests are counted (§15's fourth metric).
 UNTIMED_COUNTED = "summaries, untimed counted, + traces"
+#: The production rows' default pipeline: untimed requests summarised with their stages.
+UNTIMED_SUMMARISED = "summaries, untimed summarised (default), + traces"
 
 
 def window_requests(scen: Scenario, window_s: float) -> int:
@@ -713,6 +718,10 @@ def production_run(scenario: Scenario, seed: int, window_s: float = WINDOW_S,
     if not timed.all():  # untimed requests to count
         docs.append((UNTIMED_COUNTED, production_breakdown(
             w, spans, order, timed, shares, trace_weights, untimed_counted=True)))
+        # Every request summarised at weight 1 (the timed ones too: no mark), the traces
+        # of the timed share as before
+        docs.append((UNTIMED_SUMMARISED, production_breakdown(
+            w, spans, order, np.ones(n, dtype=bool), np.ones(n), trace_weights)))
     for name, doc in docs:
         exact = exact_figures(w, doc["gpu"], doc["queue"])
         errs = compare(figures(doc), exact, kept, float(np.mean(~np.isnan(trace_weights[tail]))),
@@ -735,7 +744,8 @@ def _production_table(args: argparse.Namespace) -> list[str]:
         runs = [production_run(scen, args.seed + s, args.window, rate)
                 for s in range(args.seeds)]
         budget = f"budget {rate:g}/s" if rate else "every request timed"
-        for pipeline in ("traces only", "summaries + traces", UNTIMED_COUNTED):
+        for pipeline in ("traces only", "summaries + traces", UNTIMED_COUNTED,
+                         UNTIMED_SUMMARISED):
             errs = [r[pipeline] for r in runs if pipeline in r]
             if not errs:
                 continue

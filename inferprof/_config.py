@@ -104,6 +104,7 @@ def configure(
     excluded_paths: Any = None,
     summaries: bool | None = None,
     summary_interval_s: float | None = None,
+    untimed_stages: bool | None = None,
     tracer_provider: Any = None,
     meter_provider: Any = None,
     resource_attributes: Mapping[str, Any] | None = None,
@@ -127,7 +128,9 @@ def configure(
     ``summary_exporter`` (an SDK ``MetricExporter``) or, when inferprof builds the OTLP
     pipeline (no ``span_exporter``, no providers of the application's), an OTLP metric
     exporter to the metrics endpoint. Otherwise only a ``summary_exporter`` given here
-    sends them.
+    sends them. Requests a timing budget leaves untimed are summarised too, with their
+    stage times (``untimed_stages``, default on: contract §15's extension "Untimed
+    requests summarised"), or, with ``untimed_stages=False``, only counted.
     """
     _check_arguments(resource_attributes, tracer_provider)
     adopted = _adoptable_global() if tracer_provider is None else None
@@ -137,7 +140,8 @@ def configure(
         sample_rate=sample_rate, tail_quantile=tail_quantile, max_timed_rate=max_timed_rate,
         max_timing_cpu=max_timing_cpu, batch_encoding=batch_encoding, record_content=record_content,
         content_max_bytes=content_max_bytes, excluded_paths=excluded_paths,
-        summaries=summaries, summary_interval_s=summary_interval_s, owns=owns,
+        summaries=summaries, summary_interval_s=summary_interval_s,
+        untimed_stages=untimed_stages, owns=owns,
     )
     shutdown()
     if not config.enabled:

@@ -30,6 +30,10 @@ INFERPROF_MAX_TIMING_CPU = "INFERPROF_MAX_TIMING_CPU"
 INFERPROF_SUMMARIES = "INFERPROF_SUMMARIES"
 """Production mode: export summaries of every timed request (contract §15); on by default."""
 
+INFERPROF_UNTIMED_STAGES = "INFERPROF_UNTIMED_STAGES"
+"""Production mode with summaries: summarise each request the timing budget leaves untimed
+with its stage times (true, the default), or only count it (false)."""
+
 INFERPROF_SUMMARY_INTERVAL = "INFERPROF_SUMMARY_INTERVAL"
 """Production mode: seconds between two summary exports (default 5)."""
 

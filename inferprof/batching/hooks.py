@@ -35,6 +35,7 @@ from inferprof.instrumentation.records import (
     BatchRecord,
     RequestRecord,
     StageRecord,
+    SummaryRecord,
     set_batch_tokens,
 )
 from inferprof.instrumentation.spans import new_trace_id
@@ -108,6 +109,8 @@ def enqueue(*, depth: int | None = None, **attributes: Any) -> QueueHandle:
         raise ValueError(f"depth must be a non-negative int, got {depth!r}")
     scope = SCOPE.get()
     if scope is None or not isinstance(scope[0], RequestRecord):
+        if scope is not None and scope[0].__class__ is SummaryRecord:
+            return _summarised_handle(scope[0])
         return _NOTHING
     rec, parent = scope
     if depth is not None:
@@ -124,6 +127,8 @@ def _enqueue(depth: int) -> QueueHandle:
     else: the same record, without the argument checks and keyword dict (once a request)."""
     scope = SCOPE.get()
     if scope is None or not isinstance(scope[0], RequestRecord):
+        if scope is not None and scope[0].__class__ is SummaryRecord:
+            return _summarised_handle(scope[0])
         return _NOTHING
     rec, parent = scope
     # QueueHandle(rec, parent, now, attrs), without the class call (once a request)
@@ -138,6 +143,21 @@ def _enqueue(depth: int) -> QueueHandle:
     rec.stages.append(handle)
     if rec.batches is NO_BATCHES:
         rec.batches = []
+    return handle
+
+
+def _summarised_handle(owner: SummaryRecord) -> QueueHandle:
+    """The queue handle of a request left untimed and summarised: its ``queue`` stage's
+    times (the batch that takes it ends the stage and is added to ``owner.batches``)."""
+    handle = _new_handle(QueueHandle)
+    handle.name = _STAGE_QUEUE
+    handle.span_id = 0
+    handle.parent = handle.error = handle.device = None
+    handle.attrs = {}
+    handle.request = owner  # type: ignore[assignment]  # (a SummaryRecord: Batch.__enter__)
+    handle.end = None
+    handle.start = _time_ns()
+    owner.stages.append(handle)
     return handle
 
 
@@ -252,12 +272,18 @@ class Batch:
     def __enter__(self) -> Batch:
         now = _time_ns()
         requests = []
+        summarised = None
         for h in self.handles:
             request = h.request
             if request is not None:
                 if h.end is None:
                     h.end = now
                 h.request = None  # (class docstring: no cycle through the stage list)
+                if request.__class__ is SummaryRecord:  # untimed, summarised: no member
+                    if summarised is None:
+                        summarised = []
+                    summarised.append(request)
+                    continue
                 requests.append(request)
             elif h.start and not self.quiet:  # a recording handle, batched or cancelled before
                 _warn_once(
@@ -292,6 +318,12 @@ class Batch:
         self.record = record
         self._rt = rt
         self._token = SCOPE.set((record, None))
+        if summarised is not None:  # its stages go into their summaries (Runtime)
+            for s in summarised:
+                if s.batches is NO_BATCHES:
+                    s.batches = [record]
+                else:
+                    s.batches.append(record)
         return self
 
     def _open_record(self, rt: Any, requests: list, encoding: str) -> tuple[BatchRecord, int]:

@@ -99,6 +99,7 @@ class HttpRequest(RequestRecord):
         "status",
         "stream",
         "summary_model",
+        "untimed_mark",
     )
 
     async def receive(self) -> Message:
@@ -247,9 +248,10 @@ class HttpRequest(RequestRecord):
             return status is not None and status >= 500
         return ends_in_error(error)
 
-    def _summarised(self, model: str | None) -> bool:
+    def _summarised(self, model: str | None) -> bool | int:
         self.summary_model = model
-        return self.route_model == model  # a state other than a model equals none
+        # (a route state other than a model equals none)
+        return self.untimed_mark if self.route_model == model else False
 
     def _complete(self) -> None:
         # A body-less request (GET; or a streaming response listening for disconnects)

@@ -54,9 +54,11 @@ from inferprof.instrumentation.active import active_runtime
 from inferprof.instrumentation.config import excluded_paths_setting, resolve
 from inferprof.instrumentation.records import (
     SCOPE,
+    SUMMARISED_UNTIMED,
     UNTIMED,
     RequestRecord,
     RequestSpan,
+    SummaryRecord,
     attach_span,
     current_otel_context,
     detach_context,
@@ -74,6 +76,8 @@ _METHOD = http_attributes.HTTP_REQUEST_METHOD
 _PATH = url_attributes.URL_PATH
 _SCHEME = url_attributes.URL_SCHEME
 _SERVER = SpanKind.SERVER
+_STAGE_RECEIVE = semconv.STAGE_RECEIVE
+_STAGE_SERIALIZE = semconv.STAGE_SERIALIZE
 #: Routes whose untimed requests the middleware counts (contract §15), at most: past it,
 #: a route not yet seen is not counted.
 _MAX_ROUTES = 1024
@@ -171,6 +175,9 @@ class InferprofMiddleware:
         #: rebuilt at runtime (models mounted and unmounted) do not fill the bound
         self._route_models: dict[int, Any] = {}
         self._route_refs: dict[int, Any] = {}
+        #: keys of counted routes whose untimed requests are counted only, not summarised
+        #: with their stages: one of them held what a SummaryRecord cannot record
+        self._counted_only: set[int] = set()
         #: (runtime, _content_limit_for(runtime)), worked out once per runtime
         self._content_limit: tuple[Runtime, int] | None = None
         if tracer_provider is not None:
@@ -198,7 +205,8 @@ class InferprofMiddleware:
             await self.app(scope, receive, send)
             return
         outer = SCOPE.get()
-        if outer is not None and (outer is UNTIMED or isinstance(outer[0], RequestRecord)):
+        if outer is not None and (outer is UNTIMED or isinstance(outer[0], RequestRecord)
+                                  or outer[0].__class__ is SummaryRecord):
             await self.app(scope, receive, send)  # installed twice
             return
         context = current_otel_context()
@@ -208,24 +216,35 @@ class InferprofMiddleware:
         # production mode's timing budget (none: every request is timed)
         share = timed_share(rt, path, context) if rt.timing_budget is not None else 1.0
         if not share:
-            # Not timed: its stages record nothing, as with inferprof off; a trace context
-            # it came with stays current, for the calls it makes downstream.
+            # Not timed: no span, no trace; its stages record nothing, as with inferprof
+            # off, or, summarised, their names and times alone. A trace context it came
+            # with stays current, for the calls it makes downstream.
             summaries = rt.summaries
+            summary = None
             if summaries is not None:  # counted, when its route is (contract §15)
                 start = _time_ns()
                 error = False
-                answer = [0, 0]  # its status; when its last body chunk was handed over
-
-                # (why a closure returning the server's awaitable: by the module's constants)
-                def send(message: Message, send: Send = send, answer: list = answer
-                         ) -> Awaitable[None]:
-                    if message["type"] == "http.response.start":
-                        answer[0] = message.get("status") or -1  # (0: no answer started)
-                    elif not answer[1] and not message.get("more_body", False):
-                        answer[1] = _time_ns()
-                    return send(message)
+                # Its status (0: no answer started); when its last body chunk was handed
+                # over (summarised: when the server took it, as for a timed request); and
+                # when summarised, when its answer started, its body's first read and
+                # last chunk, and whether it had a body (_summary_parts).
+                answer = [0, 0, 0, 0, 0, 0]
+                if rt.untimed_stages:
+                    summary = SummaryRecord()
+                    send = _summarising_send(send, answer)
+                    receive = _summarising_receive(receive, answer)
+                else:
+                    # (why a closure returning the server's awaitable: by the module's
+                    # constants)
+                    def send(message: Message, send: Send = send, answer: list = answer
+                             ) -> Awaitable[None]:
+                        if message["type"] == "http.response.start":
+                            answer[0] = message.get("status") or -1
+                        elif not answer[1] and not message.get("more_body", False):
+                            answer[1] = _time_ns()
+                        return send(message)
             otel_token = _attach_incoming(scope)
-            token = SCOPE.set(UNTIMED)
+            token = SCOPE.set(UNTIMED if summary is None else (summary, None))
             try:
                 await self.app(scope, receive, send)
             except BaseException as exc:
@@ -239,7 +258,7 @@ class InferprofMiddleware:
                 if otel_token is not None:
                     detach_context(otel_token)
                 if summaries is not None:
-                    self._count_untimed(summaries, scope, start, answer, error)
+                    self._count_untimed(rt, scope, start, answer, error, summary)
             return
         try:
             rec = self._open(rt, scope, receive, send, path, context)
@@ -272,18 +291,27 @@ class InferprofMiddleware:
         finally:
             reset_scope(token)
 
-    def _count_untimed(self, summaries: Any, scope: Scope, start: int, answer: list,
-                       error: bool) -> None:
+    def _count_untimed(self, rt: Runtime, scope: Scope, start: int, answer: list,
+                       error: bool, summary: SummaryRecord | None) -> None:
         """Count an untimed request that ended (``answer``: its status, 0 when none
         started, and when its last body chunk was handed over) if its route is counted,
-        under the route's model (contract §15)."""
+        under the route's model (contract §15); with its stages (``summary``), unless
+        the route's untimed requests are only counted (one was ``broken``)."""
         key = id(scope.get("route"))
-        # (one not answered: the route's unanswered requests, learnt apart)
-        model = self._route_models.get(key if answer[0] else ~key, _UNCOUNTED)
+        if not answer[0]:  # (one not answered: the route's unanswered requests, apart)
+            key = ~key
+        model = self._route_models.get(key, _UNCOUNTED)
         if model is None or model.__class__ is str:
             try:
-                summaries.add_untimed((start, answer[1] or _time_ns(),
-                                       error or answer[0] >= 500, model))
+                end = answer[1] or _time_ns()
+                error = error or answer[0] >= 500
+                if summary is not None:
+                    if summary.broken:  # what its timed likes hold, it could not record
+                        self._counted_only.add(key)
+                    elif key not in self._counted_only and rt.summarise_untimed(
+                            summary, start, end, error, model, _summary_parts(answer, end)):
+                        return
+                rt.summaries.add_untimed((start, end, error, model))  # type: ignore[union-attr]
             except Exception:  # (a status that is no number)
                 _logger.exception("inferprof could not count a request")
 
@@ -400,6 +428,10 @@ class InferprofMiddleware:
         route = scope.get("route")
         key = id(route) if rec.ser_start else ~id(route)
         rec.route_model = self._route_models.get(key, _UNCOUNTED)
+        # (its mark when the route is counted: its untimed likes summarised or counted)
+        rec.untimed_mark = (
+            SUMMARISED_UNTIMED if rt.untimed_stages and key not in self._counted_only else True
+        )
         rec.summary_model = _UNCOUNTED
         generation = rec.generation is not None  # (finish_request may unset it)
         rt.finish_request(rec)
@@ -430,7 +462,8 @@ class InferprofMiddleware:
                 models[key] = (state,)
         elif state is _UNCOUNTED:
             if len(models) < _MAX_ROUTES:
-                self._route_refs[key] = _route_ref(route, key, models, self._route_refs)
+                self._route_refs[key] = _route_ref(
+                    route, key, models, self._route_refs, self._counted_only)
                 models[key] = model
         elif state.__class__ is tuple:
             models[key] = model if state[0] == model else _MIXED
@@ -438,19 +471,76 @@ class InferprofMiddleware:
             models[key] = _MIXED
 
 
-def _route_ref(route: Any, key: int, models: dict[int, Any], refs: dict[int, Any]) -> Any:
-    """A weak reference to ``route`` that forgets ``key`` in ``models`` and ``refs`` when
-    the route is freed; the route itself when it takes no weak reference (None, an object
-    with ``__slots__``): held, its id stays its own."""
+def _route_ref(route: Any, key: int, models: dict[int, Any], refs: dict[int, Any],
+               counted_only: set[int]) -> Any:
+    """A weak reference to ``route`` that forgets ``key`` in ``models``, ``refs`` and
+    ``counted_only`` when the route is freed; the route itself when it takes no weak
+    reference (None, an object with ``__slots__``): held, its id stays its own."""
 
     def forget(_: Any) -> None:
         models.pop(key, None)
         refs.pop(key, None)
+        counted_only.discard(key)
 
     try:
         return weakref.ref(route, forget)
     except TypeError:
         return route
+
+
+def _summarising_send(send: Send, answer: list) -> Callable[[Message], Awaitable[None]]:
+    """``send`` for a request left untimed and summarised (``answer``: the middleware's
+    list): when its answer starts and when the server took its last body chunk."""
+
+    def summarising_send(message: Message) -> Awaitable[None]:
+        kind = message["type"]
+        if kind == "http.response.start":
+            answer[0] = message.get("status") or -1  # (0: no answer started)
+            answer[2] = _time_ns()
+        elif not answer[1] and kind == "http.response.body" and not message.get("more_body"):
+            return _last_chunk_sent(send(message), answer)
+        return send(message)
+
+    return summarising_send
+
+
+async def _last_chunk_sent(sent: Awaitable[None], answer: list) -> None:
+    await sent
+    answer[1] = _time_ns()  # the request's end, and serialize's (HttpRequest.send)
+
+
+def _summarising_receive(receive: Receive, answer: list) -> Receive:
+    """``receive`` for a request left untimed and summarised: its ``receive`` stage as
+    :meth:`HttpRequest.receive` times it, from the app's first read to the last body
+    chunk, when a body came (``answer``'s last three entries)."""
+
+    async def summarising_receive() -> Message:
+        if answer[4]:  # the body is in: later reads pass through
+            return await receive()
+        t0 = _time_ns()
+        message = await receive()
+        if message["type"] == "http.request":
+            if not answer[3]:
+                answer[3] = t0
+            if message.get("body"):
+                answer[5] = 1
+            if not message.get("more_body", False):
+                answer[4] = _time_ns()
+        return message
+
+    return summarising_receive
+
+
+def _summary_parts(answer: list, end: int) -> tuple:
+    """The ``receive`` and ``serialize`` stages of a request left untimed and summarised,
+    as :meth:`HttpRequest._summary_parts` gives a timed request's (flat: ``stage,
+    start_ns, end_ns`` each); one cut short ends with the request."""
+    parts: tuple = ()
+    if answer[3] and answer[5]:
+        parts = (_STAGE_RECEIVE, answer[3], answer[4] or end)
+    if answer[2]:
+        parts += (_STAGE_SERIALIZE, answer[2], answer[1] or end)
+    return parts
 
 
 def _incoming_carrier(scope: Scope) -> dict[str, str] | None:

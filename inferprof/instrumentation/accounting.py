@@ -111,7 +111,8 @@ class StatsSnapshot:
     requests_untimed: int = 0
     #: spans still queued when ``inferprof.shutdown()``'s time ran out
     spans_dropped_shutdown: int = 0
-    #: timed requests handed to the summaries (contract §15)
+    #: requests handed to the summaries with their stages (contract §15): the timed ones
+    #: and those summarised untimed (``requests_untimed_summarised``)
     requests_summarised: int = 0
     #: summarised (or counted untimed) requests that never reached the exporter's backend:
     #: the buffer was full, their export failed, or shutdown's time ran out
@@ -122,6 +123,9 @@ class StatsSnapshot:
     #: untimed requests counted in the summaries (contract §15, "Requests not timed");
     #: those dropped count in ``summaries_dropped`` too
     requests_untimed_counted: int = 0
+    #: untimed requests summarised with their stages (``configure(untimed_stages=True)``,
+    #: the default); also in ``requests_summarised``
+    requests_untimed_summarised: int = 0
 
     @property
     def spans_dropped(self) -> int:
@@ -149,6 +153,7 @@ class Stats:
         "summary_exports",
         "untimed",
         "untimed_counted",
+        "untimed_summarised",
     )
 
     def __init__(self) -> None:
@@ -165,6 +170,7 @@ class Stats:
         self.summary_exports = 0
         self.summary_export_failed = 0
         self.untimed_counted = 0
+        self.untimed_summarised = 0
         self._lock = threading.Lock()
 
     def snapshot(self) -> StatsSnapshot:
@@ -182,6 +188,7 @@ class Stats:
             summary_exports=self.summary_exports,
             summary_exports_failed=self.summary_export_failed,
             requests_untimed_counted=self.untimed_counted,
+            requests_untimed_summarised=self.untimed_summarised,
         )
 
 

@@ -34,6 +34,9 @@ DEFAULT_MAX_TIMING_CPU = 0.0
 DEFAULT_SUMMARIES = True
 #: Seconds between two summary exports.
 DEFAULT_SUMMARY_INTERVAL_S = 5.0
+#: Production mode with summaries: requests the timing budget leaves untimed are
+#: summarised with their stage times (records.SummaryRecord), not only counted.
+DEFAULT_UNTIMED_STAGES = True
 DEFAULT_BATCH_ENCODING = semconv.BATCH_ENCODING_CHILDREN
 DEFAULT_CONTENT_MAX_BYTES = 1024
 #: Health checks, scrapes and FastAPI's interactive documentation: not model requests.
@@ -80,6 +83,9 @@ class Config:
     summaries: bool = DEFAULT_SUMMARIES
     #: seconds between two summary exports
     summary_interval_s: float = DEFAULT_SUMMARY_INTERVAL_S
+    #: production mode: summarise untimed requests with their stage times (False: only
+    #: count them)
+    untimed_stages: bool = DEFAULT_UNTIMED_STAGES
 
     @property
     def enabled(self) -> bool:
@@ -139,6 +145,7 @@ def resolve(
     excluded_paths: Any = None,
     summaries: Any = None,
     summary_interval_s: Any = None,
+    untimed_stages: Any = None,
     owns: bool,
 ) -> Config:
     """Settings from arguments, then ``INFERPROF_*``/``OTEL_*`` variables, then defaults
@@ -185,6 +192,7 @@ def resolve(
             summary_interval_s, ev.INFERPROF_SUMMARY_INTERVAL, DEFAULT_SUMMARY_INTERVAL_S,
             "summary_interval_s",
         ),
+        untimed_stages=_untimed_stages(untimed_stages),
     )
 
 
@@ -192,6 +200,12 @@ def _summaries(arg: Any) -> bool:
     if arg is not None and not isinstance(arg, bool):
         raise ValueError(f"summaries must be a bool, got {arg!r}")
     return _settings.flag(arg, ev.INFERPROF_SUMMARIES, DEFAULT_SUMMARIES)
+
+
+def _untimed_stages(arg: Any) -> bool:
+    if arg is not None and not isinstance(arg, bool):
+        raise ValueError(f"untimed_stages must be a bool, got {arg!r}")
+    return _settings.flag(arg, ev.INFERPROF_UNTIMED_STAGES, DEFAULT_UNTIMED_STAGES)
 
 
 def mode_setting(arg: Any = None) -> str:

@@ -74,6 +74,7 @@ from inferprof.instrumentation.records import (
     UNTIMED,
     RequestRecord,
     StageRecord,
+    SummaryRecord,
     span_id_of,
 )
 from inferprof.instrumentation.spans import SpanSpec, error_parts, new_span_id, new_trace_id
@@ -169,6 +170,9 @@ class Engine:
             prompt_tokens = token_count(prompt_tokens)
         scope = SCOPE.get()
         if scope is UNTIMED:
+            return _UNTIMED
+        if scope is not None and scope[0].__class__ is SummaryRecord:
+            scope[0].broken = True  # a generation is not summarised: only counted
             return _UNTIMED
         rt = active_runtime()
         if rt is None:

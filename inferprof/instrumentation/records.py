@@ -180,11 +180,13 @@ class RequestRecord:
         the request ends."""
         return ends_in_error(self.error)
 
-    def _summarised(self, model: str | None) -> bool:
+    def _summarised(self, model: str | None) -> bool | int:
         """For the summaries: the request is summarised under ``model``; return whether
         its untimed siblings are counted under that model too (contract §15, "The mark on
-        timed requests"). Only a subclass that counts untimed requests says True. Called
-        at most once, by the runtime, when the request ends."""
+        timed requests"), or :data:`SUMMARISED_UNTIMED` when they are summarised with
+        their stages (then it is summarised at weight 1, unmarked). Only a subclass that
+        counts untimed requests says either. Called at most once, by the runtime, when
+        the request ends."""
         return False
 
     def _complete(self) -> None:
@@ -401,6 +403,35 @@ class _Untimed:
 UNTIMED: tuple[Any, None] = (_Untimed(), None)
 
 
+#: ``RequestRecord._summarised``'s answer when the request's untimed siblings are
+#: summarised with their stages (SummaryRecord), not only counted.
+SUMMARISED_UNTIMED = 2
+
+
+class SummaryRecord:
+    """The owner of a request ``production`` mode's timing budget left untimed, recorded for
+    the summaries alone (``configure(untimed_stages=True)``, contract §15 as extended in
+    docs/span-contract.md, "Untimed requests summarised"): its stages' names and times and
+    the batches it joined, nothing else. No span, no trace context, no attributes, no
+    tail-sampling decision. Scope ``(record, None)``; what cannot be recorded this way
+    (a device-timed stage, a Triton call, an engine generation, more than ``MAX_STAGES``
+    stages) sets ``broken``, and the request is then only counted.
+    """
+
+    __slots__ = ("batches", "broken", "stages")
+
+    def __init__(self) -> None:
+        #: objects with ``name``, ``start`` (0: never entered) and ``end`` (None: open):
+        #: its stages, and its queue handles
+        self.stages: list[Any] = []
+        #: BatchRecords it joined (NO_BATCHES until one)
+        self.batches: Any = NO_BATCHES
+        self.broken = False
+
+    def __repr__(self) -> str:
+        return "<inferprof request summarised untimed>"
+
+
 def current_owner() -> Any:
     scope = SCOPE.get()
     return scope[0] if scope is not None else None
@@ -411,11 +442,13 @@ __all__ = [
     "NO_BATCHES",
     "QUIET",
     "SCOPE",
+    "SUMMARISED_UNTIMED",
     "UNTIMED",
     "BatchRecord",
     "RequestRecord",
     "RequestSpan",
     "StageRecord",
+    "SummaryRecord",
     "attach_span",
     "current_otel_context",
     "current_owner",

@@ -51,9 +51,11 @@ from inferprof.instrumentation.otlp_encode import (
 from inferprof.instrumentation.records import (
     MEMBERSHIP_LOCK,
     NO_BATCHES,
+    SUMMARISED_UNTIMED,
     BatchRecord,
     RequestRecord,
     StageRecord,
+    SummaryRecord,
     span_id_of,
 )
 from inferprof.instrumentation.sampling import TailSampler, TimingBudget
@@ -211,6 +213,9 @@ class Runtime:
         self.tracer: Any = None
         #: production mode's summaries of every timed request (contract §15), or None
         self.summaries: Summaries | None = None
+        #: summaries on, and requests left untimed summarised with their stage times
+        #: (records.SummaryRecord), not only counted
+        self.untimed_stages = False
         #: production mode's engines (``Engine``) that recorded steps under this runtime:
         #: the steps they hold go out on close (weak: an engine's life is the application's)
         self.step_buffers: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -230,6 +235,7 @@ class Runtime:
                 summary_exporter, self._resource, self._scope, self.stats,
                 interval_s=config.summary_interval_s,
             )
+            self.untimed_stages = config.untimed_stages
         if self._resource is not None and hasattr(os, "register_at_fork"):
             weak = weakref.WeakMethod(self._after_fork)
             os.register_at_fork(after_in_child=lambda: (m := weak()) and m())
@@ -429,9 +435,42 @@ class Runtime:
             return False
         if model is not None and not isinstance(model, str):
             model = None  # the collector's series for a model that is not a string
+        mark = rec._summarised(model)
+        weight = rec.weight_hint
+        if mark == SUMMARISED_UNTIMED:
+            # Its untimed siblings are summarised with their stages: every request of its
+            # route is, so each counts once, everywhere (no mark needed)
+            weight, mark = 1.0, False
         return self.summaries.add(  # type: ignore[union-attr]  # (finish_request checked)
-            (rec.start, end, error, model, rec.weight_hint, tuple(flat), rec._summarised(model))
+            (rec.start, end, error, model, weight, tuple(flat), mark)
         )
+
+    def summarise_untimed(self, rec: SummaryRecord, start: int, end: int, error: bool,
+                          model: str | None, parts: tuple) -> bool:
+        """Hand a request left untimed and summarised (``rec``) to the summaries, as a
+        timed request of its route at weight 1 (its stages, its batches' as a member's,
+        and ``parts``: the middleware's ``receive``/``serialize``, ``stage, start_ns,
+        end_ns`` each); False when it has no stage (then only counted) or the summaries
+        are full (counted as dropped)."""
+        flat: list[Any] = []
+        for st in rec.stages:
+            s = st.start
+            if s:  # (0: a stage() never entered)
+                e = st.end
+                flat += (st.name, s, end if e is None else e)
+        batches = rec.batches
+        if batches:
+            for b in batches:
+                spans = b.summary_spans
+                if spans is None or len(spans) != 3 * len(b.stages):  # (as _summarise)
+                    spans = _batch_summary_spans(b)
+                flat += spans
+        flat += parts
+        if not flat or not self.summaries.add(  # type: ignore[union-attr]  # (untimed_stages)
+                (start, end, error, model, 1.0, tuple(flat), False)):
+            return False
+        self.stats.untimed_summarised += 1
+        return True
 
     @staticmethod
     def _summary_stages_and_model(rec: RequestRecord, flat: list) -> Any:

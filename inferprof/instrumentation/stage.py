@@ -37,6 +37,7 @@ from inferprof.instrumentation.records import (
     RequestRecord,
     RequestSpan,
     StageRecord,
+    SummaryRecord,
     attach_span,
     current_otel_context,
     detach_context,
@@ -131,6 +132,11 @@ class Stage(StageRecord):
         if scope is UNTIMED:  # a request production mode does not time
             return self
         owner, parent = scope
+        if owner.__class__ is SummaryRecord:  # untimed, summarised (records.SummaryRecord)
+            self._timing = _summarised_stage(owner, self.name, self._where)
+            if self._timing is not None:
+                self._timing.start = _time_ns()
+            return self
         if owner.finished:
             # A task started inside a request and outliving it (a batching loop started
             # lazily by the first request) inherited its scope: that request has ended,
@@ -180,6 +186,9 @@ class Stage(StageRecord):
             self._rec = self._token = None
         elif self._span is not None:
             self._exit_standalone(exc)
+        elif self._timing is not None:  # untimed, summarised: a SummaryStage
+            self._timing.end = _time_ns()
+            self._timing = None
         return False
 
     async def __aenter__(self) -> Stage:
@@ -267,17 +276,20 @@ def stage(name: str, *, device: Any = None, **attributes: Any) -> Stage:
         check_stage(name)
     if device is not None:
         parse_cuda_device(device)  # ValueError for a bad device, at the call site
+    elif (scope := SCOPE.get()) is not None and scope[0].__class__ is SummaryRecord:
+        # A request left untimed, summarised: its stage's name and times, nothing else
+        summarised = _summarised_stage(scope[0], name, None)
+        if summarised is not None:
+            return summarised  # type: ignore[return-value]
+        return _noop(name)  # type: ignore[return-value]
     elif not attributes and (
-        (scope := SCOPE.get()) is UNTIMED
+        scope is UNTIMED
         or (scope is None and (active_runtime() is None or in_quiet_step()))
     ):
         # Off / unconfigured, outside any request, in a request not timed, or in a
         # production step that holds no scope (records.QUIET): a shared do-nothing object,
         # so the uninstrumented path costs no allocation.
-        noop = _NOOPS.get(name)
-        if noop is None:
-            noop = _NOOPS[name] = NoopStage(name)
-        return noop  # type: ignore[return-value]
+        return _noop(name)  # type: ignore[return-value]
     # Stage(name, device, attributes), without the class call (once or more per request)
     st = _new_stage(Stage)
     st.name = name
@@ -289,6 +301,62 @@ def stage(name: str, *, device: Any = None, **attributes: Any) -> Stage:
 
 
 _new_stage = object.__new__
+
+
+def _noop(name: str) -> NoopStage:
+    noop = _NOOPS.get(name)
+    if noop is None:
+        noop = _NOOPS[name] = NoopStage(name)
+    return noop
+
+
+class SummaryStage:
+    """A stage of a request left untimed and summarised (``records.SummaryRecord``): its
+    name and host times, for the summaries; what ``stage()`` returns in such a request
+    (``device``, attributes and nesting are not recorded: the summaries hold none)."""
+
+    __slots__ = ("end", "name", "start")
+    name: str
+    start: int  # 0: not entered
+    end: int | None  # None: not exited
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        pass
+
+    def __enter__(self) -> SummaryStage:
+        self.start = _time_ns()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> Literal[False]:
+        self.end = _time_ns()
+        return False
+
+    async def __aenter__(self) -> SummaryStage:
+        self.start = _time_ns()
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb) -> Literal[False]:
+        self.end = _time_ns()
+        return False
+
+    def __call__(self, fn: Callable) -> Callable:
+        return Stage(self.name, None, {})(fn)
+
+
+def _summarised_stage(owner: SummaryRecord, name: str, device: Any) -> SummaryStage | None:
+    """A new stage of ``owner`` (not entered yet: ``start`` 0), or None where the request
+    cannot be summarised as its timed likes are: a device-timed stage (CUDA events, which
+    a host time is not), or past ``MAX_STAGES``. Then ``owner.broken``: only counted."""
+    stages = owner.stages
+    if device is not None or len(stages) >= MAX_STAGES:
+        owner.broken = True
+        return None
+    st = _new_stage(SummaryStage)
+    st.name = name
+    st.start = 0
+    st.end = None
+    stages.append(st)
+    return st
 
 
 class NoopStage:
@@ -431,8 +499,8 @@ class RequestScope:
             if isinstance(scope[0], RequestRecord):
                 scope[0].set_attributes(self.attrs)  # nested: one request, more attributes
                 return scope[0]
-            if scope is UNTIMED:  # nested in a request production mode does not time
-                return None
+            if scope is UNTIMED or scope[0].__class__ is SummaryRecord:
+                return None  # nested in a request production mode does not time
         rt = active_runtime()
         if rt is None:
             return None
@@ -551,6 +619,7 @@ __all__ = [
     "NoopStage",
     "RequestScope",
     "Stage",
+    "SummaryStage",
     "begin_request",
     "check_stage",
     "current_request",

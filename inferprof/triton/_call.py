@@ -34,6 +34,7 @@ from inferprof.instrumentation.records import (
     UNTIMED,
     RequestRecord,
     StageRecord,
+    SummaryRecord,
     current_otel_context,
     in_quiet_step,
     span_id_of,
@@ -162,6 +163,11 @@ def begin(attrs: dict) -> NetworkCall | None:
         scope = SCOPE.get()
         if scope is not None:
             if scope is UNTIMED:  # a request production mode does not time
+                return _untimed_call()
+            if scope[0].__class__ is SummaryRecord:
+                # Untimed, summarised: a call's stages are not recorded that way, so the
+                # request is only counted (records.SummaryRecord)
+                scope[0].broken = True
                 return _untimed_call()
             return _begin_in_scope(scope, attrs)
         rt = active_runtime()

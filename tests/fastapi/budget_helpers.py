@@ -29,11 +29,14 @@ def install_budget(rt: Any, rate: float = 100) -> BudgetClock:
 
 
 @contextmanager
-def budgeted_capture(exporter: Any, sample_rate: float) -> Iterator[tuple[Any, Any, BudgetClock]]:
+def budgeted_capture(exporter: Any, sample_rate: float, untimed_stages: bool = False
+                     ) -> Iterator[tuple[Any, Any, BudgetClock]]:
     """``captured()`` in production mode exporting summaries to ``exporter`` (exported at
     shutdown only), the runtime given a timing budget of 100 a second on a clock the test
-    moves: ``(capture, runtime, clock)``."""
+    moves: ``(capture, runtime, clock)``. Untimed requests are only counted, unless
+    ``untimed_stages`` (then summarised with their stages)."""
     with captured(mode="production", max_timed_rate=100, sample_rate=sample_rate,
-                  summary_exporter=exporter, summary_interval_s=3600) as cap:
+                  summary_exporter=exporter, summary_interval_s=3600,
+                  untimed_stages=untimed_stages) as cap:
         rt = inferprof._config.active_runtime()
         yield cap, rt, install_budget(rt)

@@ -230,7 +230,7 @@ def test_a_route_is_counted_while_its_last_timed_request_was_summarised_under_on
     monkeypatch.setattr(middleware, "_MAX_ROUTES", 1)
     exporter = MemoryExporter()
     with captured(mode="production", max_timed_rate=100, summary_exporter=exporter,
-                  summary_interval_s=3600):
+                  summary_interval_s=3600, untimed_stages=False):
 
         async def run() -> None:
             transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)

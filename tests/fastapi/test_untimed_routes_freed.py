@@ -43,7 +43,7 @@ def test_routes_freed_at_runtime_are_forgotten_and_new_ones_still_counted(monkey
     exporter = MemoryExporter()
     held = []
     with captured(mode="production", max_timed_rate=100, summary_exporter=exporter,
-                  summary_interval_s=3600):
+                  summary_interval_s=3600, untimed_stages=False):
 
         async def run() -> None:
             transport = httpx.ASGITransport(app=mw)
@@ -73,5 +73,5 @@ def test_an_object_that_takes_no_weak_reference_is_held_as_it_is():
     # state for the process's life: held, their ids stay theirs.
     models, refs = {1: "m"}, {}
     for route in (None, ("not", "weak")):
-        assert middleware._route_ref(route, 1, models, refs) is route
+        assert middleware._route_ref(route, 1, models, refs, set()) is route
     assert models == {1: "m"}

@@ -7,7 +7,8 @@ end of the request and of every stage span its trace would hold (its own stages,
 middleware's ``receive`` and ``serialize``). Read from the record as the runtime gets it,
 before inferprof decides whether to keep its trace. A request the timing budget leaves
 untimed writes ``{"untimed": true, "start", "end", "error"}``, as the middleware counts it
-(contract §15). A last line holds inferprof's ``stats()`` after its shutdown.
+(contract §15), with ``"stages"`` too when it is summarised with them (the runtime's
+``summarise_untimed``). A last line holds inferprof's ``stats()`` after its shutdown.
 
 ``{"i": i, "fail": "503"}`` answers 503.
 """
@@ -54,6 +55,18 @@ def _recording_untimed(add_untimed: Any) -> Any:
     return counted
 
 
+def _recording_summarised(summarise: Any) -> Any:
+    def summarised(rec: Any, start: int, end: int, error: bool, model: Any,
+                   parts: tuple) -> Any:
+        stages = [[st.name, st.start, st.end or end] for st in rec.stages if st.start]
+        stages += [list(parts[i:i + 3]) for i in range(0, len(parts), 3)]
+        _out.write(json.dumps({"untimed": True, "start": start, "end": end,
+                               "error": bool(error), "stages": stages}) + "\n")
+        return summarise(rec, start, end, error, model, parts)
+
+    return summarised
+
+
 @asynccontextmanager
 async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
     inferprof.configure(service_name="summaries-e2e", mode="production")
@@ -61,6 +74,7 @@ async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
     rt.finish_request = _recording(rt.finish_request)
     if rt.summaries is not None and hasattr(rt.summaries, "add_untimed"):
         rt.summaries.add_untimed = _recording_untimed(rt.summaries.add_untimed)
+    rt.summarise_untimed = _recording_summarised(rt.summarise_untimed)
     yield
     inferprof.shutdown()  # the last interval's summaries and the queued traces
     from dataclasses import asdict

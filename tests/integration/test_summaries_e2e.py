@@ -123,7 +123,12 @@ def test_the_collector_counts_every_request_and_matches_exact_figures(tmp_path):
     # Exactly the requests served, although only a sample was kept as traces.
     assert stats["traces_kept"] < 0.6 * REQUESTS
     assert body["requests"] == REQUESTS
+    _assert_exact_figures(body, timings)
 
+
+def _assert_exact_figures(body: dict, timings: list[dict]) -> None:
+    """The breakdown's end-to-end p95 and every stage's count and p95 within 1%, and its
+    shares exact over §13's tail set, against every request's own ``timings``."""
     e2e, stage, exclusive = _exact(timings)
     p95 = exact_weighted_quantile(e2e, None, 0.95)
     assert abs(body["latency"]["p95"] - p95) <= 0.01 * p95
@@ -170,7 +175,8 @@ def test_over_its_timing_budget_the_collector_counts_every_request_exactly(tmp_p
             statuses.append(client.post(url + "/v1/work", json=body).status_code)
 
     total = _WARM_UP + _BURST
-    body, lines = _serve(tmp_path, send, total, {"INFERPROF_MAX_TIMED_RATE": _BUDGET})
+    body, lines = _serve(tmp_path, send, total, {"INFERPROF_MAX_TIMED_RATE": _BUDGET,
+                                                 "INFERPROF_UNTIMED_STAGES": "false"})
     *timings, last = lines
     untimed = [t for t in timings if t.get("untimed")]
     timed = [t for t in timings if not t.get("untimed")]
@@ -192,3 +198,29 @@ def test_over_its_timing_budget_the_collector_counts_every_request_exactly(tmp_p
         assert abs(body["latency"][name] - want) <= 0.01 * want, (name, body["latency"], want)
     # Stage figures come from the timed requests, weighted: their shares still sum to 1.
     assert sum(s["share_of_p95"] for s in body["stages"]) == pytest.approx(1.0, abs=1e-9)
+
+
+def test_over_its_timing_budget_every_request_is_summarised_with_its_stages(tmp_path):
+    """At the defaults (``untimed_stages`` on) the requests the budget leaves untimed are
+    summarised with their stage times: the collector's stage figures match exact ones
+    over every request, as when every request is timed, with only the timed share
+    traced."""
+
+    def send(client: httpx.Client, url: str) -> None:
+        _paced(client, url, _WARM_UP)
+        for i in range(_WARM_UP, _WARM_UP + _BURST):
+            assert client.post(url + "/v1/work", json={"i": i}).status_code == 200
+
+    total = _WARM_UP + _BURST
+    body, lines = _serve(tmp_path, send, total, {"INFERPROF_MAX_TIMED_RATE": _BUDGET})
+    *timings, last = lines
+    untimed = [t for t in timings if t.get("untimed")]
+    stats = last["stats"]
+    assert len(timings) == total
+    assert len(untimed) > total / 2, len(untimed)  # the budget cut in
+    assert all("stages" in t for t in untimed)  # each summarised with its stages
+    assert stats["requests_untimed_counted"] == 0  # none only counted
+    assert stats["requests_summarised"] == total and stats["summaries_dropped"] == 0
+    assert body["requests"] == total
+    assert body["traced_requests"] == total  # measured, summarised or traced
+    _assert_exact_figures(body, timings)
