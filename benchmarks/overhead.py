@@ -20,6 +20,9 @@ docs/demo.md) runs under uvicorn on 127.0.0.1, one long-lived process per config
                   exported
   (d1) production inferprof production mode timing every request
                   (INFERPROF_MAX_TIMED_RATE=0): what (d) was before the timing budget
+  (d2) production inferprof production mode with the requests the budget leaves untimed
+                  only counted, not summarised with their stages
+                  (INFERPROF_UNTIMED_STAGES=false): what (d) was before untimed_stages
   (e) off         inferprof installed and called everywhere, configured off
   (c') full, exporter down        and        (d') production, exporter down
 
@@ -242,6 +245,8 @@ def configs(endpoint_down: bool) -> list[Config]:
         Config("d", "inferprof production", semconv.MODE_PRODUCTION, "sink"),
         Config("d1", "inferprof production, every request timed", semconv.MODE_PRODUCTION,
                "sink", env={ENV_MAX_TIMED_RATE: "0"}),
+        Config("d2", "inferprof production, untimed requests only counted",
+               semconv.MODE_PRODUCTION, "sink", env={"INFERPROF_UNTIMED_STAGES": "false"}),
         Config("e", "inferprof off", semconv.MODE_OFF, "-"),
     ]
     if endpoint_down:
@@ -255,7 +260,7 @@ def configs(endpoint_down: bool) -> list[Config]:
 _TELEMETRY_KEYS = ("spans_emitted", "spans_exported", "spans_dropped_queue_full",
                    "spans_dropped_export_failed", "traces_kept", "traces_discarded",
                    "requests_untimed", "requests_summarised", "summaries_dropped",
-                   "requests_untimed_counted")
+                   "requests_untimed_counted", "requests_untimed_summarised")
 
 
 def measure(service: ServiceProcess, duration: float, concurrency: int, seed: int,

@@ -224,25 +224,12 @@ class InferprofMiddleware:
             if summaries is not None:  # counted, when its route is (contract §15)
                 start = _time_ns()
                 error = False
-                # Its status (0: no answer started); when its last body chunk was handed
-                # over (summarised: when the server took it, as for a timed request); and
-                # when summarised, when its answer started, its body's first read and
-                # last chunk, and whether it had a body (_summary_parts).
-                answer = [0, 0, 0, 0, 0, 0]
+                answer = [0, 0, 0, 0, 0, 0]  # (what it holds: _summarising's docstring)
                 if rt.untimed_stages:
                     summary = SummaryRecord()
-                    send = _summarising_send(send, answer)
-                    receive = _summarising_receive(receive, answer)
+                    receive, send = _summarising(receive, send, answer)
                 else:
-                    # (why a closure returning the server's awaitable: by the module's
-                    # constants)
-                    def send(message: Message, send: Send = send, answer: list = answer
-                             ) -> Awaitable[None]:
-                        if message["type"] == "http.response.start":
-                            answer[0] = message.get("status") or -1
-                        elif not answer[1] and not message.get("more_body", False):
-                            answer[1] = _time_ns()
-                        return send(message)
+                    send = _counting_send(send, answer)
             otel_token = _attach_incoming(scope)
             token = SCOPE.set(UNTIMED if summary is None else (summary, None))
             try:
@@ -308,9 +295,16 @@ class InferprofMiddleware:
                 if summary is not None:
                     if summary.broken:  # what its timed likes hold, it could not record
                         self._counted_only.add(key)
-                    elif key not in self._counted_only and rt.summarise_untimed(
-                            summary, start, end, error, model, _summary_parts(answer, end)):
-                        return
+                    elif key not in self._counted_only:
+                        # receive and serialize as HttpRequest._summary_parts gives a timed
+                        # request's; one cut short ends with the request
+                        parts: tuple = ()
+                        if answer[3] and answer[5]:
+                            parts = (_STAGE_RECEIVE, answer[3], answer[4] or end)
+                        if answer[2]:
+                            parts += (_STAGE_SERIALIZE, answer[2], answer[1] or end)
+                        if rt.summarise_untimed(summary, start, end, error, model, parts):
+                            return
                 rt.summaries.add_untimed((start, end, error, model))  # type: ignore[union-attr]
             except Exception:  # (a status that is no number)
                 _logger.exception("inferprof could not count a request")
@@ -488,9 +482,27 @@ def _route_ref(route: Any, key: int, models: dict[int, Any], refs: dict[int, Any
         return route
 
 
-def _summarising_send(send: Send, answer: list) -> Callable[[Message], Awaitable[None]]:
-    """``send`` for a request left untimed and summarised (``answer``: the middleware's
-    list): when its answer starts and when the server took its last body chunk."""
+def _counting_send(send: Send, answer: list) -> Callable[[Message], Awaitable[None]]:
+    """``send`` for a request left untimed and only counted: its status (``answer[0]``;
+    0: no answer started) and when its last body chunk was handed over (``answer[1]``).
+    A closure returning the server's awaitable: by the module's constants."""
+
+    def counting_send(message: Message) -> Awaitable[None]:
+        if message["type"] == "http.response.start":
+            answer[0] = message.get("status") or -1
+        elif not answer[1] and not message.get("more_body", False):
+            answer[1] = _time_ns()
+        return send(message)
+
+    return counting_send
+
+
+def _summarising(receive: Receive, send: Send, answer: list) -> tuple[Receive, Send]:
+    """``receive`` and ``send`` for a request left untimed and summarised, timing its
+    ``receive`` and ``serialize`` as :class:`HttpRequest` does a timed request's, into
+    ``answer``: its status (0: no answer started), when the server took its last body
+    chunk, when its answer started, its body's first read and last chunk, whether it had
+    a body."""
 
     def summarising_send(message: Message) -> Awaitable[None]:
         kind = message["type"]
@@ -501,20 +513,8 @@ def _summarising_send(send: Send, answer: list) -> Callable[[Message], Awaitable
             return _last_chunk_sent(send(message), answer)
         return send(message)
 
-    return summarising_send
-
-
-async def _last_chunk_sent(sent: Awaitable[None], answer: list) -> None:
-    await sent
-    answer[1] = _time_ns()  # the request's end, and serialize's (HttpRequest.send)
-
-
-def _summarising_receive(receive: Receive, answer: list) -> Receive:
-    """``receive`` for a request left untimed and summarised: its ``receive`` stage as
-    :meth:`HttpRequest.receive` times it, from the app's first read to the last body
-    chunk, when a body came (``answer``'s last three entries)."""
-
     async def summarising_receive() -> Message:
+        # from the app's first read to the last body chunk (HttpRequest.receive)
         if answer[4]:  # the body is in: later reads pass through
             return await receive()
         t0 = _time_ns()
@@ -528,19 +528,12 @@ def _summarising_receive(receive: Receive, answer: list) -> Receive:
                 answer[4] = _time_ns()
         return message
 
-    return summarising_receive
+    return summarising_receive, summarising_send
 
 
-def _summary_parts(answer: list, end: int) -> tuple:
-    """The ``receive`` and ``serialize`` stages of a request left untimed and summarised,
-    as :meth:`HttpRequest._summary_parts` gives a timed request's (flat: ``stage,
-    start_ns, end_ns`` each); one cut short ends with the request."""
-    parts: tuple = ()
-    if answer[3] and answer[5]:
-        parts = (_STAGE_RECEIVE, answer[3], answer[4] or end)
-    if answer[2]:
-        parts += (_STAGE_SERIALIZE, answer[2], answer[1] or end)
-    return parts
+async def _last_chunk_sent(sent: Awaitable[None], answer: list) -> None:
+    await sent
+    answer[1] = _time_ns()  # the request's end, and serialize's (HttpRequest.send)
 
 
 def _incoming_carrier(scope: Scope) -> dict[str, str] | None:

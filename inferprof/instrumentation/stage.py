@@ -276,11 +276,18 @@ def stage(name: str, *, device: Any = None, **attributes: Any) -> Stage:
         check_stage(name)
     if device is not None:
         parse_cuda_device(device)  # ValueError for a bad device, at the call site
-    elif (scope := SCOPE.get()) is not None and scope[0].__class__ is SummaryRecord:
+    elif (scope := SCOPE.get()) is not None and (owner := scope[0]).__class__ is SummaryRecord:
         # A request left untimed, summarised: its stage's name and times, nothing else
-        summarised = _summarised_stage(scope[0], name, None)
-        if summarised is not None:
+        # (_summarised_stage, inline: once a stage)
+        stages = owner.stages
+        if len(stages) < MAX_STAGES:
+            summarised = _new_stage(SummaryStage)
+            summarised.name = name
+            summarised.start = 0
+            summarised.end = None
+            stages.append(summarised)
             return summarised  # type: ignore[return-value]
+        owner.broken = True
         return _noop(name)  # type: ignore[return-value]
     elif not attributes and (
         scope is UNTIMED
