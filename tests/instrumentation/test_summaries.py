@@ -333,7 +333,7 @@ def test_summaries_equal_exact_figures_from_every_requests_timings(clock, encodi
 def test_weights_of_the_timing_budget_split_the_data_points(clock):
     exporter = MemoryExporter()
     budget_clock = [100.0]
-    with captured(mode="production", sample_rate=1.0, summary_exporter=exporter,
+    with captured(mode="production", max_timed_rate=0, sample_rate=1.0, summary_exporter=exporter,
                   summary_interval_s=3600) as cap:
         rt = inferprof._config.active_runtime()
         rt.timing_budget = TimingBudget(100, clock=lambda: budget_clock[0])
@@ -403,7 +403,7 @@ def test_http_requests_get_receive_serialize_and_5xx_errors(clock):
                 await c.post("/v1/run", json={"i": i})
 
     exporter = MemoryExporter()
-    with captured(mode="production", sample_rate=1.0, summary_exporter=exporter,
+    with captured(mode="production", max_timed_rate=0, sample_rate=1.0, summary_exporter=exporter,
                   summary_interval_s=3600) as cap:
         asyncio.run(post())
         inferprof.shutdown()
@@ -419,7 +419,7 @@ def test_http_requests_get_receive_serialize_and_5xx_errors(clock):
 
 def test_requests_the_collector_reads_otherwise_are_not_summarised(clock):
     exporter = MemoryExporter()
-    with captured(mode="production", sample_rate=1.0, summary_exporter=exporter,
+    with captured(mode="production", max_timed_rate=0, sample_rate=1.0, summary_exporter=exporter,
                   summary_interval_s=3600) as cap:
         tracer = cap.provider.get_tracer("another-instrumentation")
         # under another instrumentation's request span (inferprof enriches it)
@@ -696,7 +696,7 @@ def test_a_cancelled_request_is_no_error_in_its_summary_as_in_its_trace(clock):
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    with captured(mode="production", sample_rate=1.0, summary_exporter=exporter,
+    with captured(mode="production", max_timed_rate=0, sample_rate=1.0, summary_exporter=exporter,
                   summary_interval_s=3600) as cap:
         asyncio.run(service())
         inferprof.shutdown()
@@ -779,7 +779,7 @@ def test_the_summaries_model_is_the_one_the_collector_reads_off_the_trace(clock)
         ({}, {semconv.ATTR_MODEL_NAME: "from-stage"}, "from-stage"),
         ({semconv.ATTR_MODEL_NAME: 3}, {}, None),
     ]
-    with captured(mode="production", sample_rate=1.0, summary_exporter=exporter,
+    with captured(mode="production", max_timed_rate=0, sample_rate=1.0, summary_exporter=exporter,
                   summary_interval_s=3600):
         for request_attrs, stage_attrs, _ in cases:
             with inferprof.request(**request_attrs):
