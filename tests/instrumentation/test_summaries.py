@@ -833,3 +833,24 @@ def test_a_process_exiting_without_shutdown_still_exports_its_last_summaries(tmp
     env = {**os.environ, "PYTHONPATH": root}
     subprocess.run([sys.executable, "-c", script], check=True, timeout=60, env=env, cwd=root)
     assert out.read_text().split() == ["3"]
+
+
+def test_untimed_stages_setting_and_environment(monkeypatch, caplog):
+    exporter = MemoryExporter()
+    with captured(mode="production", summary_exporter=exporter):  # on by default
+        assert inferprof._config.active_runtime().untimed_stages is True
+    with captured(mode="production", untimed_stages=False, summary_exporter=exporter):
+        assert inferprof._config.active_runtime().untimed_stages is False
+    with captured(mode="production", summaries=False, summary_exporter=exporter):
+        assert inferprof._config.active_runtime().untimed_stages is False  # no summaries
+    with captured(mode="full", summary_exporter=exporter):
+        assert inferprof._config.active_runtime().untimed_stages is False
+    monkeypatch.setenv("INFERPROF_UNTIMED_STAGES", "false")
+    with captured(mode="production", summary_exporter=exporter):
+        assert inferprof._config.active_runtime().untimed_stages is False
+    monkeypatch.setenv("INFERPROF_UNTIMED_STAGES", "perhaps")
+    with captured(mode="production", summary_exporter=exporter):
+        assert inferprof._config.active_runtime().untimed_stages is True
+    assert "INFERPROF_UNTIMED_STAGES" in caplog.text
+    with pytest.raises(ValueError):
+        inferprof.configure(mode="production", untimed_stages="yes")
