@@ -284,7 +284,7 @@ def stage(name: str, *, device: Any = None, **attributes: Any) -> Stage:
             summarised = _new_stage(SummaryStage)
             summarised.name = name
             summarised.start = 0
-            summarised.end = None
+            summarised.end = summarised._use = None
             stages.append(summarised)
             return summarised  # type: ignore[return-value]
         owner.broken = True
@@ -320,35 +320,56 @@ def _noop(name: str) -> NoopStage:
 class SummaryStage:
     """A stage of a request left untimed and summarised (``records.SummaryRecord``): its
     name and host times, for the summaries; what ``stage()`` returns in such a request
-    (``device``, attributes and nesting are not recorded: the summaries hold none)."""
+    (``device``, attributes and nesting are not recorded: the summaries hold none).
 
-    __slots__ = ("end", "name", "start")
+    Its first use is its own record; entered again (a stage object reused in a loop), each
+    use records into a new one in the request of the current scope, as a ``Stage`` does:
+    a timed request's summary holds one stage span per use."""
+
+    __slots__ = ("_use", "end", "name", "start")
     name: str
     start: int  # 0: not entered
     end: int | None  # None: not exited
+    _use: SummaryStage | None  # the record of a use after the first, while it runs
 
     def set_attribute(self, key: str, value: Any) -> None:
         pass
 
     def __enter__(self) -> SummaryStage:
-        self.start = _time_ns()
+        if self.start:
+            self._again()
+        else:
+            self.start = _time_ns()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> Literal[False]:
-        self.end = _time_ns()
+        use = self._use
+        if use is None:
+            self.end = _time_ns()
+        else:
+            use.end = _time_ns()
+            self._use = None
         return False
 
     async def __aenter__(self) -> SummaryStage:
-        self.start = _time_ns()
-        return self
+        return self.__enter__()
 
     async def __aexit__(self, exc_type, exc, tb) -> Literal[False]:
-        self.end = _time_ns()
-        return False
+        return self.__exit__(exc_type, exc, tb)
+
+    def _again(self) -> None:
+        """A use after the first: a record of its own, in the request of the current scope
+        (none outside one: then nothing is recorded)."""
+        scope = SCOPE.get()
+        use = None
+        if scope is not None and scope[0].__class__ is SummaryRecord:
+            use = _summarised_stage(scope[0], self.name, None)
+            if use is not None:
+                use.start = _time_ns()
+        self._use = use if use is not None else _DISCARDED
 
     def __call__(self, fn: Callable) -> Callable:
         return Stage(self.name, None, {})(fn)
-
 
 def _summarised_stage(owner: SummaryRecord, name: str, device: Any) -> SummaryStage | None:
     """A new stage of ``owner`` (not entered yet: ``start`` 0), or None where the request
@@ -361,9 +382,17 @@ def _summarised_stage(owner: SummaryRecord, name: str, device: Any) -> SummarySt
     st = _new_stage(SummaryStage)
     st.name = name
     st.start = 0
-    st.end = None
+    st.end = st._use = None
     stages.append(st)
     return st
+
+
+#: Where a SummaryStage's later use records, when it records nothing (outside the
+#: request, or past MAX_STAGES): a record in no request.
+_DISCARDED = _new_stage(SummaryStage)
+_DISCARDED.name = ""
+_DISCARDED.start = 0
+_DISCARDED.end = _DISCARDED._use = None
 
 
 class NoopStage:

@@ -1,0 +1,255 @@
+"""A request the timing budget leaves untimed and summarises (``untimed_stages``) is handed
+to the summaries with exactly the stage spans, end-to-end window, error and model its timed
+twin is: the same app, driven through raw ASGI messages on a clock that only the app moves,
+served once timed and once untimed, gives the same summary entry (times relative to the
+request's start). Every request of a counted route is then in the summaries alike."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from fastapi import BackgroundTasks, FastAPI, Request
+from fastapi.responses import StreamingResponse
+
+import inferprof
+import inferprof.fastapi
+from inferprof.fastapi import middleware
+from tests.fastapi.budget_helpers import budgeted_capture
+from tests.instrumentation.test_summaries import MemoryExporter
+
+MS = 1_000_000
+
+
+class _Share:
+    """The timing budget's decision, set by the test (what is compared is what follows)."""
+
+    def __init__(self) -> None:
+        self.value = 1.0
+
+    def __call__(self, rt: Any, key: object, context: Any = None) -> float:
+        return self.value
+
+
+async def _drive(app: Any, clock: Any, method: str = "POST", path: str = "/work",
+                 chunks: tuple[bytes, ...] = (b'{"i": 1}',), disconnect_at: int | None = None
+                 ) -> list[dict]:
+    """Serve one request: its body in ``chunks`` (1 ms apart), the client leaving at the
+    ``disconnect_at``-th body chunk of the answer. The messages the app sent."""
+    incoming = [
+        {"type": "http.request", "body": c, "more_body": n < len(chunks) - 1}
+        for n, c in enumerate(chunks)
+    ] or [{"type": "http.request", "body": b"", "more_body": False}]
+    sent: list[dict] = []
+    gone = asyncio.Event()
+
+    async def receive() -> dict:
+        if incoming:
+            clock.tick(MS)
+            return incoming.pop(0)
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        body = message["type"] == "http.response.body"
+        if body and disconnect_at is not None and sum(
+                1 for m in sent if m["type"] == "http.response.body") >= disconnect_at:
+            gone.set()
+            raise OSError("client gone")  # (an ASGI 2.4 server's send)
+        clock.tick(MS // 2)
+        sent.append(message)
+
+    scope = {
+        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"},
+        "http_version": "1.1", "method": method, "scheme": "http", "path": path,
+        "raw_path": path.encode(), "root_path": "",
+        "query_string": b"", "headers": [(b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+    }
+    try:
+        await app(scope, receive, send)
+    except Exception:
+        pass
+    return sent
+
+
+def _relative(entry: tuple) -> tuple:
+    start, end, error, model, _weight, flat, _mark = entry
+    spans = sorted(
+        (flat[i], flat[i + 1] - start, flat[i + 2] - start) for i in range(0, len(flat), 3)
+    )
+    return end - start, error, model, spans
+
+
+def _twins(app: FastAPI, clock: Any, monkeypatch: Any, **request: Any) -> tuple[Any, Any]:
+    """The summary entries of one request served timed and of the same served untimed,
+    once the route has been learnt from a timed one."""
+    share = _Share()
+    monkeypatch.setattr(middleware, "timed_share", share)
+    inferprof.fastapi.instrument(app)
+    with budgeted_capture(MemoryExporter(), sample_rate=0.05, untimed_stages=True) as (
+            _cap, rt, _):
+        pending = rt.summaries._pending
+        asyncio.run(_drive(app, clock, **request))  # timed: the route learnt
+        pending.clear()
+        asyncio.run(_drive(app, clock, **request))
+        timed = list(pending)
+        pending.clear()
+        share.value = 0.0
+        asyncio.run(_drive(app, clock, **request))
+        untimed = list(pending)
+        counted = list(rt.summaries._untimed)
+    assert len(timed) == 1, timed
+    assert not counted, counted  # summarised, not only counted
+    assert len(untimed) == 1, untimed
+    assert timed[0][4] == untimed[0][4] == 1.0 and not timed[0][6] and not untimed[0][6]
+    return _relative(timed[0]), _relative(untimed[0])
+
+
+def _app_with(handler_body: Any, method: str = "post", **route: Any) -> FastAPI:
+    app = FastAPI()
+    getattr(app, method)("/work", **route)(handler_body)
+    return app
+
+
+def test_plain_stages(clock, monkeypatch):
+    async def work(request: Request):
+        await request.body()
+        with inferprof.stage("tokenize"):
+            clock.tick(3 * MS)
+            with inferprof.stage("compute"):  # nested
+                clock.tick(5 * MS)
+        return {"ok": True}
+
+    timed, untimed = _twins(_app_with(work), clock, monkeypatch, chunks=(b"{", b'"i": 1}'))
+    assert timed == untimed
+
+
+def test_a_stage_object_entered_twice(clock, monkeypatch):
+    async def work():
+        st = inferprof.stage("decode")
+        for n in range(3):
+            with st:
+                clock.tick((n + 1) * MS)
+            clock.tick(MS)
+        return {"ok": True}
+
+    timed, untimed = _twins(_app_with(work, "get"), clock, monkeypatch, method="GET")
+    assert [s[0] for s in timed[3]].count("decode") == 3
+    assert timed == untimed
+
+
+def _stream(sse: bool, fail_at: int | None = None) -> FastAPI:
+    async def work():
+        async def gen():
+            for n in range(4):
+                with inferprof.stage("decode"):
+                    clock_ref[0].tick(MS)
+                if fail_at is not None and n == fail_at:
+                    raise RuntimeError("boom")
+                yield b"data: {\"t\": 1}\n\n" if sse else b"chunk"
+
+        media = "text/event-stream" if sse else "application/octet-stream"
+        return StreamingResponse(gen(), media_type=media)
+
+    return _app_with(work, "get")
+
+
+clock_ref: list = []
+
+
+@pytest.mark.parametrize("sse", [False, True])
+def test_a_streamed_answer(clock, monkeypatch, sse):
+    clock_ref[:] = [clock]
+    timed, untimed = _twins(_stream(sse), clock, monkeypatch, method="GET")
+    assert timed == untimed
+
+
+def test_a_stream_failing_midway(clock, monkeypatch):
+    clock_ref[:] = [clock]
+    timed, untimed = _twins(_stream(False, fail_at=2), clock, monkeypatch, method="GET")
+    assert timed[1] is True
+    assert timed == untimed
+
+
+def test_a_client_leaving_midway(clock, monkeypatch):
+    clock_ref[:] = [clock]
+    timed, untimed = _twins(_stream(True), clock, monkeypatch, method="GET", disconnect_at=2)
+    assert timed == untimed
+
+
+def test_a_failure_before_the_answer(clock, monkeypatch):
+    async def work(request: Request):
+        await request.body()
+        with inferprof.stage("tokenize"):
+            clock.tick(MS)
+        raise RuntimeError("boom")
+
+    timed, untimed = _twins(_app_with(work), clock, monkeypatch)
+    assert timed[1] is True
+    assert timed == untimed
+
+
+def test_a_5xx_answer(clock, monkeypatch):
+    from fastapi import HTTPException
+
+    async def work():
+        with inferprof.stage("tokenize"):
+            clock.tick(MS)
+        raise HTTPException(503, "busy")
+
+    timed, untimed = _twins(_app_with(work, "get"), clock, monkeypatch, method="GET")
+    assert timed[1] is True
+    assert timed == untimed
+
+
+def test_a_background_task_and_a_stage_left_open(clock, monkeypatch):
+    def later():
+        with inferprof.stage("postprocess"):
+            clock.tick(4 * MS)
+
+    async def work(tasks: BackgroundTasks):
+        inferprof.stage("tokenize").__enter__()  # never exited
+        clock.tick(MS)
+        tasks.add_task(later)
+        return {"ok": True}
+
+    timed, untimed = _twins(_app_with(work, "get"), clock, monkeypatch, method="GET")
+    assert timed == untimed
+
+
+def test_an_async_decorated_stage(clock, monkeypatch):
+    @inferprof.stage("compute")
+    async def compute():
+        clock.tick(2 * MS)
+        await asyncio.sleep(0)
+
+    async def work():
+        await compute()
+        async with inferprof.stage("postprocess"):
+            clock.tick(MS)
+        return {"ok": True}
+
+    timed, untimed = _twins(_app_with(work, "get"), clock, monkeypatch, method="GET")
+    assert timed == untimed
+
+
+@pytest.mark.parametrize("encoding", ["children", "links"])
+def test_a_manual_batch(clock, monkeypatch, encoding):
+    from inferprof.batching import hooks
+
+    monkeypatch.setattr(hooks, "_time_ns", clock)
+
+    async def work():
+        h = inferprof.enqueue()
+        clock.tick(2 * MS)
+        with inferprof.batch([h], batch_encoding=encoding) as b:
+            with b.stage("batch_assembly"):
+                clock.tick(MS)
+            with inferprof.stage("compute"):
+                clock.tick(3 * MS)
+        return {"ok": True}
+
+    timed, untimed = _twins(_app_with(work, "get"), clock, monkeypatch, method="GET")
+    assert timed == untimed
