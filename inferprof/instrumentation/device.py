@@ -213,6 +213,21 @@ def begin_device_stage(
     return timing
 
 
+def host_timed(device: Any) -> bool:
+    """Whether a stage on ``device`` is timed by host timers, as :func:`begin_device_stage`
+    leaves it: the host (None, ``"cpu"``), or a CUDA device where torch or CUDA is
+    unavailable (or its lookup fails)."""
+    if device is None:
+        return True
+    if isinstance(device, EventDevice):
+        return False
+    try:
+        index = parse_cuda_device(device)
+        return index is None or _torch_device(index) is None
+    except Exception:
+        return True
+
+
 class EventDevice:
     """A ``device=`` value carrying its own event factory (other accelerators, tests)."""
 
@@ -266,6 +281,7 @@ __all__ = [
     "EventDevice",
     "begin_device_stage",
     "gpu_uuid",
+    "host_timed",
     "parse_cuda_device",
     "resolve_stages",
 ]

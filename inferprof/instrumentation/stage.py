@@ -30,7 +30,11 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from inferprof import semconv
 from inferprof.instrumentation.active import active_runtime
-from inferprof.instrumentation.device import begin_device_stage, parse_cuda_device
+from inferprof.instrumentation.device import (
+    begin_device_stage,
+    host_timed,
+    parse_cuda_device,
+)
 from inferprof.instrumentation.records import (
     SCOPE,
     UNTIMED,
@@ -374,9 +378,11 @@ class SummaryStage:
 def _summarised_stage(owner: SummaryRecord, name: str, device: Any) -> SummaryStage | None:
     """A new stage of ``owner`` (not entered yet: ``start`` 0), or None where the request
     cannot be summarised as its timed likes are: a device-timed stage (CUDA events, which
-    a host time is not), or past ``MAX_STAGES``. Then ``owner.broken``: only counted."""
+    a host time is not; a device its timed likes time by the host, ``"cpu"`` or CUDA
+    without torch, is the host's), or past ``MAX_STAGES``. Then ``owner.broken``: only
+    counted."""
     stages = owner.stages
-    if device is not None or len(stages) >= MAX_STAGES:
+    if (device is not None and not host_timed(device)) or len(stages) >= MAX_STAGES:
         owner.broken = True
         return None
     st = _new_stage(SummaryStage)

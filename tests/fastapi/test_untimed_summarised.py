@@ -17,8 +17,10 @@ import inferprof
 import inferprof.fastapi
 from inferprof import semconv
 from inferprof.batching import hooks
+from inferprof.instrumentation.device import EventDevice
 from inferprof.timing import DEFAULT_SUMMARY_SCALE, exp_index
 from tests.fastapi.budget_helpers import budgeted_capture
+from tests.instrumentation.test_device import SyntheticEvent, SyntheticStream
 from tests.instrumentation.test_summaries import MemoryExporter, decode
 
 MS = 1_000_000
@@ -65,7 +67,9 @@ def _app(clock, log: list, device_from: int | None = None) -> FastAPI:
             clock.tick(d["compute"])
         postprocess(i)
         if device_from is not None and i >= device_from:
-            with inferprof.stage("h2d", device="cuda"):
+            # (events of its own: timed by them, timed or not, with or without CUDA here)
+            device = EventDevice(lambda: SyntheticEvent(SyntheticStream()))
+            with inferprof.stage("h2d", device=device):
                 pass
         log.append((i, req is not None))
         return {"i": i}

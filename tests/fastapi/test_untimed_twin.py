@@ -253,3 +253,15 @@ def test_a_manual_batch(clock, monkeypatch, encoding):
 
     timed, untimed = _twins(_app_with(work, "get"), clock, monkeypatch, method="GET")
     assert timed == untimed
+def test_a_host_device_stage(clock, monkeypatch):
+    # device="cpu" (and a CUDA device where torch has none) is timed by the host clock in a
+    # timed request: nothing a summarised record cannot hold
+    async def work():
+        with inferprof.stage("h2d", device="cpu"):
+            clock.tick(2 * MS)
+        return {"ok": True}
+
+    timed, untimed = _twins(_app_with(work, "get"), clock, monkeypatch, method="GET")
+    assert timed == untimed
+
+
