@@ -36,6 +36,7 @@ from inferprof.instrumentation.records import (
     RequestRecord,
     StageRecord,
     SummaryRecord,
+    ends_in_error,
     set_batch_tokens,
 )
 from inferprof.instrumentation.spans import new_trace_id
@@ -214,7 +215,8 @@ class Batch:
         "max_size",
         "model",
         "quiet",
-        "record"
+        "record",
+        "summarised",
     )
     _token: Any
 
@@ -237,6 +239,8 @@ class Batch:
         self.attrs = attrs
         self.record: BatchRecord | None = None
         self._token = None
+        #: the SummaryRecords of its requests left untimed and summarised (no members)
+        self.summarised: list[SummaryRecord] | None = None
 
     @property
     def id(self) -> str | None:
@@ -319,6 +323,7 @@ class Batch:
         self._rt = rt
         self._token = SCOPE.set((record, None))
         if summarised is not None:  # its stages go into their summaries (Runtime)
+            self.summarised = summarised
             for s in summarised:
                 if s.batches is NO_BATCHES:
                     s.batches = [record]
@@ -361,6 +366,11 @@ class Batch:
             for m in record.members:
                 if m.error is None:
                     m.error = exc
+            if self.summarised is not None:  # (as for a member: the first batch's)
+                failed = ends_in_error(exc)
+                for s in self.summarised:
+                    if s.error is None:
+                        s.error = failed
         self._rt.close_batch(record)
         return False
 

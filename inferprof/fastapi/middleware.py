@@ -223,7 +223,10 @@ class InferprofMiddleware:
             summary = None
             if summaries is not None:  # counted, when its route is (contract §15)
                 start = _time_ns()
-                error = False
+                # Whether it ended in error; None: by no exception of its own (the client
+                # left once the answer started: the failure of a batch it joined, as a
+                # timed request's `disconnected` keeps it, or none)
+                error: bool | None = None
                 answer = [0, 0, 0, 0, 0, 0]  # (what it holds: _summarising's docstring)
                 if rt.untimed_stages:
                     summary = SummaryRecord()
@@ -235,10 +238,10 @@ class InferprofMiddleware:
             try:
                 await self.app(scope, receive, send)
             except BaseException as exc:
-                if summaries is not None:
-                    # A client gone after the answer started is no error (a timed
-                    # request's send() and receive() see it: `disconnected`).
-                    error = ends_in_error(exc) and not (answer[0] and _client_gone(exc))
+                # A client gone after the answer started is no error (a timed request's
+                # send() and receive() see it: `disconnected`).
+                if summaries is not None and not (answer[0] and _client_gone(exc)):
+                    error = ends_in_error(exc)
                 raise
             finally:
                 reset_scope(token)
@@ -279,7 +282,7 @@ class InferprofMiddleware:
             reset_scope(token)
 
     def _count_untimed(self, rt: Runtime, scope: Scope, start: int, answer: list,
-                       error: bool, summary: SummaryRecord | None) -> None:
+                       error: bool | None, summary: SummaryRecord | None) -> None:
         """Count an untimed request that ended (``answer``: its status, 0 when none
         started, and when its last body chunk was handed over) if its route is counted,
         under the route's model (contract §15); with its stages (``summary``), unless
@@ -291,6 +294,8 @@ class InferprofMiddleware:
         if model is None or model.__class__ is str:
             try:
                 end = answer[1] or _time_ns()
+                if error is None:
+                    error = summary is not None and summary.error is True
                 error = error or answer[0] >= 500
                 if summary is not None:
                     if summary.broken:  # what its timed likes hold, it could not record

@@ -418,7 +418,7 @@ class SummaryRecord:
     stages) sets ``broken``, and the request is then only counted.
     """
 
-    __slots__ = ("batches", "broken", "stages")
+    __slots__ = ("batches", "broken", "error", "stages")
 
     def __init__(self) -> None:
         #: objects with ``name``, ``start`` (0: never entered) and ``end`` (None: open):
@@ -427,6 +427,9 @@ class SummaryRecord:
         #: BatchRecords it joined (NO_BATCHES until one)
         self.batches: Any = NO_BATCHES
         self.broken = False
+        #: None, or whether the exception of the first batch of it that failed is an error
+        #: (what a timed member's ``error`` holds: ``ends_in_error``)
+        self.error: bool | None = None
 
     def __repr__(self) -> str:
         return "<inferprof request summarised untimed>"

@@ -265,3 +265,23 @@ def test_a_host_device_stage(clock, monkeypatch):
     assert timed == untimed
 
 
+def test_a_batch_that_fails(clock, monkeypatch):
+    # The app answers anyway: the batch's failure is the request's error all the same
+    from inferprof.batching import hooks
+
+    monkeypatch.setattr(hooks, "_time_ns", clock)
+
+    async def work():
+        h = inferprof.enqueue()
+        clock.tick(MS)
+        try:
+            with inferprof.batch([h]), inferprof.stage("compute"):
+                clock.tick(MS)
+                raise RuntimeError("device lost")
+        except RuntimeError:
+            pass
+        return {"fallback": True}
+
+    timed, untimed = _twins(_app_with(work, "get"), clock, monkeypatch, method="GET")
+    assert timed[1] is True
+    assert timed == untimed
