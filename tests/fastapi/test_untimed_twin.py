@@ -285,3 +285,59 @@ def test_a_batch_that_fails(clock, monkeypatch):
     timed, untimed = _twins(_app_with(work, "get"), clock, monkeypatch, method="GET")
     assert timed[1] is True
     assert timed == untimed
+
+
+@pytest.mark.parametrize("encoding", ["children", "links"])
+def test_a_dynamic_batch_of_a_timed_and_an_untimed_request(clock, monkeypatch, encoding):
+    # One batch, two members: the timed one and the untimed one are summarised with the
+    # same batch stages, each with its own queue stage
+    from inferprof.batching import DynamicBatcher, hooks
+
+    monkeypatch.setattr(hooks, "_time_ns", clock)
+
+    def fn(items):
+        with inferprof.stage("compute"):
+            clock.tick(3 * MS)
+        return items
+
+    batcher = DynamicBatcher(fn, max_batch_size=2, max_delay_ms=10_000, batch_encoding=encoding)
+
+    async def work():
+        with inferprof.stage("tokenize"):
+            clock.tick(MS)
+        return {"i": await batcher.submit(1)}
+
+    app = _app_with(work, "get")
+    shares = [1.0, 1.0, 0.0]
+    monkeypatch.setattr(middleware, "timed_share", lambda *a, **k: shares.pop(0))
+    inferprof.fastapi.instrument(app)
+    with budgeted_capture(MemoryExporter(), sample_rate=0.05, untimed_stages=True) as (
+            _cap, rt, _):
+        pending = rt.summaries._pending
+
+        async def both():
+            await asyncio.gather(_drive(app, clock, method="GET", path="/work"),
+                                 _drive(app, clock, method="GET", path="/work"))
+
+        async def one():  # alone, the batch of one forms at its deadline: route learnt
+            await _drive(app, clock, method="GET", path="/work")
+
+        batcher.max_delay_s = 0.01
+        asyncio.run(one())
+        pending.clear()
+        batcher.max_delay_s = 10.0
+        asyncio.run(both())
+        entries = list(pending)
+        counted = list(rt.summaries._untimed)
+        inferprof.shutdown()
+        snap = inferprof.instrumentation.stats()
+    assert not counted and snap.requests_untimed_summarised == 1
+    assert len(entries) == 2
+    spans = [_relative(e)[3] for e in entries]
+    for s in spans:
+        assert [x[0] for x in s].count("queue") == 1
+    batch_spans = [  # (absolute times: one batch)
+        [e[5][i:i + 3] for i in range(0, len(e[5]), 3) if e[5][i] == "compute"]
+        for e in entries
+    ]
+    assert batch_spans[0] == batch_spans[1] and len(batch_spans[0]) == 1
