@@ -450,8 +450,8 @@ class Runtime:
         """Hand a request left untimed and summarised (``rec``) to the summaries, as a
         timed request of its route at weight 1 (its stages, its batches' as a member's,
         and ``parts``: the middleware's ``receive``/``serialize``, ``stage, start_ns,
-        end_ns`` each); False when it has no stage (then only counted) or the summaries
-        are full (counted as dropped)."""
+        end_ns`` each); False when it has no stage (then only counted). Summaries that are
+        full or closed drop it (counted as dropped, once: it is not counted instead)."""
         flat: list[Any] = []
         for st in rec.stages:
             s = st.start
@@ -466,10 +466,11 @@ class Runtime:
                     spans = _batch_summary_spans(b)
                 flat += spans
         flat += parts
-        if not flat or not self.summaries.add(  # type: ignore[union-attr]  # (untimed_stages)
-                (start, end, error, model, 1.0, tuple(flat), False)):
+        if not flat:
             return False
-        self.stats.untimed_summarised += 1
+        if self.summaries.add(  # type: ignore[union-attr]  # (untimed_stages)
+                (start, end, error, model, 1.0, tuple(flat), False)):
+            self.stats.untimed_summarised += 1
         return True
 
     @staticmethod

@@ -341,3 +341,28 @@ def test_a_dynamic_batch_of_a_timed_and_an_untimed_request(clock, monkeypatch, e
         for e in entries
     ]
     assert batch_spans[0] == batch_spans[1] and len(batch_spans[0]) == 1
+
+
+def test_an_untimed_request_the_summaries_no_longer_take_is_dropped_once(clock, monkeypatch):
+    # Summaries closed (shutdown while requests finish): the request is one dropped
+    # request, not one dropped summary plus one dropped count
+    async def work():
+        with inferprof.stage("tokenize"):
+            clock.tick(MS)
+        return {"ok": True}
+
+    app = _app_with(work, "get")
+    share = _Share()
+    monkeypatch.setattr(middleware, "timed_share", share)
+    inferprof.fastapi.instrument(app)
+    with budgeted_capture(MemoryExporter(), sample_rate=0.05, untimed_stages=True) as (
+            _cap, rt, _):
+        asyncio.run(_drive(app, clock, method="GET"))  # timed: the route learnt
+        rt.summaries.close(5.0)
+        before = inferprof.instrumentation.stats()
+        share.value = 0.0
+        asyncio.run(_drive(app, clock, method="GET"))
+        after = inferprof.instrumentation.stats()
+    assert after.summaries_dropped - before.summaries_dropped == 1
+    assert after.requests_untimed_counted == before.requests_untimed_counted
+    assert after.requests_untimed_summarised == before.requests_untimed_summarised == 0
