@@ -414,8 +414,9 @@ class SummaryRecord:
     docs/span-contract.md, "Untimed requests summarised"): its stages' names and times and
     the batches it joined, nothing else. No span, no trace context, no attributes, no
     tail-sampling decision. Scope ``(record, None)``; what cannot be recorded this way
-    (a device-timed stage, a Triton call, an engine generation, more than ``MAX_STAGES``
-    stages) sets ``broken``, and the request is then only counted.
+    (a device-timed stage, a Triton call, an engine generation) sets ``broken``, and the
+    request is then only counted; past ``MAX_STAGES`` stages it records no more, as a
+    timed request's record.
     """
 
     __slots__ = ("batches", "broken", "error", "stages")

@@ -291,8 +291,7 @@ def stage(name: str, *, device: Any = None, **attributes: Any) -> Stage:
             summarised.end = summarised._use = None
             stages.append(summarised)
             return summarised  # type: ignore[return-value]
-        owner.broken = True
-        return _noop(name)  # type: ignore[return-value]
+        return _noop(name)  # type: ignore[return-value]  # (past MAX_STAGES: as a Stage)
     elif not attributes and (
         scope is UNTIMED
         or (scope is None and (active_runtime() is None or in_quiet_step()))
@@ -376,13 +375,15 @@ class SummaryStage:
         return Stage(self.name, None, {})(fn)
 
 def _summarised_stage(owner: SummaryRecord, name: str, device: Any) -> SummaryStage | None:
-    """A new stage of ``owner`` (not entered yet: ``start`` 0), or None where the request
-    cannot be summarised as its timed likes are: a device-timed stage (CUDA events, which
-    a host time is not; a device its timed likes time by the host, ``"cpu"`` or CUDA
-    without torch, is the host's), or past ``MAX_STAGES``. Then ``owner.broken``: only
-    counted."""
+    """A new stage of ``owner`` (not entered yet: ``start`` 0), or None: past
+    ``MAX_STAGES`` (not recorded, as a timed request's Stage records none past it), or a
+    device-timed stage (CUDA events, which a host time is not; a device its timed likes
+    time by the host, ``"cpu"`` or CUDA without torch, is the host's), where the request
+    cannot be summarised as its timed likes are: then ``owner.broken``, only counted."""
     stages = owner.stages
-    if (device is not None and not host_timed(device)) or len(stages) >= MAX_STAGES:
+    if len(stages) >= MAX_STAGES:
+        return None
+    if device is not None and not host_timed(device):
         owner.broken = True
         return None
     st = _new_stage(SummaryStage)

@@ -366,3 +366,19 @@ def test_an_untimed_request_the_summaries_no_longer_take_is_dropped_once(clock, 
     assert after.summaries_dropped - before.summaries_dropped == 1
     assert after.requests_untimed_counted == before.requests_untimed_counted
     assert after.requests_untimed_summarised == before.requests_untimed_summarised == 0
+
+
+def test_a_request_past_the_stage_bound(clock, monkeypatch):
+    # A timed request keeps its first MAX_STAGES stages and is summarised with them (a
+    # per-token stage on a long stream): so is an untimed one, its route still summarised
+    from inferprof.instrumentation.stage import MAX_STAGES
+
+    async def work():
+        for _ in range(MAX_STAGES + 50):
+            with inferprof.stage("decode"):
+                clock.tick(1_000)
+        return {"ok": True}
+
+    timed, untimed = _twins(_app_with(work, "get"), clock, monkeypatch, method="GET")
+    assert [s[0] for s in timed[3]].count("decode") == MAX_STAGES
+    assert timed == untimed
