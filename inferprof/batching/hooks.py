@@ -371,6 +371,7 @@ class Batch:
                 for s in self.summarised:
                     if s.error is None:
                         s.error = failed
+        self.summarised = None  # (a Batch kept by the app keeps no request)
         self._rt.close_batch(record)
         return False
 
