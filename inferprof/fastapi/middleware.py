@@ -227,7 +227,7 @@ class InferprofMiddleware:
                 # left once the answer started: the failure of a batch it joined, as a
                 # timed request's `disconnected` keeps it, or none)
                 error: bool | None = None
-                answer = [0, 0, 0, 0, 0, 0]  # (what it holds: _summarising's docstring)
+                answer = [0, 0, 0, 0, 0, 0, 0]  # (what it holds: _summarising's docstring)
                 if rt.untimed_stages:
                     summary = SummaryRecord()
                     receive, send = _summarising(receive, send, answer)
@@ -238,10 +238,15 @@ class InferprofMiddleware:
             try:
                 await self.app(scope, receive, send)
             except BaseException as exc:
-                # A client gone after the answer started is no error (a timed request's
-                # send() and receive() see it: `disconnected`).
-                if summaries is not None and not (answer[0] and _client_gone(exc)):
-                    error = ends_in_error(exc)
+                # A client gone is no error (a timed request's send() and receive() see
+                # it: `disconnected`): once the answer started, as Starlette raises it;
+                # summarised, as the wrapped receive and send saw it. With no answer
+                # started the server answers 500 (a timed request's status).
+                if summaries is not None:
+                    if not (answer[6] or (answer[0] and _client_gone(exc))):
+                        error = ends_in_error(exc)
+                    elif not answer[0] and isinstance(exc, Exception):
+                        error = True
                 raise
             finally:
                 reset_scope(token)
@@ -507,7 +512,10 @@ def _summarising(receive: Receive, send: Send, answer: list) -> tuple[Receive, S
     ``receive`` and ``serialize`` as :class:`HttpRequest` does a timed request's, into
     ``answer``: its status (0: no answer started), when the server took its last body
     chunk, when its answer started, its body's first read and last chunk, whether it had
-    a body."""
+    a body, and whether the client left before the answer's end (a timed request's
+    ``disconnected``: a disconnect read, the last body chunk refused with ``OSError``; an
+    earlier chunk refused, Starlette's streaming responses raise ``ClientDisconnect``,
+    which the middleware reads)."""
 
     def summarising_send(message: Message) -> Awaitable[None]:
         kind = message["type"]
@@ -520,8 +528,11 @@ def _summarising(receive: Receive, send: Send, answer: list) -> tuple[Receive, S
 
     async def summarising_receive() -> Message:
         # from the app's first read to the last body chunk (HttpRequest.receive)
-        if answer[4]:  # the body is in: later reads pass through
-            return await receive()
+        if answer[4]:  # the body is in: later reads (disconnect listeners) pass through
+            message = await receive()
+            if message["type"] == "http.disconnect" and not answer[1]:
+                answer[6] = 1  # the client left before the answer's end
+            return message
         t0 = _time_ns()
         message = await receive()
         if message["type"] == "http.request":
@@ -531,13 +542,19 @@ def _summarising(receive: Receive, send: Send, answer: list) -> tuple[Receive, S
                 answer[5] = 1
             if not message.get("more_body", False):
                 answer[4] = _time_ns()
+        elif message["type"] == "http.disconnect" and not answer[1]:
+            answer[6] = 1
         return message
 
     return summarising_receive, summarising_send
 
 
 async def _last_chunk_sent(sent: Awaitable[None], answer: list) -> None:
-    await sent
+    try:
+        await sent
+    except OSError:  # an ASGI 2.4 server's: the client left (HttpRequest.send)
+        answer[6] = 1
+        raise
     answer[1] = _time_ns()  # the request's end, and serialize's (HttpRequest.send)
 
 

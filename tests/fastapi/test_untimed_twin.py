@@ -33,10 +33,11 @@ class _Share:
 
 
 async def _drive(app: Any, clock: Any, method: str = "POST", path: str = "/work",
-                 chunks: tuple[bytes, ...] = (b'{"i": 1}',), disconnect_at: int | None = None
-                 ) -> list[dict]:
+                 chunks: tuple[bytes, ...] = (b'{"i": 1}',), disconnect_at: int | None = None,
+                 spec: str = "2.4") -> list[dict]:
     """Serve one request: its body in ``chunks`` (1 ms apart), the client leaving at the
-    ``disconnect_at``-th body chunk of the answer. The messages the app sent."""
+    ``disconnect_at``-th body chunk of the answer (which an ASGI ``spec`` 2.4 server's send
+    raises as OSError, an earlier one's drops). The messages the app sent."""
     incoming = [
         {"type": "http.request", "body": c, "more_body": n < len(chunks) - 1}
         for n, c in enumerate(chunks)
@@ -56,12 +57,14 @@ async def _drive(app: Any, clock: Any, method: str = "POST", path: str = "/work"
         if body and disconnect_at is not None and sum(
                 1 for m in sent if m["type"] == "http.response.body") >= disconnect_at:
             gone.set()
-            raise OSError("client gone")  # (an ASGI 2.4 server's send)
+            if spec == "2.4":
+                raise OSError("client gone")
+            return
         clock.tick(MS // 2)
         sent.append(message)
 
     scope = {
-        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"},
+        "type": "http", "asgi": {"version": "3.0", "spec_version": spec},
         "http_version": "1.1", "method": method, "scheme": "http", "path": path,
         "raw_path": path.encode(), "root_path": "",
         "query_string": b"", "headers": [(b"content-type", b"application/json")],
@@ -381,4 +384,39 @@ def test_a_request_past_the_stage_bound(clock, monkeypatch):
 
     timed, untimed = _twins(_app_with(work, "get"), clock, monkeypatch, method="GET")
     assert [s[0] for s in timed[3]].count("decode") == MAX_STAGES
+    assert timed == untimed
+
+
+def test_a_client_gone_before_a_plain_answer(clock, monkeypatch):
+    # An ASGI 2.4 server's send raises OSError for the client gone: Starlette's Response
+    # lets it through (no ClientDisconnect); a timed request's send() sees it: cancelled,
+    # no error
+    async def work():
+        with inferprof.stage("compute"):
+            clock.tick(MS)
+        return {"ok": True}
+
+    timed, untimed = _twins(_app_with(work, "get"), clock, monkeypatch, method="GET",
+                            disconnect_at=0)
+    assert timed[1] is False
+    assert timed == untimed
+
+
+def test_an_app_failing_once_the_client_left(clock, monkeypatch):
+    # The app sees the client leave (request.is_disconnected()) and raises: no error for
+    # a timed request, whose receive() saw the disconnect
+    async def work(request: Request):
+        async def gen():
+            for _ in range(4):
+                if await request.is_disconnected():
+                    raise RuntimeError("client left")
+                with inferprof.stage("decode"):
+                    clock.tick(MS)
+                yield b'data: {"t": 1}\n\n'
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    timed, untimed = _twins(_app_with(work, "get"), clock, monkeypatch, method="GET",
+                            disconnect_at=2, spec="2.3")
+    assert timed[1] is False
     assert timed == untimed
