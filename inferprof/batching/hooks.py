@@ -159,6 +159,8 @@ def _summarised_handle(owner: SummaryRecord) -> QueueHandle:
     handle.end = None
     handle.start = _time_ns()
     owner.stages.append(handle)
+    if owner.batches is NO_BATCHES:  # (here, in its context: batches form in any thread)
+        owner.batches = []
     return handle
 
 
@@ -325,10 +327,7 @@ class Batch:
         if summarised is not None:  # its stages go into their summaries (Runtime)
             self.summarised = summarised
             for s in summarised:
-                if s.batches is NO_BATCHES:
-                    s.batches = [record]
-                else:
-                    s.batches.append(record)
+                s.batches.append(record)
         return self
 
     def _open_record(self, rt: Any, requests: list, encoding: str) -> tuple[BatchRecord, int]:

@@ -425,7 +425,7 @@ class SummaryRecord:
         #: objects with ``name``, ``start`` (0: never entered) and ``end`` (None: open):
         #: its stages, and its queue handles
         self.stages: list[Any] = []
-        #: BatchRecords it joined (NO_BATCHES until one)
+        #: BatchRecords it joined (NO_BATCHES until it is enqueued)
         self.batches: Any = NO_BATCHES
         self.broken = False
         #: None, or whether the exception of the first batch of it that failed is an error
