@@ -223,10 +223,7 @@ class InferprofMiddleware:
             summary = None
             if summaries is not None:  # counted, when its route is (contract §15)
                 start = _time_ns()
-                # Whether it ended in error; None: by no exception of its own (the client
-                # left once the answer started: the failure of a batch it joined, as a
-                # timed request's `disconnected` keeps it, or none)
-                error: bool | None = None
+                error: bool | None = None  # (None: by no exception: _untimed_error)
                 answer = [0, 0, 0, 0, 0, 0, 0]  # (what it holds: _summarising's docstring)
                 if rt.untimed_stages:
                     summary = SummaryRecord()
@@ -238,15 +235,8 @@ class InferprofMiddleware:
             try:
                 await self.app(scope, receive, send)
             except BaseException as exc:
-                # A client gone is no error (a timed request's send() and receive() see
-                # it: `disconnected`): once the answer started, as Starlette raises it;
-                # summarised, as the wrapped receive and send saw it. With no answer
-                # started the server answers 500 (a timed request's status).
                 if summaries is not None:
-                    if not (answer[6] or (answer[0] and _client_gone(exc))):
-                        error = ends_in_error(exc)
-                    elif not answer[0] and isinstance(exc, Exception):
-                        error = True
+                    error = _untimed_error(exc, answer)
                 raise
             finally:
                 reset_scope(token)
@@ -490,6 +480,20 @@ def _route_ref(route: Any, key: int, models: dict[int, Any], refs: dict[int, Any
         return weakref.ref(route, forget)
     except TypeError:
         return route
+
+
+def _untimed_error(exc: BaseException, answer: list) -> bool | None:
+    """Whether an untimed request that raised ``exc`` ended in error, as a timed one would
+    (``answer``: the middleware's list); None when its client had left, which makes no
+    error of it (a timed request's ``disconnected``; then the failure of a batch it joined
+    says, as it stays a timed member's error): once the answer started, as Starlette
+    raises it, or, summarised, as the wrapped receive and send saw it. With no answer
+    started the server answers 500, a timed request's error."""
+    if not (answer[6] or (answer[0] and _client_gone(exc))):
+        return ends_in_error(exc)
+    if not answer[0] and isinstance(exc, Exception):
+        return True
+    return None
 
 
 def _counting_send(send: Send, answer: list) -> Callable[[Message], Awaitable[None]]:
