@@ -127,11 +127,13 @@ def _enqueue(depth: int) -> QueueHandle:
     """``enqueue(depth=depth)`` for DynamicBatcher, which passes a valid depth and nothing
     else: the same record, without the argument checks and keyword dict (once a request)."""
     scope = SCOPE.get()
-    if scope is None or not isinstance(scope[0], RequestRecord):
-        if scope is not None and scope[0].__class__ is SummaryRecord:
-            return _summarised_handle(scope[0])
+    if scope is None:
         return _NOTHING
     rec, parent = scope
+    if not isinstance(rec, RequestRecord):
+        if rec.__class__ is not SummaryRecord:
+            return _NOTHING
+        parent = None  # untimed, summarised (_summarised_handle, inline: once a request)
     # QueueHandle(rec, parent, now, attrs), without the class call (once a request)
     handle = _new_handle(QueueHandle)
     handle.name = _STAGE_QUEUE

@@ -63,8 +63,9 @@ _DEFAULT_MAX_KEYS = 4096
 _MAX_BUCKETS = 8192
 #: Requests waiting that wake the export thread to fold them before the export is due (a
 #: fold has a fixed cost of its own: folding once an interval is cheapest, this bounds the
-#: waiting requests' memory).
-_FOLD_AT = 8192
+#: waiting requests' memory, and the tuples a young garbage collection finds alive: a few
+#: thousand of them make a collection run in a service that summarises every request).
+_FOLD_AT = 2048
 #: Seconds a process exiting without inferprof.shutdown() waits for its last export, at
 #: most.
 _EXIT_TIMEOUT_S = 5.0
