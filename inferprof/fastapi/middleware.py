@@ -63,7 +63,6 @@ from inferprof.instrumentation.records import (
     current_otel_context,
     detach_context,
     ends_in_error,
-    new_summary_record,
 )
 from inferprof.instrumentation.runtime import Runtime
 from inferprof.instrumentation.stage import begin_request, reset_scope, timed_share
@@ -227,7 +226,7 @@ class InferprofMiddleware:
                 error: bool | None = None  # (None: by no exception: _untimed_error)
                 answer = [0, 0, 0, 0, 0, 0, 0]  # (what it holds: _summarising's docstring)
                 if rt.untimed_stages:
-                    summary = new_summary_record()
+                    summary = SummaryRecord()
                     receive, send = _summarising(receive, send, answer)
                 else:
                     send = _counting_send(send, answer)

@@ -436,18 +436,6 @@ class SummaryRecord:
         return "<inferprof request summarised untimed>"
 
 
-_new_object = object.__new__
-
-
-def new_summary_record() -> SummaryRecord:
-    """``SummaryRecord()`` without the class call (once an untimed request)."""
-    rec = _new_object(SummaryRecord)
-    rec.stages = []
-    rec.batches = NO_BATCHES
-    rec.broken = False
-    return rec
-
-
 def current_owner() -> Any:
     scope = SCOPE.get()
     return scope[0] if scope is not None else None
@@ -471,7 +459,6 @@ __all__ = [
     "detach_context",
     "ends_in_error",
     "in_quiet_step",
-    "new_summary_record",
     "set_batch_tokens",
     "span_id_of",
 ]
