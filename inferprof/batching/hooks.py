@@ -131,9 +131,9 @@ def _enqueue(depth: int) -> QueueHandle:
         return _NOTHING
     rec, parent = scope
     if not isinstance(rec, RequestRecord):
-        if rec.__class__ is not SummaryRecord:
-            return _NOTHING
-        parent = None  # untimed, summarised (_summarised_handle, inline: once a request)
+        if rec.__class__ is SummaryRecord:  # untimed, summarised
+            return _summarised_handle(rec)
+        return _NOTHING
     # QueueHandle(rec, parent, now, attrs), without the class call (once a request)
     handle = _new_handle(QueueHandle)
     handle.name = _STAGE_QUEUE

@@ -282,14 +282,8 @@ def stage(name: str, *, device: Any = None, **attributes: Any) -> Stage:
         parse_cuda_device(device)  # ValueError for a bad device, at the call site
     elif (scope := SCOPE.get()) is not None and (owner := scope[0]).__class__ is SummaryRecord:
         # A request left untimed, summarised: its stage's name and times, nothing else
-        # (_summarised_stage, inline: once a stage)
-        stages = owner.stages
-        if len(stages) < MAX_STAGES:
-            summarised = _new_stage(SummaryStage)
-            summarised.name = name
-            summarised.start = 0
-            summarised.end = summarised._use = None
-            stages.append(summarised)
+        summarised = _summarised_stage(owner, name, None)
+        if summarised is not None:
             return summarised  # type: ignore[return-value]
         return _noop(name)  # type: ignore[return-value]  # (past MAX_STAGES: as a Stage)
     elif not attributes and (
