@@ -14,15 +14,19 @@ docs/demo.md) runs under uvicorn on 127.0.0.1, one long-lived process per config
                   distinguishable from (a) only by more than that
   (b) otel        opentelemetry-instrumentation-fastapi alone, exporting OTLP/gRPC
   (c) full        inferprof, every stage of every request traced and exported
-  (d) production  inferprof production mode, its defaults: up to 100 requests a second
-                  timed (a random share above that), summaries of every timed
-                  request and a tail-biased weighted sample of their full traces
-                  exported
+  (d) production  inferprof production mode, its defaults: summaries of every request
+                  (untimed ones with their stage times); up to 10 requests a second
+                  timed on such a route (100 on others; a random share above that),
+                  and a tail-biased weighted sample of their full traces exported
   (d1) production inferprof production mode timing every request
                   (INFERPROF_MAX_TIMED_RATE=0): what (d) was before the timing budget
   (d2) production inferprof production mode with the requests the budget leaves untimed
                   only counted, not summarised with their stages
                   (INFERPROF_UNTIMED_STAGES=false): what (d) was before untimed_stages
+  (d3) production inferprof production mode timing the routes whose untimed requests are
+                  summarised at max_timed_rate (100 a second) too
+                  (INFERPROF_MAX_TIMED_RATE_SUMMARISED=0): what (d) was before
+                  max_timed_rate_summarised
   (e) off         inferprof installed and called everywhere, configured off
   (c') full, exporter down        and        (d') production, exporter down
 
@@ -247,6 +251,9 @@ def configs(endpoint_down: bool) -> list[Config]:
                "sink", env={ENV_MAX_TIMED_RATE: "0"}),
         Config("d2", "inferprof production, untimed requests only counted",
                semconv.MODE_PRODUCTION, "sink", env={"INFERPROF_UNTIMED_STAGES": "false"}),
+        Config("d3", "inferprof production, summarised routes timed at max_timed_rate",
+               semconv.MODE_PRODUCTION, "sink",
+               env={"INFERPROF_MAX_TIMED_RATE_SUMMARISED": "0"}),
         Config("e", "inferprof off", semconv.MODE_OFF, "-"),
     ]
     if endpoint_down:

@@ -34,6 +34,7 @@ from inferprof.instrumentation.active import active_runtime, configured_runtime,
 from inferprof.instrumentation.config import (
     DEFAULT_BATCH_ENCODING,
     DEFAULT_MAX_TIMED_RATE,
+    DEFAULT_MAX_TIMED_RATE_SUMMARISED,
     DEFAULT_MAX_TIMING_CPU,
     DEFAULT_MODE,
     DEFAULT_SAMPLE_RATE,
@@ -97,6 +98,7 @@ def configure(
     sample_rate: float | None = None,
     tail_quantile: float | None = None,
     max_timed_rate: float | None = None,
+    max_timed_rate_summarised: float | None = None,
     max_timing_cpu: float | None = None,
     batch_encoding: str | None = None,
     record_content: bool | None = None,
@@ -131,6 +133,12 @@ def configure(
     sends them. Requests a timing budget leaves untimed are summarised too, with their
     stage times (``untimed_stages``, default on: contract §15's extension "Untimed
     requests summarised"), or, with ``untimed_stages=False``, only counted.
+
+    ``max_timed_rate`` caps the requests ``production`` mode times, per second, route and
+    process (0: every request is timed). On a route whose untimed requests are summarised
+    with their stages, every request is in the summaries whichever are timed, and timed
+    ones only feed traces: ``max_timed_rate_summarised`` (default 10; 0: the same as
+    ``max_timed_rate``) caps them there instead, at most ``max_timed_rate``.
     """
     _check_arguments(resource_attributes, tracer_provider)
     adopted = _adoptable_global() if tracer_provider is None else None
@@ -138,7 +146,8 @@ def configure(
     config = resolve(
         mode=mode, service_name=service_name, endpoint=endpoint, protocol=protocol,
         sample_rate=sample_rate, tail_quantile=tail_quantile, max_timed_rate=max_timed_rate,
-        max_timing_cpu=max_timing_cpu, batch_encoding=batch_encoding, record_content=record_content,
+        max_timed_rate_summarised=max_timed_rate_summarised, max_timing_cpu=max_timing_cpu,
+        batch_encoding=batch_encoding, record_content=record_content,
         content_max_bytes=content_max_bytes, excluded_paths=excluded_paths,
         summaries=summaries, summary_interval_s=summary_interval_s,
         untimed_stages=untimed_stages, owns=owns,
@@ -308,6 +317,7 @@ def shutdown(timeout_millis: int = 5000) -> None:
 __all__ = [
     "DEFAULT_BATCH_ENCODING",
     "DEFAULT_MAX_TIMED_RATE",
+    "DEFAULT_MAX_TIMED_RATE_SUMMARISED",
     "DEFAULT_MAX_TIMING_CPU",
     "DEFAULT_MODE",
     "DEFAULT_SAMPLE_RATE",

@@ -23,6 +23,11 @@ INFERPROF_TAIL_QUANTILE = "INFERPROF_TAIL_QUANTILE"
 INFERPROF_MAX_TIMED_RATE = "INFERPROF_MAX_TIMED_RATE"
 """Production mode: requests timed per second, per route and process (0: every one)."""
 
+INFERPROF_MAX_TIMED_RATE_SUMMARISED = "INFERPROF_MAX_TIMED_RATE_SUMMARISED"
+"""Production mode: requests timed per second, per route and process, on a route whose
+untimed requests are summarised with their stage times (default 10; 0: the
+``INFERPROF_MAX_TIMED_RATE``'s); at most ``INFERPROF_MAX_TIMED_RATE``."""
+
 INFERPROF_MAX_TIMING_CPU = "INFERPROF_MAX_TIMING_CPU"
 """Production mode: share of the process's CPU that timing requests may cost, in [0, 1]
 (0: no cap)."""

@@ -295,6 +295,9 @@ class InferprofMiddleware:
                 if summary is not None:
                     if summary.broken:  # what its timed likes hold, it could not record
                         self._counted_only.add(key)
+                        # (its timed requests give its figures again: timed at full rate)
+                        rt.timing_budget.summarised(  # type: ignore[union-attr]
+                            scope.get("path", ""), False)
                     elif key not in self._counted_only:
                         # receive and serialize as HttpRequest._summary_parts gives a timed
                         # request's; one cut short ends with the request
@@ -439,8 +442,22 @@ class InferprofMiddleware:
             elif model is _UNCOUNTED and not rec.ser_start:
                 model = _MIXED  # no stage span: its untimed likes cannot be told apart
             self._learn(route, key, model)
+            if rt.untimed_stages and rec.ser_start:
+                self._budget_route(rt, scope, rec.route, key)
         except Exception:
             _logger.exception("inferprof could not follow a route's model")
+
+    def _budget_route(self, rt: Runtime, scope: Scope, template: Any, key: int) -> None:
+        """After an answered timed request: whether the budget caps its path at the rate of
+        routes whose untimed requests are summarised with their stages (the route counted
+        and not turned to counting only; a path with parameters in it is left at
+        ``max_timed_rate``: each of its values would be a key of the budget's own)."""
+        path = scope.get("path", "")
+        if path != template:
+            return
+        state = self._route_models.get(key, _UNCOUNTED)
+        summarised = (state is None or state.__class__ is str) and key not in self._counted_only
+        rt.timing_budget.summarised(path, summarised)  # type: ignore[union-attr]
 
     def _learn(self, route: Any, key: int, model: Any) -> None:
         """A timed request of ``route`` (``key``) was summarised under ``model``

@@ -27,6 +27,10 @@ DEFAULT_TAIL_QUANTILE = 0.9
 #: Requests per second, per route (HTTP path) and process, that production mode times;
 #: above it a random share is timed (sampling.TimingBudget). 0: every request.
 DEFAULT_MAX_TIMED_RATE = 100.0
+#: The same, on a route whose untimed requests are summarised with their stage times
+#: (``untimed_stages``): the summaries hold every request of it, so its timed requests
+#: only feed traces, and fewer are timed (docs/overhead.md). 0: ``max_timed_rate``'s.
+DEFAULT_MAX_TIMED_RATE_SUMMARISED = 10.0
 #: Share of the process's CPU that production mode's timing may cost (sampling.TimingBudget's
 #: CPU guard); 0: no such cap.
 DEFAULT_MAX_TIMING_CPU = 0.0
@@ -77,6 +81,9 @@ class Config:
     metrics_protocol: str | None = None
     #: production mode: requests timed per second per route and process (0: every one)
     max_timed_rate: float = DEFAULT_MAX_TIMED_RATE
+    #: production mode: the same on a route whose untimed requests are summarised with
+    #: their stages (0: ``max_timed_rate``'s); at most ``max_timed_rate``
+    max_timed_rate_summarised: float = DEFAULT_MAX_TIMED_RATE_SUMMARISED
     #: production mode: share of the process's CPU that timing may cost (0: no cap)
     max_timing_cpu: float = DEFAULT_MAX_TIMING_CPU
     #: production mode: export summaries of every timed request (ignored in other modes)
@@ -138,6 +145,7 @@ def resolve(
     sample_rate: Any = None,
     tail_quantile: Any = None,
     max_timed_rate: Any = None,
+    max_timed_rate_summarised: Any = None,
     max_timing_cpu: Any = None,
     batch_encoding: Any = None,
     record_content: Any = None,
@@ -182,6 +190,10 @@ def resolve(
         metrics_protocol=_metrics_protocol(protocol),
         max_timed_rate=_settings.rate(
             max_timed_rate, ev.INFERPROF_MAX_TIMED_RATE, DEFAULT_MAX_TIMED_RATE, "max_timed_rate"
+        ),
+        max_timed_rate_summarised=_settings.rate(
+            max_timed_rate_summarised, ev.INFERPROF_MAX_TIMED_RATE_SUMMARISED,
+            DEFAULT_MAX_TIMED_RATE_SUMMARISED, "max_timed_rate_summarised",
         ),
         max_timing_cpu=_settings.fraction(
             max_timing_cpu, ev.INFERPROF_MAX_TIMING_CPU, DEFAULT_MAX_TIMING_CPU,

@@ -236,6 +236,10 @@ class Runtime:
                 interval_s=config.summary_interval_s,
             )
             self.untimed_stages = config.untimed_stages
+            budget = self.timing_budget
+            if self.untimed_stages and budget is not None and config.max_timed_rate_summarised:
+                # (its routes' timed requests only feed traces: docs/overhead.md)
+                budget.summarised_rate = config.max_timed_rate_summarised
         if self._resource is not None and hasattr(os, "register_at_fork"):
             weak = weakref.WeakMethod(self._after_fork)
             os.register_at_fork(after_in_child=lambda: (m := weak()) and m())

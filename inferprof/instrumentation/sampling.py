@@ -250,11 +250,16 @@ class TimingBudget:
     milliseconds, a power of two below 1 for one whose requests cost as little as their
     timing). With both caps a request is timed with the smaller share. ``rate`` None:
     the guard alone.
+
+    Keys marked :meth:`summarised` (a route whose untimed requests are summarised with
+    their stage times: the summaries hold all its requests, timed or not, so timing only
+    feeds its traces) are capped at ``summarised_rate`` instead, when it is set and below
+    ``rate``. At most ``_BUDGET_MAX_KEYS`` keys are marked; others keep ``rate``.
     """
 
     __slots__ = ("__weakref__", "_clock", "_counts", "_cpu_clock", "_cpu_start", "_default",
-                 "_guard", "_lock", "_period_end", "_period_start", "_shares", "max_cpu",
-                 "rate")
+                 "_guard", "_lock", "_period_end", "_period_start", "_shares",
+                 "_summarised_keys", "max_cpu", "rate", "summarised_rate")
 
     def __init__(
         self,
@@ -263,6 +268,7 @@ class TimingBudget:
         *,
         max_cpu: float | None = None,
         cpu_clock: Callable[[], float] = time.process_time,
+        summarised_rate: float | None = None,
     ) -> None:
         if rate is not None and not rate > 0:
             raise ValueError(f"rate must be > 0, got {rate!r}")
@@ -270,6 +276,8 @@ class TimingBudget:
             raise ValueError(f"max_cpu must be in (0, 1], got {max_cpu!r}")
         if rate is None and max_cpu is None:
             raise ValueError("a timing budget needs a rate, a CPU share or both")
+        if summarised_rate is not None and not summarised_rate > 0:
+            raise ValueError(f"summarised_rate must be > 0, got {summarised_rate!r}")
         #: requests timed per second per key; None: no such cap
         self.rate = float(rate) if rate is not None else None
         #: share of the process's CPU that timing may cost; None: no such cap
@@ -282,6 +290,9 @@ class TimingBudget:
         self._counts: dict[object, int] = {}
         #: share timed per key seen more than once in the previous period
         self._shares: dict[object, float] = {}
+        #: requests timed per second for the keys marked summarised; None: ``rate``
+        self.summarised_rate = float(summarised_rate) if summarised_rate is not None else None
+        self._summarised_keys: set[object] = set()
         #: share timed for any other key: the rare keys' budget over their requests
         self._default = 1.0
         self._clock = clock
@@ -312,6 +323,16 @@ class TimingBudget:
             return share if share <= self._guard else self._guard
         except Exception:  # telemetry never fails a request
             return 1.0
+
+    def summarised(self, key: object, on: bool) -> None:
+        """Mark ``key`` as a route whose untimed requests are summarised with their stages
+        (``on``), capped at ``summarised_rate`` from the next period, or unmark it."""
+        keys = self._summarised_keys
+        if on:
+            if key not in keys and len(keys) < _BUDGET_MAX_KEYS:
+                keys.add(key)
+        else:
+            keys.discard(key)
 
     def _roll(self, now: float) -> None:
         with self._lock:
@@ -344,9 +365,16 @@ class TimingBudget:
             # Keys over their budget get their share; under it, 1 (stored only when the
             # default, for the keys absent, is less).
             shares = {}
+            low = self.summarised_rate
+            marked: Any = ()
+            low_budget = budget
+            if low is not None and low < self.rate and self._summarised_keys:
+                marked = self._summarised_keys
+                low_budget = low * (now - self._period_start)
             for key, n in own.items():
-                if n > budget:
-                    shares[key] = _power_of_two_below(budget / n)
+                b = low_budget if key in marked else budget
+                if n > b:
+                    shares[key] = _power_of_two_below(b / n)
                 elif default < 1.0:
                     shares[key] = 1.0
             self._default = default
