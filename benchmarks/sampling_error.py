@@ -55,7 +55,8 @@ and every untimed request counted (``inferprof.summary.request.untimed``, the ti
 marked ``inferprof.summary.untimed_counted``, as the middleware does on a counted route
 with ``untimed_stages=False``), and a fourth time as the middleware does by default
 (``untimed_stages``): every request summarised with its stages at weight 1, untimed
-or not, plus the same traces of the timed share.
+or not, plus the traces of the share timed at ``max_timed_rate_summarised`` (what the
+middleware times on such a route; its "timed" and "traces kept" columns are those).
 Each against the exact figures of every request in the window:
 request count, e2e p95, worst stage p95, worst ``share_of_p95`` and the verdict (taken from
 the exact shares with the document's GPU and queue evidence).
@@ -85,7 +86,12 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from inferprof import semconv as sc
-from inferprof._config import DEFAULT_MAX_TIMED_RATE, DEFAULT_SAMPLE_RATE, DEFAULT_TAIL_QUANTILE
+from inferprof._config import (
+    DEFAULT_MAX_TIMED_RATE,
+    DEFAULT_MAX_TIMED_RATE_SUMMARISED,
+    DEFAULT_SAMPLE_RATE,
+    DEFAULT_TAIL_QUANTILE,
+)
 from inferprof.collector.engine import Engine
 from inferprof.collector.sketch import exact_weighted_quantile
 from inferprof.collector.verdict import decide
@@ -694,20 +700,26 @@ def production_run(scenario: Scenario, seed: int, window_s: float = WINDOW_S,
     n = len(w.bounds)
     coins, timing_coins = rng.random(n), rng.random(n)
     order = np.argsort(w.bounds[:, -1], kind="stable")
-    shares = timing_shares(w, rate)
-    timed = timing_coins < shares
-    random.seed(seed * 1000 + 999)  # the overload guard's coin
-    sampler = TailSampler(*DEFAULT_SETTING)
-    e2e = w.e2e_ns.tolist()
-    head = (coins < DEFAULT_SETTING[0]).tolist()
-    trace_weights = np.full(n, np.nan)
-    for i in order.tolist():
-        if timed[i]:
-            weight = sampler.decide(e2e[i], head[i], (REQUEST_NAME, MODEL))
-            if weight is not None:
-                trace_weights[i] = weight / shares[i]
+
+    def traced(rate: float | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Timing shares, which requests were timed and their kept traces' weights
+        (NaN: none) under a budget of ``rate``, the same coins for every rate."""
+        shares = timing_shares(w, rate)
+        timed = timing_coins < shares
+        random.seed(seed * 1000 + 999)  # the overload guard's coin
+        sampler = TailSampler(*DEFAULT_SETTING)
+        e2e = w.e2e_ns.tolist()
+        head = (coins < DEFAULT_SETTING[0]).tolist()
+        trace_weights = np.full(n, np.nan)
+        for i in order.tolist():
+            if timed[i]:
+                weight = sampler.decide(e2e[i], head[i], (REQUEST_NAME, MODEL))
+                if weight is not None:
+                    trace_weights[i] = weight / shares[i]
+        return shares, timed, trace_weights
+
+    shares, timed, trace_weights = traced(rate)
     spans = Spans(w)
-    kept = float(np.mean(~np.isnan(trace_weights)))
     tail = w.e2e_ns * 1e-9 >= np.quantile(w.e2e_ns * 1e-9, 0.95)
     out = {}
     docs = [
@@ -715,18 +727,26 @@ def production_run(scenario: Scenario, seed: int, window_s: float = WINDOW_S,
         ("summaries + traces", production_breakdown(w, spans, order, timed, shares,
                                                     trace_weights)),
     ]
+    # (name, document, which requests were timed, their traces' weights)
+    runs = [(name, doc, timed, trace_weights) for name, doc in docs]
     if not timed.all():  # untimed requests to count
-        docs.append((UNTIMED_COUNTED, production_breakdown(
-            w, spans, order, timed, shares, trace_weights, untimed_counted=True)))
-        # Every request summarised at weight 1 (the timed ones too: no mark), the traces
-        # of the timed share as before
-        docs.append((UNTIMED_SUMMARISED, production_breakdown(
-            w, spans, order, np.ones(n, dtype=bool), np.ones(n), trace_weights)))
-    for name, doc in docs:
+        runs.append((UNTIMED_COUNTED, production_breakdown(
+            w, spans, order, timed, shares, trace_weights, untimed_counted=True),
+            timed, trace_weights))
+        # Every request summarised at weight 1 (the timed ones too: no mark), and the
+        # traces of the share timed at the rate of such routes (max_timed_rate_summarised)
+        low = DEFAULT_MAX_TIMED_RATE_SUMMARISED
+        s_timed, s_weights = timed, trace_weights
+        if low and rate and low < rate:
+            _, s_timed, s_weights = traced(low)
+        runs.append((UNTIMED_SUMMARISED, production_breakdown(
+            w, spans, order, np.ones(n, dtype=bool), np.ones(n), s_weights),
+            s_timed, s_weights))
+    for name, doc, t, weights in runs:
         exact = exact_figures(w, doc["gpu"], doc["queue"])
-        errs = compare(figures(doc), exact, kept, float(np.mean(~np.isnan(trace_weights[tail]))),
-                       float(np.mean(timed[tail])))
-        out[name] = ProductionErrors(n, float(timed.mean()), errs, abs(doc["requests"] - n) / n)
+        errs = compare(figures(doc), exact, float(np.mean(~np.isnan(weights))),
+                       float(np.mean(~np.isnan(weights[tail]))), float(np.mean(t[tail])))
+        out[name] = ProductionErrors(n, float(t.mean()), errs, abs(doc["requests"] - n) / n)
     return out
 
 
@@ -817,6 +837,8 @@ def main() -> None:
     if not args.production_only:
         _sampling_tables(args)
     budget = f"{DEFAULT_MAX_TIMED_RATE:g}/s" if DEFAULT_MAX_TIMED_RATE else "none"
+    budget += (f"; the default pipeline's traces at {DEFAULT_MAX_TIMED_RATE_SUMMARISED:g}/s, "
+               "max_timed_rate_summarised")
     print(
         f"\nThe default production pipeline, one replica's {args.window:g}-second window "
         f"(timing budget {budget}, sampler {DEFAULT_SETTING[0]:g}, {DEFAULT_SETTING[1]:g}), "
