@@ -178,6 +178,12 @@ class InferprofMiddleware:
         #: keys of counted routes whose untimed requests are counted only, not summarised
         #: with their stages: one of them held what a SummaryRecord cannot record
         self._counted_only: set[int] = set()
+        #: path -> {key: its ``_route_refs`` entry} of the routes at that path (equal to
+        #: their template) whose untimed requests are not summarised with their stages,
+        #: routes of other methods at the path sharing its key in the timing budget: the
+        #: budget caps the path at ``max_timed_rate_summarised`` only while there are
+        #: none (``_path_summarised``)
+        self._unsummarised_at: dict[str, dict[int, Any]] = {}
         #: (runtime, _content_limit_for(runtime)), worked out once per runtime
         self._content_limit: tuple[Runtime, int] | None = None
         if tracer_provider is not None:
@@ -296,8 +302,10 @@ class InferprofMiddleware:
                     if summary.broken:  # what its timed likes hold, it could not record
                         self._counted_only.add(key)
                         # (its timed requests give its figures again: timed at full rate)
-                        rt.timing_budget.summarised(  # type: ignore[union-attr]
-                            scope.get("path", ""), False)
+                        path = scope.get("path", "")
+                        if answer[0] and _fixed_path(scope, path):
+                            self._path_summarised(path, key, False)
+                        rt.timing_budget.summarised(path, False)  # type: ignore[union-attr]
                     elif key not in self._counted_only:
                         # receive and serialize as HttpRequest._summary_parts gives a timed
                         # request's; one cut short ends with the request
@@ -450,14 +458,44 @@ class InferprofMiddleware:
     def _budget_route(self, rt: Runtime, scope: Scope, template: Any, key: int) -> None:
         """After an answered timed request: whether the budget caps its path at the rate of
         routes whose untimed requests are summarised with their stages (the route counted
-        and not turned to counting only; a path with parameters in it is left at
-        ``max_timed_rate``: each of its values would be a key of the budget's own)."""
+        and not turned to counting only, nor any other route at its path; a path with
+        parameters in it is left at ``max_timed_rate``: each of its values would be a key
+        of the budget's own)."""
         path = scope.get("path", "")
         if path != template:
             return
         state = self._route_models.get(key, _UNCOUNTED)
         summarised = (state is None or state.__class__ is str) and key not in self._counted_only
+        if not summarised or path in self._unsummarised_at:
+            summarised = self._path_summarised(path, key, summarised)
         rt.timing_budget.summarised(path, summarised)  # type: ignore[union-attr]
+
+    def _path_summarised(self, path: str, key: int, summarised: bool) -> bool:
+        """Whether the budget may cap ``path`` at the rate of summarised routes, now that
+        its route ``key`` is ``summarised`` or not: when every route at it is (a GET and
+        a POST route of one path are one key of the budget; a route whose untimed requests
+        are counted only, or not at all, has its figures from its timed requests). A route
+        not summarised is remembered here while the middleware follows it (``_learn``;
+        one freed, or whose id another route took since, is forgotten)."""
+        refs = self._route_refs
+        others = self._unsummarised_at.get(path)
+        if others is None:
+            if summarised:
+                return True
+            if key in refs and len(self._unsummarised_at) < _MAX_ROUTES:
+                self._unsummarised_at[path] = {key: refs[key]}
+            return False
+        if summarised:
+            others.pop(key, None)
+        elif key in refs:
+            others[key] = refs[key]
+        for other, ref in list(others.items()):
+            if refs.get(other) is not ref:  # freed (its id maybe another route's since)
+                del others[other]
+        if others:
+            return False
+        del self._unsummarised_at[path]
+        return summarised
 
     def _learn(self, route: Any, key: int, model: Any) -> None:
         """A timed request of ``route`` (``key``) was summarised under ``model``
@@ -497,6 +535,15 @@ def _route_ref(route: Any, key: int, models: dict[int, Any], refs: dict[int, Any
         return weakref.ref(route, forget)
     except TypeError:
         return route
+
+
+def _fixed_path(scope: Scope, path: str) -> bool:
+    """Whether ``path`` is the template of the route that served it (``_budget_route``'s
+    paths; under a mount, the mount's path and the template)."""
+    template = getattr(scope.get("route"), "path", None)
+    if template.__class__ is not str:
+        return False
+    return path == template or path == (scope.get("root_path") or "") + template
 
 
 def _untimed_error(exc: BaseException, answer: list) -> bool | None:

@@ -8,6 +8,7 @@ Real ``TimingBudget`` objects on a clock the test moves; real FastAPI apps in-pr
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import random
 
@@ -17,12 +18,17 @@ from fastapi import FastAPI
 
 import inferprof
 import inferprof.fastapi
+from inferprof import semconv
 from inferprof.batching import hooks
+from inferprof.instrumentation.device import EventDevice
 from inferprof.instrumentation.sampling import TimingBudget
 from tests.fastapi.budget_helpers import BudgetClock
 from tests.fastapi.test_untimed_summarised import _app
 from tests.instrumentation.helpers import captured
+from tests.instrumentation.test_device import SyntheticEvent, SyntheticStream
 from tests.instrumentation.test_summaries import MemoryExporter
+
+_MODEL = semconv.ATTR_MODEL_NAME
 
 
 def _period(budget: TimingBudget, clock: BudgetClock, per_key: dict[str, int]) -> None:
@@ -187,3 +193,128 @@ def test_the_setting_and_its_environment_variable(monkeypatch, caplog):
     with pytest.raises(ValueError, match="max_timed_rate_summarised"):
         inferprof.configure(mode="production", max_timed_rate_summarised=-1,
                             span_exporter=None, set_global=False, metric_readers=[])
+
+
+def _two_routes_on_one_path() -> FastAPI:
+    """POST /work: summarised under one model; GET /work (another route, the same path and
+    so the same key of the budget): its timed requests name the model of the query
+    string, two models turning its untimed requests to not counted at all."""
+    app = FastAPI()
+
+    @app.post("/work")
+    async def post():
+        req = inferprof.current_request()
+        if req is not None:
+            req.set_attribute(_MODEL, "m")
+        with inferprof.stage("compute"):
+            pass
+        return {}
+
+    @app.get("/work")
+    async def get(m: str):
+        req = inferprof.current_request()
+        if req is not None:
+            req.set_attribute(_MODEL, m)
+        with inferprof.stage("compute"):
+            pass
+        return {}
+
+    inferprof.fastapi.instrument(app)
+    return app
+
+
+async def _calls(app: FastAPI, calls: list[tuple[str, str]]) -> None:
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+        for method, url in calls:
+            assert (await c.request(method, url)).status_code == 200
+
+
+@pytest.mark.parametrize("order", ["post last", "post first"])
+def test_a_path_shared_with_a_route_not_summarised_keeps_max_timed_rate(order):
+    # GET /work's untimed requests are not counted (two models): its figures come from
+    # its timed requests alone, so the path (the budget's key for both routes) must stay
+    # at max_timed_rate, whichever route's timed request came last.
+    app = _two_routes_on_one_path()
+    post, gets = ("POST", "/work"), [("GET", "/work?m=a"), ("GET", "/work?m=b")]
+    calls = [*gets, post, post] if order == "post last" else [post, *gets, post]
+    with _summarised_capture(MemoryExporter()) as _:
+        rt = inferprof._config.active_runtime()
+        budget_clock = _budget(rt)
+        asyncio.run(_calls(app, calls))  # all under the budget: timed
+        _period(rt.timing_budget, budget_clock, {"/work": 360})
+        assert rt.timing_budget.share("/work") == 0.25
+        # and still after more of the summarised route's timed requests
+        asyncio.run(_calls(app, [("POST", "/work")] * 3))
+        _period(rt.timing_budget, budget_clock, {"/work": 360})
+        assert rt.timing_budget.share("/work") == 0.25
+
+
+def test_a_path_of_two_summarised_routes_is_timed_at_the_lower_rate():
+    app = _two_routes_on_one_path()
+    with _summarised_capture(MemoryExporter()) as _:
+        rt = inferprof._config.active_runtime()
+        budget_clock = _budget(rt)
+        asyncio.run(_calls(app, [("GET", "/work?m=m"), ("POST", "/work")] * 2))
+        _period(rt.timing_budget, budget_clock, {"/work": 360})
+        assert rt.timing_budget.share("/work") == 2.0 ** -6
+
+
+def test_a_path_shared_with_a_route_turned_to_counting_only_keeps_max_timed_rate():
+    # GET /work's untimed requests hold a device stage, which a summarised record cannot
+    # time: the first of them turns it to counting only, and the summarised POST /work's
+    # timed requests after it must not cap their shared path at the lower rate again.
+    app = FastAPI()
+    log: list = []
+
+    @app.post("/work")
+    async def post():
+        with inferprof.stage("compute"):
+            pass
+        return {}
+
+    @app.get("/work")
+    async def get():
+        device = EventDevice(lambda: SyntheticEvent(SyntheticStream()))
+        with inferprof.stage("h2d", device=device):
+            pass
+        log.append(inferprof.current_request() is not None)
+        return {}
+
+    inferprof.fastapi.instrument(app)
+    with _summarised_capture(MemoryExporter()) as _:
+        rt = inferprof._config.active_runtime()
+        budget_clock = _budget(rt)
+        asyncio.run(_calls(app, [("GET", "/work"), ("POST", "/work")]))  # timed: learnt
+        _period(rt.timing_budget, budget_clock, {"/work": 360})
+        assert rt.timing_budget.share("/work") == 2.0 ** -6
+        random.seed(1)
+        for _ in range(200):
+            asyncio.run(_calls(app, [("GET", "/work")]))
+            if not log[-1]:
+                break
+        assert not log[-1], "no GET went untimed"
+        _period(rt.timing_budget, budget_clock, {"/work": 1})  # under the budget again
+        asyncio.run(_calls(app, [("POST", "/work")] * 2))  # timed
+        _period(rt.timing_budget, budget_clock, {"/work": 360})
+        assert rt.timing_budget.share("/work") == 0.25
+
+
+def test_a_route_not_summarised_that_is_freed_no_longer_holds_its_path_back():
+    # Routes rebuilt at runtime: once GET /work (not counted: two models) is gone, the
+    # summarised POST /work alone is at its path, which its timed requests mark again.
+    app = _two_routes_on_one_path()
+    with _summarised_capture(MemoryExporter()) as _:
+        rt = inferprof._config.active_runtime()
+        budget_clock = _budget(rt)
+        asyncio.run(_calls(app, [("GET", "/work?m=a"), ("GET", "/work?m=b"),
+                                 ("POST", "/work")]))
+        _period(rt.timing_budget, budget_clock, {"/work": 360})
+        assert rt.timing_budget.share("/work") == 0.25
+        app.router.routes[:] = [r for r in app.router.routes
+                                if getattr(r, "methods", None) != {"GET"}]
+        gc.collect()
+        _period(rt.timing_budget, budget_clock, {"/work": 1})  # under the budget again
+        asyncio.run(_calls(app, [("POST", "/work")]))
+        _period(rt.timing_budget, budget_clock, {"/work": 360})
+        assert rt.timing_budget.share("/work") == 2.0 ** -6
