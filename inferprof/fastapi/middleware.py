@@ -451,18 +451,22 @@ class InferprofMiddleware:
                 model = _MIXED  # no stage span: its untimed likes cannot be told apart
             self._learn(route, key, model)
             if rt.untimed_stages and rec.ser_start:
-                self._budget_route(rt, scope, rec.route, key)
+                self._budget_route(rt, scope, rec.route, key, rec.root_path)
         except Exception:
             _logger.exception("inferprof could not follow a route's model")
 
-    def _budget_route(self, rt: Runtime, scope: Scope, template: Any, key: int) -> None:
+    def _budget_route(self, rt: Runtime, scope: Scope, template: Any, key: int,
+                      root: Any) -> None:
         """After an answered timed request: whether the budget caps its path at the rate of
         routes whose untimed requests are summarised with their stages (the route counted
         and not turned to counting only, nor any other route at its path; a path with
         parameters in it is left at ``max_timed_rate``: each of its values would be a key
-        of the budget's own)."""
+        of the budget's own). The path is the template, or under a server's root path
+        (``root``: the request's ``root_path`` as it came in) the root path and the
+        template."""
         path = scope.get("path", "")
-        if path != template:
+        if path != template and not (root and root.__class__ is str
+                                     and template.__class__ is str and path == root + template):
             return
         state = self._route_models.get(key, _UNCOUNTED)
         summarised = (state is None or state.__class__ is str) and key not in self._counted_only
@@ -539,7 +543,7 @@ def _route_ref(route: Any, key: int, models: dict[int, Any], refs: dict[int, Any
 
 def _fixed_path(scope: Scope, path: str) -> bool:
     """Whether ``path`` is the template of the route that served it (``_budget_route``'s
-    paths; under a mount, the mount's path and the template)."""
+    paths; under a root path, a mount's included, the root path and the template)."""
     template = getattr(scope.get("route"), "path", None)
     if template.__class__ is not str:
         return False

@@ -260,6 +260,45 @@ def test_a_path_of_two_summarised_routes_is_timed_at_the_lower_rate():
         assert rt.timing_budget.share("/work") == 2.0 ** -6
 
 
+def _work_app() -> FastAPI:
+    app = FastAPI()
+
+    @app.post("/work")
+    async def work():
+        with inferprof.stage("compute"):
+            pass
+        return {}
+
+    return app
+
+
+@pytest.mark.parametrize("where", ["mount", "server root path", "both"])
+def test_a_route_under_a_mount_or_a_root_path_is_timed_at_the_lower_rate(where):
+    # Its path is still one key of the budget: the mount's prefix and the root path the
+    # server gives (uvicorn --root-path: in the request's path too, as ASGI has it)
+    # included.
+    if where == "server root path":
+        app, root, path = _work_app(), "/api", "/api/work"
+    else:
+        app = FastAPI()
+        app.mount("/sub", _work_app())
+        root, path = ("", "/sub/work") if where == "mount" else ("/api", "/api/sub/work")
+    inferprof.fastapi.instrument(app)
+
+    async def post(n: int) -> None:
+        transport = httpx.ASGITransport(app=app, root_path=root)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            for _ in range(n):
+                assert (await c.post(path)).status_code == 200
+
+    with _summarised_capture(MemoryExporter()) as _:
+        rt = inferprof._config.active_runtime()
+        budget_clock = _budget(rt)
+        asyncio.run(post(3))
+        _period(rt.timing_budget, budget_clock, {path: 360})
+        assert rt.timing_budget.share(path) == 2.0 ** -6
+
+
 def test_a_path_shared_with_a_route_turned_to_counting_only_keeps_max_timed_rate():
     # GET /work's untimed requests hold a device stage, which a summarised record cannot
     # time: the first of them turns it to counting only, and the summarised POST /work's
