@@ -76,10 +76,11 @@ def fraction(arg: Any, name: str, default: float, what: str, *, open_low: bool) 
     return number(arg, name, default, what, ok, f"a number in {interval}")
 
 
-def rate(arg: Any, name: str, default: float, what: str) -> float:
-    """A non-negative finite number of requests per second (0: no limit)."""
+def rate(arg: Any, name: str, default: float, what: str, zero: str = "no limit") -> float:
+    """A non-negative finite number of requests per second (0: ``zero``, no limit unless
+    the setting says otherwise)."""
     return number(arg, name, default, what, lambda v: 0.0 <= v < math.inf,
-                  "a number >= 0 (requests per second; 0: no limit)")
+                  f"a number >= 0 (requests per second; 0: {zero})")
 
 
 def positive_seconds(arg: Any, name: str, default: float, what: str) -> float:

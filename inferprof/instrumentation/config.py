@@ -194,6 +194,7 @@ def resolve(
         max_timed_rate_summarised=_settings.rate(
             max_timed_rate_summarised, ev.INFERPROF_MAX_TIMED_RATE_SUMMARISED,
             DEFAULT_MAX_TIMED_RATE_SUMMARISED, "max_timed_rate_summarised",
+            zero="max_timed_rate's",
         ),
         max_timing_cpu=_settings.fraction(
             max_timing_cpu, ev.INFERPROF_MAX_TIMING_CPU, DEFAULT_MAX_TIMING_CPU,

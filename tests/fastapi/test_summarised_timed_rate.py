@@ -190,7 +190,8 @@ def test_the_setting_and_its_environment_variable(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING), production():
         assert inferprof._config.active_runtime().timing_budget.summarised_rate == 10.0
     assert "INFERPROF_MAX_TIMED_RATE_SUMMARISED" in caplog.text
-    with pytest.raises(ValueError, match="max_timed_rate_summarised"):
+    assert "0: max_timed_rate's" in caplog.text  # (not "no limit": 0 is not that here)
+    with pytest.raises(ValueError, match="max_timed_rate_summarised.*0: max_timed_rate's"):
         inferprof.configure(mode="production", max_timed_rate_summarised=-1,
                             span_exporter=None, set_global=False, metric_readers=[])
 
