@@ -231,19 +231,25 @@ class Runtime:
             self._roots_always_on = _roots_always_on(self._sampler)
         if (summary_exporter is not None and self.production and config.summaries
                 and self._resource is not None):
-            self.summaries = Summaries(
-                summary_exporter, self._resource, self._scope, self.stats,
-                interval_s=config.summary_interval_s,
-            )
-            self.untimed_stages = config.untimed_stages
-            budget = self.timing_budget
-            if self.untimed_stages and budget is not None and config.max_timed_rate_summarised:
-                # (its routes' timed requests only feed traces: docs/overhead.md)
-                budget.summarised_rate = config.max_timed_rate_summarised
+            self._start_summaries(config, summary_exporter)
         if self._resource is not None and hasattr(os, "register_at_fork"):
             weak = weakref.WeakMethod(self._after_fork)
             os.register_at_fork(after_in_child=lambda: (m := weak()) and m())
         self._register_metrics()
+
+    def _start_summaries(self, config: Any, summary_exporter: Any) -> None:
+        """Production mode's summaries (contract §15), and what they change: untimed
+        requests summarised with their stages (``untimed_stages``), whose routes the timing
+        budget then caps at ``max_timed_rate_summarised`` (their timed requests only feed
+        traces: docs/overhead.md)."""
+        self.summaries = Summaries(
+            summary_exporter, self._resource, self._scope, self.stats,
+            interval_s=config.summary_interval_s,
+        )
+        self.untimed_stages = config.untimed_stages
+        budget = self.timing_budget
+        if self.untimed_stages and budget is not None and config.max_timed_rate_summarised:
+            budget.summarised_rate = config.max_timed_rate_summarised
 
     def _after_fork(self) -> None:
         # A worker forked after configure() (gunicorn --preload, multiprocessing): its
