@@ -295,9 +295,13 @@ class InferprofMiddleware:
         if model is None or model.__class__ is str:
             try:
                 end = answer[1] or _time_ns()
-                if error is None:
-                    error = summary is not None and summary.error is True
-                error = error or answer[0] >= 500
+                if error is None:  # no exception: a batch's failure, else a 5xx answer
+                    # (an exception is the error, a 5xx answer or not: a cancellation
+                    # is none, as a timed request's error, HttpRequest._summary_parts)
+                    if summary is not None and summary.error is not None:
+                        error = summary.error
+                    else:
+                        error = answer[0] >= 500
                 if summary is not None:
                     if summary.broken:  # what its timed likes hold, it could not record
                         self._counted_only.add(key)

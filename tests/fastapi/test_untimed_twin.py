@@ -72,7 +72,7 @@ async def _drive(app: Any, clock: Any, method: str = "POST", path: str = "/work"
     }
     try:
         await app(scope, receive, send)
-    except Exception:
+    except (Exception, asyncio.CancelledError):
         pass
     return sent
 
@@ -418,5 +418,24 @@ def test_an_app_failing_once_the_client_left(clock, monkeypatch):
 
     timed, untimed = _twins(_app_with(work, "get"), clock, monkeypatch, method="GET",
                             disconnect_at=2, spec="2.3")
+    assert timed[1] is False
+    assert timed == untimed
+
+
+def test_a_cancellation_after_a_5xx_answer_started(clock, monkeypatch):
+    # Cancelled (the server's task, the client gone) once a 503 stream started: a timed
+    # request's error is the cancellation, which is no error, whatever the status
+    async def work():
+        async def gen():
+            with inferprof.stage("decode"):
+                clock.tick(MS)
+            yield b"chunk"
+            raise asyncio.CancelledError()
+
+        return StreamingResponse(gen(), status_code=503,
+                                 media_type="application/octet-stream")
+
+    clock_ref[:] = [clock]
+    timed, untimed = _twins(_app_with(work, "get"), clock, monkeypatch, method="GET")
     assert timed[1] is False
     assert timed == untimed
