@@ -242,7 +242,7 @@ class InferprofMiddleware:
                 await self.app(scope, receive, send)
             except BaseException as exc:
                 if summaries is not None:
-                    error = _untimed_error(exc, answer)
+                    error = _untimed_error(exc, answer, send)
                 raise
             finally:
                 reset_scope(token)
@@ -554,18 +554,47 @@ def _fixed_path(scope: Scope, path: str) -> bool:
     return path == template or path == (scope.get("root_path") or "") + template
 
 
-def _untimed_error(exc: BaseException, answer: list) -> bool | None:
+def _untimed_error(exc: BaseException, answer: list, send: Send) -> bool | None:
     """Whether an untimed request that raised ``exc`` ended in error, as a timed one would
-    (``answer``: the middleware's list); None when its client had left, which makes no
-    error of it (a timed request's ``disconnected``; then the failure of a batch it joined
-    says, as it stays a timed member's error): once the answer started, as Starlette
-    raises it, or, summarised, as the wrapped receive and send saw it. With no answer
-    started the server answers 500, a timed request's error."""
-    if not (answer[6] or (answer[0] and _client_gone(exc))):
+    (``answer``: the middleware's list; ``send``: the one the app was given); None when
+    its client had left, which makes no error of it (a timed request's ``disconnected``;
+    then the failure of a batch it joined says, as it stays a timed member's error): once
+    the answer started, as Starlette raises it, or the server's ``send`` raised it for a
+    body chunk (``_refused``), or, summarised, as the wrapped receive and send saw it.
+    With no answer started the server answers 500, a timed request's error."""
+    if not (answer[6] or (answer[0] and (_client_gone(exc) or _refused(exc, send)))):
         return ends_in_error(exc)
     if not answer[0] and isinstance(exc, Exception):
         return True
     return None
+
+
+def _refused(exc: BaseException, wrapper: Any) -> bool:
+    """Whether ``exc`` is an ``OSError`` that the server's ``send`` (the one ``wrapper``,
+    ``_summarising``'s or ``_counting_send``'s, hands messages to) raised for a body chunk:
+    an ASGI 2.4 server's, the client gone, which a timed request's send() catches
+    (``HttpRequest.send``; one for the answer's start is an error there). The wrappers
+    return the server's awaitable, catching nothing (a coroutine per chunk would cost as
+    much as the rest): the traceback says, on this exceptional path only. False when it
+    cannot tell (a server's ``send`` that is no coroutine function leaves no frame)."""
+    if not isinstance(exc, OSError):
+        return False
+    try:
+        server = wrapper.__closure__[wrapper.__code__.co_freevars.index("send")].cell_contents
+        func = getattr(server, "__func__", server)
+        code = getattr(func, "__code__", None) or type(server).__call__.__code__
+    except (AttributeError, IndexError, TypeError, ValueError):
+        return False
+    tb = exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code is code:  # the server's send raised it (or what it called)
+            names = code.co_varnames[:code.co_argcount]
+            message = frame.f_locals.get(names[-1]) if names else None
+            return not (isinstance(message, dict)
+                        and message.get("type") == "http.response.start")
+        tb = tb.tb_next
+    return False
 
 
 def _counting_send(send: Send, answer: list) -> Callable[[Message], Awaitable[None]]:
@@ -591,7 +620,7 @@ def _summarising(receive: Receive, send: Send, answer: list) -> tuple[Receive, S
     a body, and whether the client left before the answer's end (a timed request's
     ``disconnected``: a disconnect read, the last body chunk refused with ``OSError``; an
     earlier chunk refused, Starlette's streaming responses raise ``ClientDisconnect``,
-    which the middleware reads)."""
+    which the middleware reads, and others the ``OSError``: ``_refused``)."""
 
     def summarising_send(message: Message) -> Awaitable[None]:
         kind = message["type"]

@@ -36,8 +36,8 @@ async def _drive(app: Any, clock: Any, method: str = "POST", path: str = "/work"
                  chunks: tuple[bytes, ...] = (b'{"i": 1}',), disconnect_at: int | None = None,
                  spec: str = "2.4") -> list[dict]:
     """Serve one request: its body in ``chunks`` (1 ms apart), the client leaving at the
-    ``disconnect_at``-th body chunk of the answer (which an ASGI ``spec`` 2.4 server's send
-    raises as OSError, an earlier one's drops). The messages the app sent."""
+    ``disconnect_at``-th body chunk of the answer (-1: at its start; which an ASGI ``spec``
+    2.4 server's send raises as OSError, an earlier one's drops). The messages the app sent."""
     incoming = [
         {"type": "http.request", "body": c, "more_body": n < len(chunks) - 1}
         for n, c in enumerate(chunks)
@@ -54,8 +54,8 @@ async def _drive(app: Any, clock: Any, method: str = "POST", path: str = "/work"
 
     async def send(message: dict) -> None:
         body = message["type"] == "http.response.body"
-        if body and disconnect_at is not None and sum(
-                1 for m in sent if m["type"] == "http.response.body") >= disconnect_at:
+        if disconnect_at == -1 or (body and disconnect_at is not None and sum(
+                1 for m in sent if m["type"] == "http.response.body") >= disconnect_at):
             gone.set()
             if spec == "2.4":
                 raise OSError("client gone")
@@ -438,4 +438,102 @@ def test_a_cancellation_after_a_5xx_answer_started(clock, monkeypatch):
     clock_ref[:] = [clock]
     timed, untimed = _twins(_app_with(work, "get"), clock, monkeypatch, method="GET")
     assert timed[1] is False
+    assert timed == untimed
+
+
+def test_a_client_gone_midway_through_a_file(clock, monkeypatch, tmp_path):
+    # Starlette's FileResponse under an ASGI 2.4 server lets the OSError of a refused
+    # chunk through (no ClientDisconnect), here one before the last: a timed request's
+    # send() sees it: cancelled, no error
+    from fastapi.responses import FileResponse
+
+    big = tmp_path / "big.bin"
+    big.write_bytes(b"x" * (3 * 64 * 1024))
+
+    async def work():
+        with inferprof.stage("compute"):
+            clock.tick(MS)
+        return FileResponse(big)
+
+    timed, untimed = _twins(_app_with(work, "get"), clock, monkeypatch, method="GET",
+                            disconnect_at=1)
+    assert timed[1] is False
+    assert timed == untimed
+
+
+def _counted_twins(app: FastAPI, clock: Any, monkeypatch: Any, **request: Any
+                   ) -> tuple[bool, bool]:
+    """Whether one request ended in error served timed and served untimed on a route whose
+    untimed requests are only counted (``untimed_stages=False``; its end there is when
+    the last chunk was handed over: the error alone is compared)."""
+    share = _Share()
+    monkeypatch.setattr(middleware, "timed_share", share)
+    inferprof.fastapi.instrument(app)
+    with budgeted_capture(MemoryExporter(), sample_rate=0.05, untimed_stages=False) as (
+            _cap, rt, _):
+        pending = rt.summaries._pending
+        asyncio.run(_drive(app, clock, **request))  # timed: the route learnt
+        pending.clear()
+        asyncio.run(_drive(app, clock, **request))
+        timed = list(pending)
+        share.value = 0.0
+        asyncio.run(_drive(app, clock, **request))
+        counted = list(rt.summaries._untimed)
+    assert len(timed) == 1, timed
+    assert len(counted) == 1, counted
+    return timed[0][2], counted[0][2]
+
+
+def test_only_counted_a_client_gone_before_a_plain_answer(clock, monkeypatch):
+    async def work():
+        with inferprof.stage("compute"):
+            clock.tick(MS)
+        return {"ok": True}
+
+    timed, counted = _counted_twins(_app_with(work, "get"), clock, monkeypatch,
+                                    method="GET", disconnect_at=0)
+    assert timed is False
+    assert timed == counted
+
+
+def test_only_counted_a_client_gone_midway_through_a_file(clock, monkeypatch, tmp_path):
+    from fastapi.responses import FileResponse
+
+    big = tmp_path / "big.bin"
+    big.write_bytes(b"x" * (3 * 64 * 1024))
+
+    async def work():
+        return FileResponse(big)
+
+    timed, counted = _counted_twins(_app_with(work, "get"), clock, monkeypatch,
+                                    method="GET", disconnect_at=1)
+    assert timed is False
+    assert timed == counted
+
+
+def test_only_counted_a_client_leaving_a_stream_midway(clock, monkeypatch):
+    clock_ref[:] = [clock]
+    timed, counted = _counted_twins(_stream(True), clock, monkeypatch, method="GET",
+                                    disconnect_at=2)
+    assert timed is False
+    assert timed == counted
+
+
+@pytest.mark.parametrize("counted", [False, True])
+def test_the_answer_start_refused(clock, monkeypatch, counted):
+    # An OSError for the answer's start: a timed request's send() does not catch it there
+    # (the request fails): not the client gone mid-answer that one for a body chunk is
+    async def work():
+        with inferprof.stage("compute"):
+            clock.tick(MS)
+        return {"ok": True}
+
+    app = _app_with(work, "get")
+    if counted:
+        timed, untimed = _counted_twins(app, clock, monkeypatch, method="GET",
+                                        disconnect_at=-1)
+    else:
+        timed, untimed = _twins(app, clock, monkeypatch, method="GET", disconnect_at=-1)
+        timed, untimed = timed[1], untimed[1]
+    assert timed is True
     assert timed == untimed
