@@ -23,7 +23,7 @@ from inferprof.batching import hooks
 from inferprof.instrumentation.device import EventDevice
 from inferprof.instrumentation.sampling import TimingBudget
 from tests.fastapi.budget_helpers import BudgetClock
-from tests.fastapi.test_untimed_summarised import _app
+from tests.fastapi.test_untimed_summarised import _app, _send
 from tests.instrumentation.helpers import captured
 from tests.instrumentation.test_device import SyntheticEvent, SyntheticStream
 from tests.instrumentation.test_summaries import MemoryExporter
@@ -86,13 +86,6 @@ def _budget(rt) -> BudgetClock:
     old = rt.timing_budget
     rt.timing_budget = TimingBudget(old.rate, clock=clock, summarised_rate=old.summarised_rate)
     return clock
-
-
-async def _send(app: FastAPI, ids: list[int]) -> None:
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
-        for i in ids:
-            assert (await c.post("/work", json={"i": i})).status_code == 200
 
 
 def test_a_summarised_route_is_timed_at_the_lower_rate_and_still_summarised_in_full(
@@ -191,7 +184,7 @@ def test_the_setting_and_its_environment_variable(monkeypatch, caplog):
         assert inferprof._config.active_runtime().timing_budget.summarised_rate == 10.0
     assert "INFERPROF_MAX_TIMED_RATE_SUMMARISED" in caplog.text
     assert "0: max_timed_rate's" in caplog.text  # (not "no limit": 0 is not that here)
-    with pytest.raises(ValueError, match="max_timed_rate_summarised.*0: max_timed_rate's"):
+    with pytest.raises(ValueError, match=r"max_timed_rate_summarised.*0: max_timed_rate's"):
         inferprof.configure(mode="production", max_timed_rate_summarised=-1,
                             span_exporter=None, set_global=False, metric_readers=[])
 

@@ -85,14 +85,16 @@ def _relative(entry: tuple) -> tuple:
     return end - start, error, model, spans
 
 
-def _twins(app: FastAPI, clock: Any, monkeypatch: Any, **request: Any) -> tuple[Any, Any]:
-    """The summary entries of one request served timed and of the same served untimed,
-    once the route has been learnt from a timed one."""
+def _serve_twice(app: FastAPI, clock: Any, monkeypatch: Any, untimed_stages: bool,
+                 **request: Any) -> tuple[list, list, list]:
+    """One request served timed, then the same served untimed, once the route has been
+    learnt from a timed one: the timed one's summary entries, the untimed one's, and the
+    untimed requests only counted."""
     share = _Share()
     monkeypatch.setattr(middleware, "timed_share", share)
     inferprof.fastapi.instrument(app)
-    with budgeted_capture(MemoryExporter(), sample_rate=0.05, untimed_stages=True) as (
-            _cap, rt, _):
+    with budgeted_capture(MemoryExporter(), sample_rate=0.05,
+                          untimed_stages=untimed_stages) as (_cap, rt, _):
         pending = rt.summaries._pending
         asyncio.run(_drive(app, clock, **request))  # timed: the route learnt
         pending.clear()
@@ -101,8 +103,13 @@ def _twins(app: FastAPI, clock: Any, monkeypatch: Any, **request: Any) -> tuple[
         pending.clear()
         share.value = 0.0
         asyncio.run(_drive(app, clock, **request))
-        untimed = list(pending)
-        counted = list(rt.summaries._untimed)
+        return timed, list(pending), list(rt.summaries._untimed)
+
+
+def _twins(app: FastAPI, clock: Any, monkeypatch: Any, **request: Any) -> tuple[Any, Any]:
+    """The summary entries of one request served timed and of the same served untimed,
+    once the route has been learnt from a timed one."""
+    timed, untimed, counted = _serve_twice(app, clock, monkeypatch, True, **request)
     assert len(timed) == 1, timed
     assert not counted, counted  # summarised, not only counted
     assert len(untimed) == 1, untimed
@@ -466,20 +473,9 @@ def _counted_twins(app: FastAPI, clock: Any, monkeypatch: Any, **request: Any
     """Whether one request ended in error served timed and served untimed on a route whose
     untimed requests are only counted (``untimed_stages=False``; its end there is when
     the last chunk was handed over: the error alone is compared)."""
-    share = _Share()
-    monkeypatch.setattr(middleware, "timed_share", share)
-    inferprof.fastapi.instrument(app)
-    with budgeted_capture(MemoryExporter(), sample_rate=0.05, untimed_stages=False) as (
-            _cap, rt, _):
-        pending = rt.summaries._pending
-        asyncio.run(_drive(app, clock, **request))  # timed: the route learnt
-        pending.clear()
-        asyncio.run(_drive(app, clock, **request))
-        timed = list(pending)
-        share.value = 0.0
-        asyncio.run(_drive(app, clock, **request))
-        counted = list(rt.summaries._untimed)
+    timed, summarised, counted = _serve_twice(app, clock, monkeypatch, False, **request)
     assert len(timed) == 1, timed
+    assert not summarised, summarised
     assert len(counted) == 1, counted
     return timed[0][2], counted[0][2]
 
