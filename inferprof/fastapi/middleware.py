@@ -455,22 +455,18 @@ class InferprofMiddleware:
                 model = _MIXED  # no stage span: its untimed likes cannot be told apart
             self._learn(route, key, model)
             if rt.untimed_stages and rec.ser_start:
-                self._budget_route(rt, scope, rec.route, key, rec.root_path)
+                self._budget_route(rt, scope, key)
         except Exception:
             _logger.exception("inferprof could not follow a route's model")
 
-    def _budget_route(self, rt: Runtime, scope: Scope, template: Any, key: int,
-                      root: Any) -> None:
+    def _budget_route(self, rt: Runtime, scope: Scope, key: int) -> None:
         """After an answered timed request: whether the budget caps its path at the rate of
         routes whose untimed requests are summarised with their stages (the route counted
         and not turned to counting only, nor any other route at its path; a path with
         parameters in it is left at ``max_timed_rate``: each of its values would be a key
-        of the budget's own). The path is the template, or under a server's root path
-        (``root``: the request's ``root_path`` as it came in) the root path and the
-        template."""
+        of the budget's own: ``_fixed_path``)."""
         path = scope.get("path", "")
-        if path != template and not (root and root.__class__ is str
-                                     and template.__class__ is str and path == root + template):
+        if not _fixed_path(scope, path):
             return
         state = self._route_models.get(key, _UNCOUNTED)
         summarised = (state is None or state.__class__ is str) and key not in self._counted_only
