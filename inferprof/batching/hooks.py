@@ -131,9 +131,20 @@ def _enqueue(depth: int) -> QueueHandle:
         return _NOTHING
     rec, parent = scope
     if not isinstance(rec, RequestRecord):
-        if rec.__class__ is SummaryRecord:  # untimed, summarised
-            return _summarised_handle(rec)
-        return _NOTHING
+        if rec.__class__ is not SummaryRecord:
+            return _NOTHING
+        # untimed, summarised (_summarised_handle, inline: once a request)
+        handle = _new_handle(QueueHandle)
+        handle.name = _STAGE_QUEUE
+        handle.span_id = 0
+        handle.parent = handle.error = handle.device = handle.end = None
+        handle.attrs = {}
+        handle.request = rec  # type: ignore[assignment]  # (a SummaryRecord: Batch.__enter__)
+        handle.start = _time_ns()
+        rec.stages.append(handle)
+        if rec.batches is NO_BATCHES:  # (here, in its context: batches form in any thread)
+            rec.batches = []
+        return handle
     # QueueHandle(rec, parent, now, attrs), without the class call (once a request)
     handle = _new_handle(QueueHandle)
     handle.name = _STAGE_QUEUE

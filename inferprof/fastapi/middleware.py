@@ -53,6 +53,7 @@ from inferprof.fastapi.routes import route_template
 from inferprof.instrumentation.active import active_runtime
 from inferprof.instrumentation.config import excluded_paths_setting, resolve
 from inferprof.instrumentation.records import (
+    NO_BATCHES,
     SCOPE,
     SUMMARISED_UNTIMED,
     UNTIMED,
@@ -69,6 +70,7 @@ from inferprof.instrumentation.stage import begin_request, reset_scope, timed_sh
 
 _logger = logging.getLogger(__name__)
 _time_ns = time.time_ns
+_new_summary = object.__new__
 _PROPAGATION_HEADERS = frozenset((b"traceparent", b"tracestate", b"baggage"))
 _header_name = itemgetter(0)
 _MODEL_NAME = semconv.ATTR_MODEL_NAME
@@ -232,11 +234,12 @@ class InferprofMiddleware:
                 error: bool | None = None  # (None: by no exception: _untimed_error)
                 answer = [0, 0, 0, 0, 0, 0, 0]  # (what it holds: _summarising's docstring)
                 if rt.untimed_stages:
-                    summary = SummaryRecord()
-                    receive, send = _summarising(receive, send, answer)
+                    summary, receive, send = _summarising(receive, send, answer)
                 else:
                     send = _counting_send(send, answer)
-            otel_token = _attach_incoming(scope)
+            headers = scope.get("headers")  # (_incoming_carrier's check, inline)
+            otel_token = None if not headers or _PROPAGATION_HEADERS.isdisjoint(
+                map(_header_name, headers)) else _attach_incoming(scope)
             token = SCOPE.set(UNTIMED if summary is None else (summary, None))
             try:
                 await self.app(scope, receive, send)
@@ -245,7 +248,10 @@ class InferprofMiddleware:
                     error = _untimed_error(exc, answer, send)
                 raise
             finally:
-                reset_scope(token)
+                try:  # (reset_scope, inline)
+                    SCOPE.reset(token)
+                except ValueError:  # exited in another context
+                    SCOPE.set(None)
                 if otel_token is not None:
                     detach_context(otel_token)
                 if summaries is not None:
@@ -313,12 +319,12 @@ class InferprofMiddleware:
                     elif key not in self._counted_only:
                         # receive and serialize as HttpRequest._summary_parts gives a timed
                         # request's; one cut short ends with the request
-                        parts: tuple = ()
-                        if answer[3] and answer[5]:
-                            parts = (_STAGE_RECEIVE, answer[3], answer[4] or end)
-                        if answer[2]:
-                            parts += (_STAGE_SERIALIZE, answer[2], answer[1] or end)
-                        if rt.summarise_untimed(summary, start, end, error, model, parts):
+                        t = answer[2]
+                        flat = [_STAGE_SERIALIZE, t, answer[1] or end] if t else []
+                        t = answer[3]
+                        if t and answer[5]:
+                            flat += (_STAGE_RECEIVE, t, answer[4] or end)
+                        if rt.summarise_untimed(summary, start, end, error, model, flat):
                             return
                 rt.summaries.add_untimed((start, end, error, model))  # type: ignore[union-attr]
             except Exception:  # (a status that is no number)
@@ -608,15 +614,23 @@ def _counting_send(send: Send, answer: list) -> Callable[[Message], Awaitable[No
     return counting_send
 
 
-def _summarising(receive: Receive, send: Send, answer: list) -> tuple[Receive, Send]:
-    """``receive`` and ``send`` for a request left untimed and summarised, timing its
-    ``receive`` and ``serialize`` as :class:`HttpRequest` does a timed request's, into
-    ``answer``: its status (0: no answer started), when the server took its last body
-    chunk, when its answer started, its body's first read and last chunk, whether it had
-    a body, and whether the client left before the answer's end (a timed request's
-    ``disconnected``: a disconnect read, the last body chunk refused with ``OSError``; an
-    earlier chunk refused, Starlette's streaming responses raise ``ClientDisconnect``,
-    which the middleware reads, and others the ``OSError``: ``_refused``)."""
+def _summarising(receive: Receive, send: Send,
+                 answer: list) -> tuple[SummaryRecord, Receive, Send]:
+    """The record of a request left untimed and summarised, and the ``receive`` and
+    ``send`` to serve it with, timing its ``receive`` and ``serialize`` as
+    :class:`HttpRequest` does a timed request's, into ``answer``: its status (0: no
+    answer started), when the server took its last body chunk, when its answer started,
+    its body's first read and last chunk, whether it had a body, and whether the client
+    left before the answer's end (a timed request's ``disconnected``: a disconnect read,
+    the last body chunk refused with ``OSError``; an earlier chunk refused, Starlette's
+    streaming responses raise ``ClientDisconnect``, which the middleware reads, and
+    others the ``OSError``: ``_refused``)."""
+    # (SummaryRecord(), without the class call: once a request)
+    summary = _new_summary(SummaryRecord)
+    summary.stages = []
+    summary.batches = NO_BATCHES
+    summary.broken = False
+    summary.error = None
 
     def summarising_send(message: Message) -> Awaitable[None]:
         kind = message["type"]
@@ -647,7 +661,7 @@ def _summarising(receive: Receive, send: Send, answer: list) -> tuple[Receive, S
             answer[6] = 1
         return message
 
-    return summarising_receive, summarising_send
+    return summary, summarising_receive, summarising_send
 
 
 async def _last_chunk_sent(sent: Awaitable[None], answer: list) -> None:

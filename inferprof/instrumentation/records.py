@@ -422,6 +422,8 @@ class SummaryRecord:
     __slots__ = ("batches", "broken", "error", "stages")
 
     def __init__(self) -> None:
+        # (the FastAPI middleware makes one without this call, once per untimed request:
+        # a field added here is added there too)
         #: objects with ``name``, ``start`` (0: never entered) and ``end`` (None: open):
         #: its stages, and its queue handles
         self.stages: list[Any] = []

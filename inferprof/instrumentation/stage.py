@@ -282,10 +282,16 @@ def stage(name: str, *, device: Any = None, **attributes: Any) -> Stage:
         parse_cuda_device(device)  # ValueError for a bad device, at the call site
     elif (scope := SCOPE.get()) is not None and (owner := scope[0]).__class__ is SummaryRecord:
         # A request left untimed, summarised: its stage's name and times, nothing else
-        summarised = _summarised_stage(owner, name, None)
-        if summarised is not None:
-            return summarised  # type: ignore[return-value]
-        return _noop(name)  # type: ignore[return-value]  # (past MAX_STAGES: as a Stage)
+        # (_summarised_stage, inline: once or more per request)
+        stages = owner.stages
+        if len(stages) >= MAX_STAGES:
+            return _noop(name)  # type: ignore[return-value]  # (as a Stage records none)
+        summarised = _new_stage(SummaryStage)
+        summarised.name = name
+        summarised.start = 0
+        summarised.end = summarised._use = None
+        stages.append(summarised)
+        return summarised  # type: ignore[return-value]
     elif not attributes and (
         scope is UNTIMED
         or (scope is None and (active_runtime() is None or in_quiet_step()))
@@ -455,8 +461,12 @@ def timed_share(rt: Any, key: object, context: Any = None) -> float:
     span, whose sampler decides), or 0.0 when it is not to be timed (counted).
     ``context``: the current OpenTelemetry context, when the caller has it already."""
     budget = rt.timing_budget
-    if budget is None or under_live_span(
-            current_otel_context() if context is None else context):
+    if budget is None:
+        return 1.0
+    if context is None:
+        context = current_otel_context()
+    # (under_live_span, inline: once a request; most requests hold no context)
+    if context and _live_server_span(trace_api.get_current_span(context)) is not None:
         return 1.0
     share = budget.share(key)
     if share < 1.0 and _random() >= share:

@@ -57,7 +57,7 @@ def _recording_untimed(add_untimed: Any) -> Any:
 
 def _recording_summarised(summarise: Any) -> Any:
     def summarised(rec: Any, start: int, end: int, error: bool, model: Any,
-                   parts: tuple) -> Any:
+                   parts: list) -> Any:
         stages = [[st.name, st.start, st.end or end] for st in rec.stages if st.start]
         stages += [list(parts[i:i + 3]) for i in range(0, len(parts), 3)]
         _out.write(json.dumps({"untimed": True, "start": start, "end": end,
