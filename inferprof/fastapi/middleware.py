@@ -238,8 +238,12 @@ class InferprofMiddleware:
                 else:
                     send = _counting_send(send, answer)
             headers = scope.get("headers")  # (_incoming_carrier's check, inline)
-            otel_token = None if not headers or _PROPAGATION_HEADERS.isdisjoint(
-                map(_header_name, headers)) else _attach_incoming(scope)
+            try:
+                otel_token = None if not headers or _PROPAGATION_HEADERS.isdisjoint(
+                    map(_header_name, headers)) else _attach_incoming(scope)
+            except Exception:  # (as _attach_incoming: served all the same)
+                _logger.exception("inferprof could not read a request's trace context")
+                otel_token = None
             token = SCOPE.set(UNTIMED if summary is None else (summary, None))
             try:
                 await self.app(scope, receive, send)
@@ -319,12 +323,14 @@ class InferprofMiddleware:
                     elif key not in self._counted_only:
                         # receive and serialize as HttpRequest._summary_parts gives a timed
                         # request's; one cut short ends with the request
-                        t = answer[2]
-                        flat = [_STAGE_SERIALIZE, t, answer[1] or end] if t else []
+                        # (after its stages, in this order, as a timed request's are:
+                        # the summaries' data points follow the spans' order)
                         t = answer[3]
-                        if t and answer[5]:
-                            flat += (_STAGE_RECEIVE, t, answer[4] or end)
-                        if rt.summarise_untimed(summary, start, end, error, model, flat):
+                        parts = [_STAGE_RECEIVE, t, answer[4] or end] if t and answer[5] else []
+                        t = answer[2]
+                        if t:
+                            parts += (_STAGE_SERIALIZE, t, answer[1] or end)
+                        if rt.summarise_untimed(summary, start, end, error, model, parts):
                             return
                 rt.summaries.add_untimed((start, end, error, model))  # type: ignore[union-attr]
             except Exception:  # (a status that is no number)

@@ -456,13 +456,14 @@ class Runtime:
         )
 
     def summarise_untimed(self, rec: SummaryRecord, start: int, end: int, error: bool,
-                          model: str | None, flat: list) -> bool:
+                          model: str | None, parts: list) -> bool:
         """Hand a request left untimed and summarised (``rec``) to the summaries, as a
-        timed request of its route at weight 1: ``flat``, the middleware's ``receive`` and
-        ``serialize`` (``stage, start_ns, end_ns`` each), gains its stages and its batches'
-        as a member's (in place); False when it has no stage (then only counted).
-        Summaries that are full or closed drop it (counted as dropped, once: it is not
-        counted instead)."""
+        timed request of its route at weight 1 (its stages, its batches' as a member's,
+        and ``parts``: the middleware's ``receive``/``serialize``, ``stage, start_ns,
+        end_ns`` each, in the order a timed request's spans come in); False when it has no
+        stage (then only counted). Summaries that are full or closed drop it (counted as
+        dropped, once: it is not counted instead)."""
+        flat: list[Any] = []
         for st in rec.stages:
             s = st.start
             if s:  # (0: a stage() never entered)
@@ -475,6 +476,7 @@ class Runtime:
                 if spans is None or len(spans) != 3 * len(b.stages):  # (as _summarise)
                     spans = _batch_summary_spans(b)
                 flat += spans
+        flat += parts
         if not flat:
             return False
         if self.summaries.add(  # type: ignore[union-attr]  # (untimed_stages)

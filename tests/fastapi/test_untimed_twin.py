@@ -34,10 +34,11 @@ class _Share:
 
 async def _drive(app: Any, clock: Any, method: str = "POST", path: str = "/work",
                  chunks: tuple[bytes, ...] = (b'{"i": 1}',), disconnect_at: int | None = None,
-                 spec: str = "2.4") -> list[dict]:
+                 spec: str = "2.4", headers: list | None = None) -> list[dict]:
     """Serve one request: its body in ``chunks`` (1 ms apart), the client leaving at the
     ``disconnect_at``-th body chunk of the answer (-1: at its start; which an ASGI ``spec``
-    2.4 server's send raises as OSError, an earlier one's drops). The messages the app sent."""
+    2.4 server's send raises as OSError, an earlier one's drops), with ``headers`` (a JSON
+    body's by default). The messages the app sent."""
     incoming = [
         {"type": "http.request", "body": c, "more_body": n < len(chunks) - 1}
         for n, c in enumerate(chunks)
@@ -67,7 +68,8 @@ async def _drive(app: Any, clock: Any, method: str = "POST", path: str = "/work"
         "type": "http", "asgi": {"version": "3.0", "spec_version": spec},
         "http_version": "1.1", "method": method, "scheme": "http", "path": path,
         "raw_path": path.encode(), "root_path": "",
-        "query_string": b"", "headers": [(b"content-type", b"application/json")],
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json")] if headers is None else headers,
         "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
     }
     try:
@@ -533,3 +535,48 @@ def test_the_answer_start_refused(clock, monkeypatch, counted):
         timed, untimed = timed[1], untimed[1]
     assert timed is True
     assert timed == untimed
+
+
+def test_the_untimed_twins_spans_come_in_the_timed_ones_order(clock, monkeypatch):
+    # Its stages, then receive, then serialize: the order a fold meets stage names in is
+    # the order of the summaries' data points (not only the same spans, the same entry)
+    async def work(request: Request):
+        await request.body()
+        with inferprof.stage("tokenize"):
+            clock.tick(3 * MS)
+        with inferprof.stage("compute"):
+            clock.tick(5 * MS)
+        return {"ok": True}
+
+    timed, untimed, counted = _serve_twice(_app_with(work), clock, monkeypatch, True,
+                                           chunks=(b"{", b'"i": 1}'))
+    assert not counted and len(timed) == len(untimed) == 1
+    names = untimed[0][5][0::3]
+    assert names == ("tokenize", "compute", "receive", "serialize")
+    assert names == timed[0][5][0::3]
+
+
+def test_headers_it_cannot_read_leave_an_untimed_request_served_and_summarised(
+        clock, monkeypatch, caplog):
+    # A header whose name cannot be hashed (a bytearray): the trace context check fails,
+    # is logged, and the request is served and summarised all the same
+    async def work():
+        with inferprof.stage("compute"):
+            clock.tick(MS)
+        return {"ok": True}
+
+    app = _app_with(work, "get")
+    share = _Share()
+    monkeypatch.setattr(middleware, "timed_share", share)
+    inferprof.fastapi.instrument(app)
+    with budgeted_capture(MemoryExporter(), sample_rate=0.05, untimed_stages=True) as (
+            _cap, rt, _):
+        asyncio.run(_drive(app, clock, method="GET"))  # timed: the route learnt
+        rt.summaries._pending.clear()
+        share.value = 0.0
+        for odd in ((bytearray(b"x-odd"), b"1"), (bytearray(b"traceparent"), b"?")):
+            sent = asyncio.run(_drive(app, clock, method="GET", headers=[odd]))
+            assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
+            assert sent[0]["status"] == 200
+        assert len(rt.summaries._pending) == 2 and not rt.summaries._untimed
+    assert caplog.text.count("could not read a request's trace context") == 2
