@@ -237,13 +237,7 @@ class InferprofMiddleware:
                     summary, receive, send = _summarising(receive, send, answer)
                 else:
                     send = _counting_send(send, answer)
-            headers = scope.get("headers")  # (_incoming_carrier's check, inline)
-            try:
-                otel_token = None if not headers or _PROPAGATION_HEADERS.isdisjoint(
-                    map(_header_name, headers)) else _attach_incoming(scope)
-            except Exception:  # (as _attach_incoming: served all the same)
-                _logger.exception("inferprof could not read a request's trace context")
-                otel_token = None
+            otel_token = _attach_incoming(scope)
             token = SCOPE.set(UNTIMED if summary is None else (summary, None))
             try:
                 await self.app(scope, receive, send)
