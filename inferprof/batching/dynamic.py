@@ -38,6 +38,7 @@ from inferprof import semconv
 from inferprof.batching.forming import batch_ready
 from inferprof.batching.hooks import Batch, QueueHandle, _enqueue
 from inferprof.instrumentation.config import batch_encoding_setting
+from inferprof.instrumentation.records import SummaryRecord
 
 _logger = logging.getLogger(__name__)
 _ATTR_BEHIND = semconv.ATTR_QUEUE_BEHIND_BATCHES_S
@@ -227,7 +228,10 @@ class DynamicBatcher:
             raise asyncio.QueueFull(f"DynamicBatcher queue is full ({self.max_queue_size} waiting)")
         handle = _enqueue(len(self._queue))
         entry = _Entry(item, tokens, handle, self._loop.create_future())
-        if handle.request is not None:  # recorded: when it arrived on the busy clock
+        request = handle.request
+        if request is not None and request.__class__ is not SummaryRecord:
+            # recorded: when it arrived on the busy clock (a request summarised untimed
+            # holds no stage attribute: its summary carries none)
             entry.busy0 = self._busy_at(entry.t)
         self._queue.append(entry)
         self._wakeup.set()
@@ -279,9 +283,9 @@ class DynamicBatcher:
                 continue
             entry.taken = True
             entries.append(entry)
-            handle = entry.handle
-            if handle.request is not None:
-                handle.attrs[_ATTR_BEHIND] = max(0.0, busy - entry.busy0)
+            request = entry.handle.request
+            if request is not None and request.__class__ is not SummaryRecord:
+                entry.handle.attrs[_ATTR_BEHIND] = max(0.0, busy - entry.busy0)
         return entries
 
     def _busy_at(self, now: float) -> float:
