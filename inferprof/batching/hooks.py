@@ -111,7 +111,7 @@ def enqueue(*, depth: int | None = None, **attributes: Any) -> QueueHandle:
     scope = SCOPE.get()
     if scope is None or not isinstance(scope[0], RequestRecord):
         if scope is not None and scope[0].__class__ is SummaryRecord:
-            return _summarised_handle(scope[0])
+            return _enqueue(0)  # (its queue stage's times only: no attribute recorded)
         return _NOTHING
     rec, parent = scope
     if depth is not None:
@@ -130,50 +130,26 @@ def _enqueue(depth: int) -> QueueHandle:
     if scope is None:
         return _NOTHING
     rec, parent = scope
-    if not isinstance(rec, RequestRecord):
-        if rec.__class__ is not SummaryRecord:
-            return _NOTHING
-        # untimed, summarised (_summarised_handle, inline: once a request)
-        handle = _new_handle(QueueHandle)
-        handle.name = _STAGE_QUEUE
-        handle.span_id = 0
-        handle.parent = handle.error = handle.device = handle.end = None
-        handle.attrs = {}
-        handle.request = rec  # type: ignore[assignment]  # (a SummaryRecord: Batch.__enter__)
-        handle.start = _time_ns()
-        rec.stages.append(handle)
-        if rec.batches is NO_BATCHES:  # (here, in its context: batches form in any thread)
-            rec.batches = []
-        return handle
+    if isinstance(rec, RequestRecord):
+        attrs = {_ATTR_QUEUE_DEPTH: depth}
+    elif rec.__class__ is SummaryRecord:
+        # untimed, summarised: its ``queue`` stage's times alone (the batch that takes it
+        # ends the stage and is added to ``rec.batches``; its parent is None)
+        attrs = {}
+    else:
+        return _NOTHING
     # QueueHandle(rec, parent, now, attrs), without the class call (once a request)
     handle = _new_handle(QueueHandle)
     handle.name = _STAGE_QUEUE
     handle.span_id = 0
     handle.parent = parent
     handle.end = handle.error = handle.device = None
-    handle.attrs = {_ATTR_QUEUE_DEPTH: depth}
-    handle.request = rec
+    handle.attrs = attrs
+    handle.request = rec  # (a SummaryRecord too: Batch.__enter__ tells them apart)
     handle.start = _time_ns()
     rec.stages.append(handle)
-    if rec.batches is NO_BATCHES:
+    if rec.batches is NO_BATCHES:  # (here, in its context: batches form in any thread)
         rec.batches = []
-    return handle
-
-
-def _summarised_handle(owner: SummaryRecord) -> QueueHandle:
-    """The queue handle of a request left untimed and summarised: its ``queue`` stage's
-    times (the batch that takes it ends the stage and is added to ``owner.batches``)."""
-    handle = _new_handle(QueueHandle)
-    handle.name = _STAGE_QUEUE
-    handle.span_id = 0
-    handle.parent = handle.error = handle.device = None
-    handle.attrs = {}
-    handle.request = owner  # type: ignore[assignment]  # (a SummaryRecord: Batch.__enter__)
-    handle.end = None
-    handle.start = _time_ns()
-    owner.stages.append(handle)
-    if owner.batches is NO_BATCHES:  # (here, in its context: batches form in any thread)
-        owner.batches = []
     return handle
 
 

@@ -7,6 +7,8 @@ request's start). Every request of a counted route is then in the summaries alik
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -30,6 +32,20 @@ class _Share:
 
     def __call__(self, rt: Any, key: object, context: Any = None) -> float:
         return self.value
+
+
+@contextmanager
+def _route_learnt(app: FastAPI, clock: Any, monkeypatch: Any) -> Iterator[tuple[Any, _Share]]:
+    """``app`` instrumented, its untimed requests summarised and the budget's decision in
+    the test's hands, after one timed GET of ``/work`` (its route learnt): yields the
+    runtime and the decision (its value set to 0.0 leaves what follows untimed)."""
+    share = _Share()
+    monkeypatch.setattr(middleware, "timed_share", share)
+    inferprof.fastapi.instrument(app)
+    with budgeted_capture(MemoryExporter(), sample_rate=0.05, untimed_stages=True) as (
+            _cap, rt, _):
+        asyncio.run(_drive(app, clock, method="GET"))  # timed: the route learnt
+        yield rt, share
 
 
 async def _drive(app: Any, clock: Any, method: str = "POST", path: str = "/work",
@@ -364,12 +380,7 @@ def test_an_untimed_request_the_summaries_no_longer_take_is_dropped_once(clock, 
         return {"ok": True}
 
     app = _app_with(work, "get")
-    share = _Share()
-    monkeypatch.setattr(middleware, "timed_share", share)
-    inferprof.fastapi.instrument(app)
-    with budgeted_capture(MemoryExporter(), sample_rate=0.05, untimed_stages=True) as (
-            _cap, rt, _):
-        asyncio.run(_drive(app, clock, method="GET"))  # timed: the route learnt
+    with _route_learnt(app, clock, monkeypatch) as (rt, share):
         rt.summaries.close(5.0)
         before = inferprof.instrumentation.stats()
         share.value = 0.0
@@ -566,12 +577,7 @@ def test_headers_it_cannot_read_leave_an_untimed_request_served_and_summarised(
         return {"ok": True}
 
     app = _app_with(work, "get")
-    share = _Share()
-    monkeypatch.setattr(middleware, "timed_share", share)
-    inferprof.fastapi.instrument(app)
-    with budgeted_capture(MemoryExporter(), sample_rate=0.05, untimed_stages=True) as (
-            _cap, rt, _):
-        asyncio.run(_drive(app, clock, method="GET"))  # timed: the route learnt
+    with _route_learnt(app, clock, monkeypatch) as (rt, share):
         rt.summaries._pending.clear()
         share.value = 0.0
         for odd in ((bytearray(b"x-odd"), b"1"), (bytearray(b"traceparent"), b"?")):
