@@ -8,10 +8,20 @@ configuration of the demo app (``none``: uninstrumented; ``off``, ``production``
 clients, under valgrind's callgrind, which counts the instructions every thread executes.
 The event loop's count (thread 1: middleware, FastAPI, tokenizer, inferprof's request
 path) is taken for two request counts and differenced, so start-up and import cancel out:
-instructions per request = (Ir(N2) - Ir(N1)) / (N2 - N1). The batch worker is left out
-(the model runs the same in every configuration) and the model is the ``tiny`` one, to
-keep callgrind's ~50x slow-down bearable. ``production`` and ``full`` export over
-OTLP/gRPC to a sink in this process.
+instructions per request = (Ir(N2) - Ir(N1)) / (N2 - N1). The table's first columns are
+the event loop's; "all threads" adds the batch worker's (the model's and the batcher's
+hooks), the summaries', the span exporter's and gRPC's. The model is the ``tiny`` one, to
+keep callgrind's ~50x slow-down bearable (``--model-size small``, overhead.py's, takes
+some 40 minutes). ``production`` and ``full`` export over OTLP/gRPC to a sink in this
+process.
+
+Work done once per period of time is counted too often under that slow-down: the timing
+budget ends its 0.1 s period every ~4 requests instead of every ~34 at overhead.py's
+saturation, and the summaries export every 5 s, some 50 requests instead of ~1,700.
+``--virtual-rate R`` runs the budget's clock at R requests a second (its period's work
+then counts per request as at that rate) and folds the summaries once, at the end (their
+per-request work counted; the 5 s exports' own, a few µs a request at saturation by
+overhead.py's per-thread CPU, not).
 
 ``discard`` is ``production`` keeping no trace after the tail sampler's warm-up: the
 path of the ~85% of requests production mode does not keep; ``full`` keeps all.
@@ -23,11 +33,15 @@ counted in the summaries (contract §15).
 
 Instructions are not time: they leave out cache misses and how the CPU overlaps work.
 They are the part of the overhead that does not depend on the machine's mood, and they
-make a change of a few hundred instructions per request visible. Kept traces depend on
+make a change of a few hundred instructions per request visible. ``--cache-sim`` adds
+callgrind's simulated cache misses and its estimate of cycles (an L1 miss 10 cycles, a
+last-level one 100), closer to time: inferprof's path misses the caches more often per
+instruction than the code it wraps. Kept traces depend on
 latencies (the tail sampler), so ``production`` varies by a few thousand instructions from
 run to run.
 
-Needs ``valgrind`` (Debian: ``apt-get install valgrind``). About 4 minutes on 2 cores.
+Needs ``valgrind`` (Debian: ``apt-get install valgrind``). About 4 minutes on 2 cores
+(twice that with ``--cache-sim``).
 """
 
 from __future__ import annotations
@@ -96,8 +110,11 @@ def post_once(path: str, body: bytes) -> tuple[dict, Callable[[], Awaitable[dict
     return scope, receive
 
 
-def child(mode: str, n: int, endpoint: str | None) -> None:
-    """Serve ``n`` requests in-process (runs under callgrind)."""
+def child(mode: str, n: int, endpoint: str | None, model_size: str = "tiny",
+          virtual_rate: float = 0.0) -> None:
+    """Serve ``n`` requests in-process (runs under callgrind). ``virtual_rate``: when
+    set, the timing budget's clock runs at that many requests a second (``_virtual_clock``)
+    and the summaries fold once, at the end (``--virtual-rate``)."""
     import asyncio
 
     random.seed(0)
@@ -111,7 +128,7 @@ def child(mode: str, n: int, endpoint: str | None) -> None:
             instrumentation="production" if mode in _MODE_ENV else mode,
             endpoint=endpoint if exporting else None,
             service_name="request-instructions",
-            model_size="tiny",
+            model_size=model_size,
         )
     )
     bodies = [json.dumps({"text": p}).encode() for p in build_prompts(None, seed=0)]
@@ -138,18 +155,37 @@ def child(mode: str, n: int, endpoint: str | None) -> None:
                 await one(bodies[(done * 7919) % len(bodies)])
 
         async with app.router.lifespan_context(app):
-            await asyncio.gather(*(client() for _ in range(CLIENTS)))
             from inferprof._config import active_runtime
 
             rt = active_runtime()
+            if virtual_rate and rt is not None and rt.timing_budget is not None:
+                _virtual_clock(rt.timing_budget, virtual_rate)
+            await asyncio.gather(*(client() for _ in range(CLIENTS)))
             if rt is not None:
                 print(f"KEPT {rt.snapshot().traces_kept}", flush=True)
+        if virtual_rate and rt is not None:
+            import inferprof
+
+            inferprof.shutdown()  # the summaries' one fold of every request (and export)
 
     asyncio.run(main())
 
 
+def _virtual_clock(budget: object, rate: float) -> None:
+    """Run ``budget``'s clock at ``rate`` requests a second: each request's read advances
+    it by ``1 / rate`` s. Under callgrind the service runs some 50 times slower than at
+    saturation, so a timing budget on the real clock ends its 0.1 s period every few
+    requests instead of every ``rate / 10``: its period's work would count some ten times
+    over."""
+    ticks = iter(range(1, 1 << 62))
+    budget._clock = lambda: next(ticks) / rate  # type: ignore[attr-defined]
+    budget._period_start = 0.0  # type: ignore[attr-defined]
+    budget._period_end = 0.1  # type: ignore[attr-defined]  # (sampling._BUDGET_PERIOD_S)
+
+
 def count(
-    mode: str, n: int, endpoint: str | None, workdir: Path, cache_sim: bool = False
+    mode: str, n: int, endpoint: str | None, workdir: Path, cache_sim: bool = False,
+    model_size: str = "tiny", virtual_rate: float = 0.0,
 ) -> tuple[dict[str, int], int]:
     """Events of thread 1 serving ``n`` requests in ``mode`` (instructions ``Ir``; with
     ``cache_sim`` also simulated L1 misses: ``I1mr``, ``D1mr``, ``D1mw``), and the number
@@ -159,13 +195,16 @@ def count(
         "valgrind", "--tool=callgrind", "--separate-threads=yes",
         f"--cache-sim={'yes' if cache_sim else 'no'}",
         f"--callgrind-out-file={out}.%p", sys.executable, __file__,
-        "--child", mode, str(n), endpoint or "-",
+        "--child", mode, str(n), endpoint or "-", "--model-size", model_size,
+        "--virtual-rate", str(virtual_rate),
     ]
     # INFERPROF_MAX_TIMED_RATE=0: every request timed (the path counted here; at the
     # request rates of callgrind, the timing budget would not apply anyway)
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONHASHSEED="0",
                INFERPROF_MAX_TIMED_RATE="0")
     env.update(_MODE_ENV.get(mode, {}))
+    if virtual_rate:  # the summaries fold at the end only (child())
+        env["INFERPROF_SUMMARY_INTERVAL"] = "100000"
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"{mode} x {n} failed:\n{proc.stderr[-3000:]}")
@@ -173,13 +212,23 @@ def count(
     if len(main_thread) != 1:
         raise RuntimeError(f"no callgrind output for thread 1 of {mode} x {n}")
     kept = [int(line.split()[1]) for line in proc.stdout.splitlines() if line.startswith("KEPT ")]
+    events = _events(main_thread[0])
+    # every thread's instructions, as the event "all_Ir" (the batch worker's, the
+    # summaries' and the span exporter's threads, gRPC's...)
+    events["all_Ir"] = sum(_events(p).get("Ir", 0)
+                           for p in workdir.glob(f"cg.{mode}.{n}.*-*"))
+    return events, (kept[0] if kept else 0)
+
+
+def _events(path: Path) -> dict[str, int]:
+    """A callgrind output's event totals."""
     names: list[str] = []
-    for line in main_thread[0].read_text().splitlines():
+    for line in path.read_text().splitlines():
         if line.startswith("events:"):
             names = line.split()[1:]
         elif line.startswith(("summary:", "totals:")) and names:
-            return dict(zip(names, map(int, line.split()[1:]))), (kept[0] if kept else 0)
-    raise RuntimeError(f"no event totals in {main_thread[0]}")
+            return dict(zip(names, map(int, line.split()[1:]), strict=True))
+    raise RuntimeError(f"no event totals in {path}")
 
 
 def main() -> int:
@@ -190,11 +239,19 @@ def main() -> int:
     parser.add_argument("--cache-sim", action="store_true",
                         help="also simulate the L1 caches and print misses per request "
                              "(about twice as slow)")
+    parser.add_argument("--model-size", default="tiny",
+                        help="the demo model (default tiny; overhead.py's is small)")
+    parser.add_argument("--virtual-rate", type=float, default=0.0, metavar="R",
+                        help="run the timing budget's clock at R requests a second "
+                             "(overhead.py's saturation rate, for its period's work per "
+                             "request), and fold the summaries once at the end, counting "
+                             "their per-request work (not the 5 s exports')")
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         mode, n, endpoint = args.child
-        child(mode, int(n), None if endpoint == "-" else endpoint)
+        child(mode, int(n), None if endpoint == "-" else endpoint, args.model_size,
+              args.virtual_rate)
         return 0
     if shutil.which("valgrind") is None:
         print("request_instructions.py needs valgrind (Debian: apt-get install valgrind)",
@@ -214,7 +271,8 @@ def main() -> int:
         jobs = [(m, n) for m in modes for n in (n1, n2)]
         with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
             futures = {
-                job: pool.submit(count, *job, sink.endpoint, Path(tmp), args.cache_sim)
+                job: pool.submit(count, *job, sink.endpoint, Path(tmp), args.cache_sim,
+                                 args.model_size, args.virtual_rate)
                 for job in jobs
             }
             ir = {job: f.result() for job, f in futures.items()}
@@ -223,28 +281,50 @@ def main() -> int:
         return (ir[(m, n2)][0].get(event, 0) - ir[(m, n1)][0].get(event, 0)) / (n2 - n1)
 
     per_request = {m: per_req(m, "Ir") for m in modes}
+    all_threads = {m: per_req(m, "all_Ir") for m in modes}
     kept = {m: (ir[(m, n2)][1] - ir[(m, n1)][1]) / (n2 - n1) for m in modes}
 
     base = per_request.get("none")
+    base_all = all_threads.get("none")
     off = per_request.get("off")
-    print(f"Event-loop instructions per request (callgrind, thread 1; requests {n2} - {n1}, "
-          f"{CLIENTS} concurrent clients, demo model `tiny`; Python "
-          f"{sys.version.split()[0]}).\n")
-    cache_cols = " I1 misses / request | D1 misses / request |" if args.cache_sim else ""
-    print(f"| config | instructions / request | x none | extra over off | traces kept |{cache_cols}")
-    print("|---|---:|---:|---:|---:|" + ("---:|---:|" if args.cache_sim else ""))
+    clock = (f"; the timing budget's clock at {args.virtual_rate:g} requests a second, the "
+             "summaries folded once at the end" if args.virtual_rate else "")
+    print(f"Instructions per request (callgrind; requests {n2} - {n1}, {CLIENTS} concurrent "
+          f"clients, demo model `{args.model_size}`{clock}; Python "
+          f"{sys.version.split()[0]}). Event loop: thread 1; all threads: the batch "
+          "worker's, the summaries', the span exporter's and gRPC's too.\n")
+    cache_cols = (" I1 misses / request | D1 misses / request | last-level misses / request "
+                  "| est. cycles / request | x none |") if args.cache_sim else ""
+    print("| config | event loop / request | x none | extra over off | all threads / request "
+          f"| x none | traces kept |{cache_cols}")
+    print("|---|---:|---:|---:|---:|---:|---:|" + ("---:|" * 5 if args.cache_sim else ""))
+
+    def cycles(m: str) -> float:
+        # callgrind_annotate's and KCachegrind's estimate: an L1 miss 10 cycles, a
+        # last-level one 100, every instruction 1
+        l1 = per_req(m, "I1mr") + per_req(m, "D1mr") + per_req(m, "D1mw")
+        ll = per_req(m, "ILmr") + per_req(m, "DLmr") + per_req(m, "DLmw")
+        return per_req(m, "Ir") + 10 * l1 + 100 * ll
+
     for m in modes:
         v = per_request[m]
         ratio = f"{v / base:.3f}" if base else "-"
         extra = f"{v - off:+,.0f}" if off is not None and m not in ("none", "off") else "-"
-        share = f"{kept[m]:.1%}" if m in ("production", "discard", "full", "untimed", "counted") else "-"
-        row = f"| {LABELS[m]} | {v:,.0f} | {ratio} | {extra} | {share} |"
+        share = f"{kept[m]:.1%}" if m not in ("none", "off") else "-"
+        a = all_threads[m]
+        ratio_all = f"{a / base_all:.4f}" if base_all else "-"
+        row = f"| {LABELS[m]} | {v:,.0f} | {ratio} | {extra} | {a:,.0f} | {ratio_all} | {share} |"
         if args.cache_sim:
-            row += f" {per_req(m, 'I1mr'):,.0f} | {per_req(m, 'D1mr') + per_req(m, 'D1mw'):,.0f} |"
+            ll = per_req(m, "ILmr") + per_req(m, "DLmr") + per_req(m, "DLmw")
+            est = f"{cycles(m) / cycles('none'):.3f}" if base else "-"
+            row += (f" {per_req(m, 'I1mr'):,.0f} | {per_req(m, 'D1mr') + per_req(m, 'D1mw'):,.0f}"
+                    f" | {ll:,.0f} | {cycles(m):,.0f} | {est} |")
         print(row)
     if args.cache_sim:
         print("\nL1 misses: callgrind's simulated first-level caches (instruction; data read + "
-              "write), sized like this machine's.")
+              "write), sized like this machine's; last level: its simulated last-level cache. "
+              "Estimated cycles: instructions + 10 per L1 miss + 100 per last-level miss "
+              "(callgrind_annotate's estimate). The event loop's figures.")
     return 0
 
 
