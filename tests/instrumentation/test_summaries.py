@@ -711,13 +711,15 @@ def test_a_cancelled_request_is_no_error_in_its_summary_as_in_its_trace(clock):
     assert_summaries_match(exporter, spans)
 
 
-def test_requests_past_the_fold_threshold_wake_the_thread_whatever_the_interleaving():
+def test_requests_past_the_fold_threshold_wake_the_thread_whatever_the_interleaving(
+        monkeypatch):
     # Two request threads appending around the threshold: the second appends between the
     # first's append and its length check, so neither sees the threshold itself. The
     # waiting requests must still be folded before the interval (not held up to it, past
-    # it dropped when the buffer fills).
+    # it dropped when the buffer fills). (No fold each second here: the threshold's.)
     from collections import deque
 
+    monkeypatch.setattr(summaries_module, "_FOLD_EVERY_S", 3600.0)
     stats = Stats()
     s = Summaries(MemoryExporter(), None, None, stats, interval_s=3600, max_pending=64)
 
@@ -738,6 +740,34 @@ def test_requests_past_the_fold_threshold_wake_the_thread_whatever_the_interleav
         assert not s._pending, "the waiting requests were not folded"
     finally:
         s.close(5)
+
+
+def test_waiting_requests_are_folded_each_period_and_exported_each_interval(monkeypatch):
+    # A fold runs on the service's cores and delays the requests in flight for as long as
+    # it runs: the summaries fold what waits every _FOLD_EVERY_S, a fraction of what
+    # an interval holds at a time, and export once an interval, all of it.
+    monkeypatch.setattr(summaries_module, "_FOLD_EVERY_S", 0.05)
+    stats = Stats()
+    exporter = MemoryExporter()
+    s = Summaries(exporter, None, None, stats, interval_s=3600)
+    try:
+        for batch in range(3):
+            for i in range(10):
+                assert s.add(_entry(10 * batch + i))
+            deadline = time.monotonic() + 5
+            while (s._pending or s._folding) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert not s._pending, "the waiting requests were not folded"
+            assert s._folded == 10 * (batch + 1)  # folded, not exported: the interval's
+            assert not exporter.exports
+    finally:
+        s.close(5)
+    assert stats.summary_exports == 1 and not stats.summary_dropped
+    (count,) = [p.count for data in exporter.exports for rm in data.resource_metrics
+                for sm in rm.scope_metrics for m in sm.metrics
+                if m.name == semconv.METRIC_SUMMARY_REQUEST_DURATION
+                for p in m.data.data_points]
+    assert count == 30
 
 
 def test_a_request_ending_as_the_summaries_close_is_exported_or_counted_dropped():
