@@ -70,9 +70,10 @@ _FOLD_AT = 2048
 #: Seconds between two folds, at most. A fold runs on the service's cores and delays the
 #: requests in flight while it runs: one fold of a whole interval (some 13 ms for the
 #: 1,700 requests of 5 s at the demo's saturation) delayed the 32 in flight, 2% of the
-#: requests, enough to move the p99. Folded each second, a fold is a fifth of that, for
-#: about 1.5 µs a request more (the fold's fixed cost, five times an interval;
-#: docs/overhead.md).
+#: requests, enough to move the p99. Folded each second, a fold is a fifth of that; the
+#: folds run colder on a core the model shares (the summaries' thread read 15.5 µs of CPU
+#: a request there, against 8.0), and the waiting tuples no longer make young collections
+#: run (4.3 µs a request before): docs/overhead.md.
 _FOLD_EVERY_S = 1.0
 #: Seconds a process exiting without inferprof.shutdown() waits for its last export, at
 #: most.
