@@ -19,9 +19,9 @@ Work done once per period of time is counted too often under that slow-down: the
 budget ends its 0.1 s period every ~4 requests instead of every ~34 at overhead.py's
 saturation, and the summaries export every 5 s, some 50 requests instead of ~1,700.
 ``--virtual-rate R`` runs the budget's clock at R requests a second (its period's work
-then counts per request as at that rate) and folds the summaries once, at the end (their
-per-request work counted; the 5 s exports' own, a few µs a request at saturation by
-overhead.py's per-thread CPU, not).
+then counts per request as at that rate), folds the summaries every R requests (each
+second at that rate) and exports them once, at the end (the 5 s exports' own work, a few
+µs a request at saturation by overhead.py's per-thread CPU, is not counted: it cancels).
 
 ``discard`` is ``production`` keeping no trace after the tail sampler's warm-up: the
 path of the ~85% of requests production mode does not keep; ``full`` keeps all.
@@ -114,10 +114,15 @@ def child(mode: str, n: int, endpoint: str | None, model_size: str = "tiny",
           virtual_rate: float = 0.0) -> None:
     """Serve ``n`` requests in-process (runs under callgrind). ``virtual_rate``: when
     set, the timing budget's clock runs at that many requests a second (``_virtual_clock``)
-    and the summaries fold once, at the end (``--virtual-rate``)."""
+    and the summaries fold every ``virtual_rate`` requests, as each second at that rate,
+    then once more and export at the end (``--virtual-rate``)."""
     import asyncio
 
     random.seed(0)
+    if virtual_rate:  # no fold by the clock: by the count of requests waiting, below
+        from inferprof.instrumentation import summaries
+
+        summaries._FOLD_EVERY_S = float("inf")  # type: ignore[attr-defined]
     from inferprof.demo.loadgen import build_prompts
     from inferprof.demo.service import create_app
     from inferprof.demo.settings import DemoSettings
@@ -160,13 +165,19 @@ def child(mode: str, n: int, endpoint: str | None, model_size: str = "tiny",
             rt = active_runtime()
             if virtual_rate and rt is not None and rt.timing_budget is not None:
                 _virtual_clock(rt.timing_budget, virtual_rate)
+            if virtual_rate and rt is not None and rt.summaries is not None:
+                rt.summaries._fold_at = max(1, round(virtual_rate))  # type: ignore[attr-defined]
             await asyncio.gather(*(client() for _ in range(CLIENTS)))
             if rt is not None:
                 print(f"KEPT {rt.snapshot().traces_kept}", flush=True)
-        if virtual_rate and rt is not None:
-            import inferprof
+            if virtual_rate and rt is not None:
+                import inferprof
 
-            inferprof.shutdown()  # the summaries' one fold of every request (and export)
+                # the last fold and the export, however slow callgrind makes them (the
+                # lifespan's own shutdown gives the summaries 1.5 s)
+                inferprof.shutdown(timeout_millis=600_000)
+                stats = rt.stats
+                print(f"SUMMARIES {stats.summary_exports} {stats.summary_dropped}", flush=True)
 
     asyncio.run(main())
 
@@ -212,6 +223,9 @@ def count(
     if len(main_thread) != 1:
         raise RuntimeError(f"no callgrind output for thread 1 of {mode} x {n}")
     kept = [int(line.split()[1]) for line in proc.stdout.splitlines() if line.startswith("KEPT ")]
+    for line in proc.stdout.splitlines():
+        if line.startswith("SUMMARIES ") and line.split()[2] != "0":
+            raise RuntimeError(f"{mode} x {n}: summaries dropped ({line}): the count is short")
     events = _events(main_thread[0])
     # every thread's instructions, as the event "all_Ir" (the batch worker's, the
     # summaries' and the span exporter's threads, gRPC's...)
@@ -227,7 +241,8 @@ def _events(path: Path) -> dict[str, int]:
         if line.startswith("events:"):
             names = line.split()[1:]
         elif line.startswith(("summary:", "totals:")) and names:
-            return dict(zip(names, map(int, line.split()[1:]), strict=True))
+            # (callgrind leaves trailing zero counts off: events missing are 0)
+            return dict(zip(names, map(int, line.split()[1:]), strict=False))
     raise RuntimeError(f"no event totals in {path}")
 
 
@@ -244,8 +259,8 @@ def main() -> int:
     parser.add_argument("--virtual-rate", type=float, default=0.0, metavar="R",
                         help="run the timing budget's clock at R requests a second "
                              "(overhead.py's saturation rate, for its period's work per "
-                             "request), and fold the summaries once at the end, counting "
-                             "their per-request work (not the 5 s exports')")
+                             "request), fold the summaries every R requests (each second "
+                             "at that rate) and export them once at the end")
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -264,6 +279,9 @@ def main() -> int:
     n1, n2 = (int(x) for x in args.requests.split(","))
     if not 0 < n1 < n2:
         parser.error("--requests takes two counts, the first smaller")
+    if args.virtual_rate and 0.1 * args.virtual_rate >= n1:
+        # the timing budget's first period (every request timed) must end in both runs
+        parser.error("--virtual-rate R needs R / 10 requests below the first count")
 
     from overhead import NullSink
 

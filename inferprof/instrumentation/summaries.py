@@ -9,8 +9,8 @@ with DELTA temporality. Kept traces of summarised requests carry
 Cost on the request's thread: one flat tuple of primitives (the stage spans' names and
 times) appended to a bounded deque (:meth:`Summaries.add`); it holds no reference to a
 record, so the records of a request not kept die with it, as before. A daemon thread does
-the rest, vectorised over the requests waiting: it folds them each second (sooner when
-many wait) and exports once an interval:
+the rest, vectorised over the requests waiting: it folds them about each second (sooner
+when many wait) and exports once an interval:
 ``inferprof.timing.partition_many`` (``partition``, the collector's definition of stage
 and exclusive time, with numpy), bucketing with ``inferprof.timing.exp_index``, and the
 export. Memory is bounded: at most ``max_pending`` requests wait to be folded (past
@@ -67,7 +67,8 @@ _MAX_BUCKETS = 8192
 #: tuples a young garbage collection finds alive: a few thousand of them make a
 #: collection run in a service that summarises every request).
 _FOLD_AT = 2048
-#: Seconds between two folds, at most. A fold runs on the service's cores and delays the
+#: Seconds between two folds' starts, about (none runs while an export does; an interval
+#: shorter than this folds each interval). A fold runs on the service's cores and delays the
 #: requests in flight while it runs: one fold of a whole interval (some 13 ms for the
 #: 1,700 requests of 5 s at the demo's saturation) delayed the 32 in flight, 2% of the
 #: requests, enough to move the p99. Folded each second, a fold is a fifth of that; the
@@ -256,12 +257,11 @@ class Summaries:
             self._wake.wait(max(0.0, min(next_export, next_fold) - time.monotonic()))
             self._wake.clear()
             stop = self._stop
-            try:
+            next_fold = time.monotonic() + fold_every  # (set first: a fold that raised
+            try:  # must not leave it in the past, the loop spinning)
                 self._fold()
-                now = time.monotonic()
-                next_fold = now + fold_every
-                if stop or now >= next_export:
-                    next_export = now + self.interval_s
+                if stop or time.monotonic() >= next_export:
+                    next_export = time.monotonic() + self.interval_s
                     self._export()
             except Exception:  # never let the thread die: later summaries still count
                 _logger.exception("inferprof could not fold or export its summaries")

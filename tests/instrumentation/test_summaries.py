@@ -755,10 +755,11 @@ def test_waiting_requests_are_folded_each_period_and_exported_each_interval(monk
             for i in range(10):
                 assert s.add(_entry(10 * batch + i))
             deadline = time.monotonic() + 5
-            while (s._pending or s._folding) and time.monotonic() < deadline:
+            while s._folded < 10 * (batch + 1) and time.monotonic() < deadline:
                 time.sleep(0.01)
-            assert not s._pending, "the waiting requests were not folded"
-            assert s._folded == 10 * (batch + 1)  # folded, not exported: the interval's
+            with s._account:
+                assert not s._pending, "the waiting requests were not folded"
+                assert s._folded == 10 * (batch + 1)  # folded, not exported: the interval's
             assert not exporter.exports
     finally:
         s.close(5)
