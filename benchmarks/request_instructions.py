@@ -214,7 +214,7 @@ def count(
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONHASHSEED="0",
                INFERPROF_MAX_TIMED_RATE="0")
     env.update(_MODE_ENV.get(mode, {}))
-    if virtual_rate:  # the summaries fold at the end only (child())
+    if virtual_rate:  # the summaries export at the end only (child() folds them)
         env["INFERPROF_SUMMARY_INTERVAL"] = "100000"
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
@@ -306,7 +306,8 @@ def main() -> int:
     base_all = all_threads.get("none")
     off = per_request.get("off")
     clock = (f"; the timing budget's clock at {args.virtual_rate:g} requests a second, the "
-             "summaries folded once at the end" if args.virtual_rate else "")
+             f"summaries folded every {args.virtual_rate:g} requests" if args.virtual_rate
+             else "")
     print(f"Instructions per request (callgrind; requests {n2} - {n1}, {CLIENTS} concurrent "
           f"clients, demo model `{args.model_size}`{clock}; Python "
           f"{sys.version.split()[0]}). Event loop: thread 1; all threads: the batch "
@@ -317,12 +318,14 @@ def main() -> int:
           f"| x none | traces kept |{cache_cols}")
     print("|---|---:|---:|---:|---:|---:|---:|" + ("---:|" * 5 if args.cache_sim else ""))
 
+    def last_level(m: str) -> float:
+        return per_req(m, "ILmr") + per_req(m, "DLmr") + per_req(m, "DLmw")
+
     def cycles(m: str) -> float:
         # callgrind_annotate's and KCachegrind's estimate: an L1 miss 10 cycles, a
         # last-level one 100, every instruction 1
         l1 = per_req(m, "I1mr") + per_req(m, "D1mr") + per_req(m, "D1mw")
-        ll = per_req(m, "ILmr") + per_req(m, "DLmr") + per_req(m, "DLmw")
-        return per_req(m, "Ir") + 10 * l1 + 100 * ll
+        return per_req(m, "Ir") + 10 * l1 + 100 * last_level(m)
 
     for m in modes:
         v = per_request[m]
@@ -333,10 +336,9 @@ def main() -> int:
         ratio_all = f"{a / base_all:.4f}" if base_all else "-"
         row = f"| {LABELS[m]} | {v:,.0f} | {ratio} | {extra} | {a:,.0f} | {ratio_all} | {share} |"
         if args.cache_sim:
-            ll = per_req(m, "ILmr") + per_req(m, "DLmr") + per_req(m, "DLmw")
             est = f"{cycles(m) / cycles('none'):.3f}" if base else "-"
             row += (f" {per_req(m, 'I1mr'):,.0f} | {per_req(m, 'D1mr') + per_req(m, 'D1mw'):,.0f}"
-                    f" | {ll:,.0f} | {cycles(m):,.0f} | {est} |")
+                    f" | {last_level(m):,.0f} | {cycles(m):,.0f} | {est} |")
         print(row)
     if args.cache_sim:
         print("\nL1 misses: callgrind's simulated first-level caches (instruction; data read + "
