@@ -547,6 +547,77 @@ def test_requests_past_the_key_bound_leave_every_data_point_consistent(folds):
         assert c["tail_ns"] == c["requests"] * MS
 
 
+def _spread_entry(i: int, ns: int) -> tuple:
+    start = 10**18 + i * 10 * MS
+    return (start, start + 2 * ns, False, "m", 1.0, ("compute", start, start + ns), False)
+
+
+def _buckets_by_point(exports) -> dict:
+    return {(name, k): (d["zero"], dict(d["buckets"]), d["count"])
+            for name, points in decode(exports).items() for k, d in points.items()}
+
+
+def test_folds_that_widen_each_data_points_range_equal_one_fold(fold_counting):
+    # Stage times from 3 µs to 40 ms, folded in an order that widens every data point's
+    # buckets downwards, upwards and inside (each fold adds into the counts the earlier
+    # ones left), give the same export, bucket for bucket, as one fold of them all; and
+    # both equal the buckets computed value by value.
+    import random
+
+    rng = random.Random(3)
+    times = [int(3_000 * 1.3 ** rng.uniform(0, 35)) for _ in range(400)]
+    entries = [_spread_entry(i, ns) for i, ns in enumerate(times)]
+    o = sorted(range(400), key=lambda i: times[i])
+    parts = [
+        [i for k, i in enumerate(o[100:250]) if k % 3],  # the middle
+        o[:100] + o[100:250:3],  # lower, into the middle's range: grown, overlapping
+        [i for k, i in enumerate(o[250:]) if k % 5],  # higher: grown
+        o[250::5],  # inside the range: added in place
+        [],  # nothing new
+    ]
+    exports = []
+    for folds in ([list(range(400))], parts):
+        exporter = MemoryExporter()
+        s = Summaries(exporter, None, _SCOPE, Stats(), interval_s=3600)
+        for part in folds:
+            for i in part:
+                assert s.add(entries[i])
+            s._fold()
+        s.close(10)
+        exports.append(_buckets_by_point(exporter.exports))
+    assert exports[0] == exports[1]
+    got = exports[0][(semconv.METRIC_SUMMARY_STAGE_DURATION,
+                      _key({semconv.ATTR_MODEL_NAME: "m", semconv.ATTR_STAGE: "compute"}))]
+    want = Counter((DEFAULT_SUMMARY_SCALE, int(exp_index([ns * 1e-9])[0])) for ns in times)
+    assert got == (0, dict(want), 400)
+
+
+def test_an_export_past_the_bucket_bound_is_downscaled_exactly(monkeypatch):
+    # Past _MAX_BUCKETS the export's scale is lowered: bucket i becomes i >> shift (OTLP's
+    # downscaling), the counts summed, none lost.
+    monkeypatch.setattr(summaries_module, "_MAX_BUCKETS", 64)
+    times = [3_000 * 2 ** (k / 7) for k in range(0, 140, 3)]  # 3 µs to ~3 s: 20 octaves
+    exporter = MemoryExporter()
+    s = Summaries(exporter, None, _SCOPE, Stats(), interval_s=3600)
+    for i, ns in enumerate(times):
+        assert s.add(_spread_entry(i, int(ns)))
+        if i % 9 == 0:
+            s._fold()
+    s.close(10)
+    (data,) = exporter.exports
+    (metric,) = [m for m in data.resource_metrics[0].scope_metrics[0].metrics
+                 if m.name == semconv.METRIC_SUMMARY_STAGE_DURATION]
+    (point,) = [p for p in metric.data.data_points
+                if p.attributes[semconv.ATTR_STAGE] == "compute"]
+    shift = DEFAULT_SUMMARY_SCALE - point.scale
+    assert shift > 0 and len(point.positive.bucket_counts) <= 64
+    want = Counter(int(exp_index([int(ns) * 1e-9])[0]) >> shift for ns in times)
+    got = {point.positive.offset + j: n
+           for j, n in enumerate(point.positive.bucket_counts) if n}
+    assert got == dict(want) and point.count == len(times)
+    assert point.positive.bucket_counts[0] and point.positive.bucket_counts[-1]
+
+
 def test_a_failing_exporter_is_counted_and_the_service_runs_on(clock):
     exporter = MemoryExporter(fail=True)
     with captured(mode="production", max_timed_rate=0, sample_rate=0.05, summary_exporter=exporter,
