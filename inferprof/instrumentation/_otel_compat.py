@@ -135,6 +135,14 @@ def http_sender(exporter: Any) -> Callable[[bytes], bool] | None:
     return send
 
 
+def http_session(exporter: Any) -> Any:
+    """The ``requests`` session the SDK OTLP/HTTP exporter posts through (1.40 and later:
+    its client's transport's; earlier: its own), or None."""
+    transport = getattr(getattr(exporter, "_client", None), "_transport", None)
+    session = getattr(transport, "_session", None) or getattr(exporter, "_session", None)
+    return session if hasattr(session, "merge_environment_settings") else None
+
+
 def http_is_shut_down(exporter: Any) -> bool:
     return bool(exporter._shutdown)
 
@@ -147,5 +155,6 @@ def http_max_request_size(exporter: Any) -> int:
 __all__ = [
     "HAS_GLOBAL_PROVIDER_SLOT", "OTEL_CONTEXT", "SPAN_KEY", "global_tracer_provider",
     "grpc_span_exporter_class", "http_is_shut_down", "http_max_request_size", "http_sender",
+    "http_session",
     "root_sampler", "span_processor", "static_decision", "suppressed_instrumentation",
 ]

@@ -46,6 +46,10 @@ def http_span_exporter(**kwargs: Any) -> Any:
         def __init__(self, **options: Any) -> None:
             super().__init__(**options)
             self._send = compat.http_sender(self)
+            session = compat.http_session(self)
+            if session is not None:
+                url = getattr(self, "_endpoint", None) or options.get("endpoint", "")
+                settle_environment(session, url)
             #: the counting exporter may hand it EncodedSpans (bytes built from records)
             self.accepts_encoded = self._send is not None
 
@@ -68,4 +72,28 @@ def http_span_exporter(**kwargs: Any) -> Any:
     return FastHTTPSpanExporter(**kwargs)
 
 
-__all__ = ["grpc_span_exporter", "http_span_exporter"]
+def settle_environment(session: Any, url: str) -> None:
+    """Read what a ``requests`` session takes from the environment for ``url`` once, here,
+    instead of at every post: its proxy (``HTTPS_PROXY``, ``NO_PROXY``, ...), CA bundle
+    (``REQUESTS_CA_BUNDLE``, ``CURL_CA_BUNDLE``, which win over the session's own, as
+    requests has it) and ``.netrc`` credentials. With ``trust_env`` set, requests scans
+    ``os.environ`` and looks for a ``.netrc`` file at each request: about a third of the
+    CPU of a post (docs/overhead.md). The same settings, read at start-up: a change to the
+    environment later is not seen."""
+    if not session.trust_env:
+        return
+    try:
+        from requests.utils import get_netrc_auth
+
+        settings = session.merge_environment_settings(url, {}, None, None, None)
+        auth = session.auth if session.auth is not None else get_netrc_auth(url)
+    except Exception:  # left as it was: read at each post
+        _logger.exception("inferprof could not read the exporter's environment settings")
+        return
+    session.proxies = settings["proxies"]
+    session.verify = settings["verify"]
+    session.auth = auth
+    session.trust_env = False
+
+
+__all__ = ["grpc_span_exporter", "http_span_exporter", "settle_environment"]

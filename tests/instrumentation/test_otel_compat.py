@@ -94,6 +94,7 @@ def test_the_grpc_exporter_translates_through_the_hook_it_overrides():
 def test_the_http_exporter_sends_bytes_through_its_client():
     exporter = HttpExp(endpoint="http://127.0.0.1:1/v1/traces")
     assert compat.http_sender(exporter) is not None  # exporter-otlp-proto-http >= 1.40
+    assert compat.http_session(exporter) is not None  # its requests session
     assert compat.http_max_request_size(exporter) >= 0
     assert not compat.http_is_shut_down(exporter)
     exporter.shutdown()
