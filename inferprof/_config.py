@@ -52,7 +52,11 @@ from inferprof.instrumentation.config import (
     resource,
     traces_endpoint,
 )
-from inferprof.instrumentation.exporters import grpc_span_exporter, http_span_exporter
+from inferprof.instrumentation.exporters import (
+    grpc_span_exporter,
+    http_span_exporter,
+    settle_exporter_environment,
+)
 from inferprof.instrumentation.processor import BatchSpanProcessor
 from inferprof.instrumentation.runtime import Runtime
 from inferprof.semconv import MODE_PRODUCTION
@@ -228,10 +232,12 @@ def _summary_exporter(config: Config) -> Any:
     """The OTLP metric exporter the summaries go through; None (logged) if it cannot be
     built: the service then runs with traces only."""
     try:
-        return metric_exporter(config)
+        exporter = metric_exporter(config)
     except Exception:
         _logger.exception("inferprof could not build its summary exporter; traces only")
         return None
+    settle_exporter_environment(exporter)  # (OTLP/HTTP: read once, as the span exporter's)
+    return exporter
 
 
 def _span_processor(config: Config, span_exporter: Any, stats: Stats) -> BatchSpanProcessor:

@@ -143,6 +143,39 @@ def http_session(exporter: Any) -> Any:
     return session if hasattr(session, "merge_environment_settings") else None
 
 
+def http_endpoint(exporter: Any) -> str | None:
+    """The URL the SDK OTLP/HTTP exporter posts to, or None."""
+    url = getattr(exporter, "_endpoint", None)
+    return url if isinstance(url, str) and url else None
+
+
+def metrics_request_sender(exporter: Any) -> Callable[[Any], bool] | None:
+    """``send(ExportMetricsServiceRequest) -> ok`` through the SDK OTLP/HTTP metric
+    exporter's own step after its encoder (its client: headers, compression, TLS, timeout,
+    retries; its size limit and self-metrics), for a request built without the SDK's
+    metric objects; None for any other exporter (gRPC, a subclass, a release without that
+    step, one splitting its batches)."""
+    try:
+        from opentelemetry.exporter.otlp.proto.http.metric_exporter import (
+            OTLPMetricExporter,
+        )
+        from opentelemetry.sdk.metrics.export import MetricExportResult
+    except ImportError:
+        return None
+    batch = getattr(exporter, "_export_batch", None)
+    if (type(exporter) is not OTLPMetricExporter or not callable(batch)
+            or not hasattr(exporter, "_shutdown")
+            or getattr(exporter, "_max_export_batch_size", None) is not None):
+        return None
+
+    def send(request: Any) -> bool:
+        if exporter._shutdown:  # (as its export())
+            return False
+        return batch(request) is MetricExportResult.SUCCESS
+
+    return send
+
+
 def http_is_shut_down(exporter: Any) -> bool:
     return bool(exporter._shutdown)
 
@@ -154,7 +187,7 @@ def http_max_request_size(exporter: Any) -> int:
 
 __all__ = [
     "HAS_GLOBAL_PROVIDER_SLOT", "OTEL_CONTEXT", "SPAN_KEY", "global_tracer_provider",
-    "grpc_span_exporter_class", "http_is_shut_down", "http_max_request_size", "http_sender",
-    "http_session",
-    "root_sampler", "span_processor", "static_decision", "suppressed_instrumentation",
+    "grpc_span_exporter_class", "http_endpoint", "http_is_shut_down", "http_max_request_size",
+    "http_sender", "http_session", "metrics_request_sender", "root_sampler", "span_processor",
+    "static_decision", "suppressed_instrumentation",
 ]

@@ -46,10 +46,7 @@ def http_span_exporter(**kwargs: Any) -> Any:
         def __init__(self, **options: Any) -> None:
             super().__init__(**options)
             self._send = compat.http_sender(self)
-            session = compat.http_session(self)
-            if session is not None:
-                url = getattr(self, "_endpoint", None) or options.get("endpoint", "")
-                settle_environment(session, url)
+            settle_exporter_environment(self)
             #: the counting exporter may hand it EncodedSpans (bytes built from records)
             self.accepts_encoded = self._send is not None
 
@@ -70,6 +67,15 @@ def http_span_exporter(**kwargs: Any) -> Any:
             return SpanExportResult.SUCCESS if self._send(payload) else SpanExportResult.FAILURE
 
     return FastHTTPSpanExporter(**kwargs)
+
+
+def settle_exporter_environment(exporter: Any) -> None:
+    """:func:`settle_environment` for an SDK OTLP/HTTP exporter's session and endpoint
+    (nothing for one without them: gRPC, other releases)."""
+    session = compat.http_session(exporter)
+    url = compat.http_endpoint(exporter)
+    if session is not None and url:
+        settle_environment(session, url)
 
 
 def settle_environment(session: Any, url: str) -> None:
@@ -96,4 +102,5 @@ def settle_environment(session: Any, url: str) -> None:
     session.trust_env = False
 
 
-__all__ = ["grpc_span_exporter", "http_span_exporter", "settle_environment"]
+__all__ = ["grpc_span_exporter", "http_span_exporter", "settle_environment",
+           "settle_exporter_environment"]

@@ -618,6 +618,94 @@ def test_an_export_past_the_bucket_bound_is_downscaled_exactly(monkeypatch):
     assert point.positive.bucket_counts[0] and point.positive.bucket_counts[-1]
 
 
+@pytest.mark.parametrize("max_buckets", [8192, 48])
+def test_the_request_built_from_the_state_is_the_sdk_encoders(monkeypatch, max_buckets):
+    # The OTLP/HTTP export's request message, built straight from the state, equals what
+    # the SDK's encoder makes of the SDK's metric objects: models (one None), weights,
+    # errors, marks, zero-length stages, untimed requests counted; downscaled too.
+    import random
+
+    from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
+    from opentelemetry.sdk.resources import Resource
+
+    monkeypatch.setattr(summaries_module, "_MAX_BUCKETS", max_buckets)
+    rng = random.Random(11)
+    s = Summaries(MemoryExporter(), Resource({"service.name": "svc", "n": 3}), _SCOPE,
+                  Stats(), interval_s=3600)
+    for i in range(300):
+        start = 10**18 + i * MS
+        ns = int(2_000 * 1.4 ** rng.uniform(0, 30))
+        stage = ("compute" if i % 3 else "queue", start, start + (0 if i % 17 == 0 else ns))
+        s.add((start, start + 2 * ns + 1, i % 7 == 0, rng.choice(["a", "b", None]),
+               rng.choice([1.0, 4.0]), stage, i % 5 == 0))
+        s.add_untimed((start, start + ns, i % 9 == 0, "a"))
+        if i % 100 == 99:
+            s._fold()
+    tables = (s._requests, s._stages, s._tail, s._counted)
+    assert all(tables)
+    built = s._request(*tables, 5, 6)
+    assert built == encode_metrics(s._metrics_data(*tables, 5, 6))
+    assert max_buckets == 8192 or built.resource_metrics[0].scope_metrics[0].metrics[
+        0].exponential_histogram.data_points[0].scale < DEFAULT_SUMMARY_SCALE
+    s.close(10)
+
+
+@pytest.mark.parametrize("encoder", ["built", "sdk"])
+def test_an_otlp_http_exporter_posts_the_summaries_to_a_real_receiver(monkeypatch, encoder):
+    # The SDK's OTLP/HTTP metric exporter posts the request built from the state; should
+    # building it fail, the SDK's objects and encoder still deliver the same figures.
+    import http.server
+
+    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+        ExportMetricsServiceRequest,
+    )
+
+    bodies: list[bytes] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            bodies.append(self.rfile.read(int(self.headers["Content-Length"])))
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        if encoder == "sdk":
+            def broken(*args, **kwargs):
+                raise RuntimeError("not built")
+
+            monkeypatch.setattr(summaries_module.summary_otlp, "request", broken)
+        exporter = OTLPMetricExporter(
+            endpoint=f"http://127.0.0.1:{server.server_address[1]}/v1/metrics")
+        from opentelemetry.sdk.resources import Resource
+
+        stats = Stats()
+        s = Summaries(exporter, Resource({"service.name": "svc"}), _SCOPE, stats,
+                      interval_s=3600)
+        assert s._send_request is not None  # (the SDK's exporter: the request is built)
+        for i in range(3):
+            assert s.add(_stage_entry(i, "m", "compute"))
+        s.close(10)
+        assert stats.summary_exports == 1 and stats.summary_dropped == 0
+        (body,) = bodies
+        request = ExportMetricsServiceRequest.FromString(body)
+        (metrics,) = [sm.metrics for rm in request.resource_metrics for sm in rm.scope_metrics]
+        counts = {m.name: sum(p.count for p in m.exponential_histogram.data_points)
+                  for m in metrics}
+        assert counts == {semconv.METRIC_SUMMARY_REQUEST_DURATION: 3,
+                          semconv.METRIC_SUMMARY_STAGE_DURATION: 6,  # compute, unattributed
+                          semconv.METRIC_SUMMARY_STAGE_TAIL: 3 * MS}  # (ns)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_a_failing_exporter_is_counted_and_the_service_runs_on(clock):
     exporter = MemoryExporter(fail=True)
     with captured(mode="production", max_timed_rate=0, sample_rate=0.05, summary_exporter=exporter,
