@@ -28,6 +28,9 @@ docs/demo.md) runs under uvicorn on 127.0.0.1, one long-lived process per config
                   (INFERPROF_MAX_TIMED_RATE_SUMMARISED=0): what (d) was before
                   max_timed_rate_summarised
   (e) off         inferprof installed and called everywhere, configured off
+  (dx) production (with ``--compare-with DIR``) (d) again, the service importing the
+                  inferprof source tree at DIR (another checkout) instead of this one: two
+                  versions of the code side by side in the same run, the same rounds
   (c') full, exporter down        and        (d') production, exporter down
 
 (b)-(d) export to an OTLP sink in this process that counts and drops what it receives:
@@ -240,7 +243,7 @@ class Config:
     env: dict = field(default_factory=dict)
 
 
-def configs(endpoint_down: bool) -> list[Config]:
+def configs(endpoint_down: bool, compare_with: str | None = None) -> list[Config]:
     out = [
         Config("a", "uninstrumented", INSTRUMENTATION_NONE, "-"),
         Config("a2", "uninstrumented, second process (control)", INSTRUMENTATION_NONE, "-"),
@@ -256,6 +259,9 @@ def configs(endpoint_down: bool) -> list[Config]:
                env={"INFERPROF_MAX_TIMED_RATE_SUMMARISED": "0"}),
         Config("e", "inferprof off", semconv.MODE_OFF, "-"),
     ]
+    if compare_with:
+        out.append(Config("dx", f"inferprof production, the code at {compare_with}",
+                          semconv.MODE_PRODUCTION, "sink", env={"PYTHONPATH": compare_with}))
     if endpoint_down:
         out += [
             Config("c'", "inferprof full, exporter down", semconv.MODE_FULL, "down"),
@@ -520,12 +526,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--same-processes", action="store_true",
                         help="start each service once and keep it for every round (faster; "
                              "process-to-process differences then stay in the ratios)")
+    parser.add_argument("--compare-with", metavar="DIR",
+                        help="also run (dx): (d) with the inferprof source tree at DIR (a "
+                             "folder holding the inferprof package, e.g. another checkout) "
+                             "first on the service's path")
     parser.add_argument("--out", help="also write the tables to this Markdown file")
     args = parser.parse_args(argv)
+    compare_with = None
+    if args.compare_with:
+        compare_with = os.path.abspath(args.compare_with)
+        if not os.path.isfile(os.path.join(compare_with, "inferprof", "__init__.py")):
+            parser.error(f"--compare-with: no inferprof package in {compare_with}")
 
-    cfgs = configs(not args.no_endpoint_down)
+    cfgs = configs(not args.no_endpoint_down, compare_with)
     if args.only:
         keep = {"a", "a2", *(k.strip() for k in args.only.split(","))}
+        if compare_with:
+            keep.add("dx")
         cfgs = [c for c in cfgs if c.key in keep]
     if args.no_control:
         cfgs = [c for c in cfgs if c.key != "a2"]

@@ -83,8 +83,8 @@ def settle_environment(session: Any, url: str) -> None:
     instead of at every post: its proxy (``HTTPS_PROXY``, ``NO_PROXY``, ...), CA bundle
     (``REQUESTS_CA_BUNDLE``, ``CURL_CA_BUNDLE``, which win over the session's own, as
     requests has it) and ``.netrc`` credentials. With ``trust_env`` set, requests scans
-    ``os.environ`` and looks for a ``.netrc`` file at each request: about a third of the
-    CPU of a post (docs/overhead.md). The same settings, read at start-up: a change to the
+    ``os.environ`` and looks for a ``.netrc`` file at each request, a large part of the CPU
+    of a post (docs/overhead.md). The same settings, read at start-up: a change to the
     environment later is not seen."""
     if not session.trust_env:
         return

@@ -71,12 +71,9 @@ _MAX_BUCKETS = 8192
 _FOLD_AT = 2048
 #: Seconds between two folds' starts, about (none runs while an export does; an interval
 #: shorter than this folds each interval). A fold runs on the service's cores and delays the
-#: requests in flight while it runs: one fold of a whole interval (some 13 ms for the
-#: 1,700 requests of 5 s at the demo's saturation) delayed the 32 in flight, 2% of the
-#: requests, enough to move the p99. Folded each second, a fold is a fifth of that; the
-#: folds run colder on a core the model shares (the summaries' thread read 15.5 µs of CPU
-#: a request there, against 8.0), and the waiting tuples no longer make young collections
-#: run (4.3 µs a request before): docs/overhead.md.
+#: requests in flight while it runs: one fold of a whole interval at the demo's saturation
+#: delayed enough of them to move the p99; folded each second, a fold is a fifth of that,
+#: and the waiting tuples no longer make young collections run (docs/overhead.md).
 _FOLD_EVERY_S = 1.0
 #: Seconds a process exiting without inferprof.shutdown() waits for its last export, at
 #: most.
@@ -595,8 +592,8 @@ class Summaries:
                  tail: dict[_Key, _Buckets], counted: dict[_Key, _Buckets],
                  start: int, now: int) -> Any:
         """The export as the OTLP request message the SDK's encoder would make of
-        :meth:`_metrics_data`, built straight from the state (``summary_otlp``): a
-        fifth of the CPU, for the OTLP/HTTP exporter (``_send_request``)."""
+        :meth:`_metrics_data`, built straight from the state (``summary_otlp``), for the
+        OTLP/HTTP exporter (``_send_request``): a fraction of the CPU."""
         frame = self._frame
         if frame is None or frame[0] is not self.resource:
             frame = self._frame = (self.resource, summary_otlp.frame(self.resource,

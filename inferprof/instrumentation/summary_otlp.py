@@ -1,9 +1,8 @@
 """The summaries' export as an OTLP request message, built straight from their state.
 
 The SDK's path makes one ``ExponentialHistogramDataPoint`` object per data point, then its
-encoder makes a message of each and copies it into the request: some 3 ms for the twenty
-data points of an export on the demo (docs/overhead.md), where filling the request in place
-takes a fifth of that. The message is the one the SDK's encoder makes of the same data
+encoder makes a message of each and copies it into the request; filling the request in
+place costs a fraction of that (docs/overhead.md). The message is the one the SDK's encoder makes of the same data
 (``tests/instrumentation/test_summaries.py`` compares them); the resource and scope are
 encoded by the SDK, once per resource (:func:`frame`).
 """
