@@ -31,6 +31,7 @@ docs/demo.md) runs under uvicorn on 127.0.0.1, one long-lived process per config
   (dx) production (with ``--compare-with DIR``) (d) again, the service importing the
                   inferprof source tree at DIR (another checkout) instead of this one: two
                   versions of the code side by side in the same run, the same rounds
+                  (DIR's demo must take this one's settings: a checkout of the same wave)
   (c') full, exporter down        and        (d') production, exporter down
 
 (b)-(d) export to an OTLP sink in this process that counts and drops what it receives:
@@ -260,8 +261,9 @@ def configs(endpoint_down: bool, compare_with: str | None = None) -> list[Config
         Config("e", "inferprof off", semconv.MODE_OFF, "-"),
     ]
     if compare_with:
+        path = os.pathsep.join(p for p in (compare_with, os.environ.get("PYTHONPATH")) if p)
         out.append(Config("dx", f"inferprof production, the code at {compare_with}",
-                          semconv.MODE_PRODUCTION, "sink", env={"PYTHONPATH": compare_with}))
+                          semconv.MODE_PRODUCTION, "sink", env={"PYTHONPATH": path}))
     if endpoint_down:
         out += [
             Config("c'", "inferprof full, exporter down", semconv.MODE_FULL, "down"),

@@ -236,7 +236,7 @@ def _summary_exporter(config: Config) -> Any:
     except Exception:
         _logger.exception("inferprof could not build its summary exporter; traces only")
         return None
-    settle_exporter_environment(exporter)  # (OTLP/HTTP: read once, as the span exporter's)
+    settle_exporter_environment(exporter)
     return exporter
 
 
@@ -268,8 +268,10 @@ def _meter_provider(config: Config, res: Any, metric_readers: Any) -> Any:
     if metric_readers is None:
         from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
+        exporter = metric_exporter(config)
+        settle_exporter_environment(exporter)
         metric_readers = [PeriodicExportingMetricReader(
-            metric_exporter(config), export_interval_millis=_DEFAULT_METRIC_EXPORT_INTERVAL_MS,
+            exporter, export_interval_millis=_DEFAULT_METRIC_EXPORT_INTERVAL_MS,
         )]
     return MeterProvider(resource=res, metric_readers=list(metric_readers))
 

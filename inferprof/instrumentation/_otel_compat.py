@@ -136,10 +136,10 @@ def http_sender(exporter: Any) -> Callable[[bytes], bool] | None:
 
 
 def http_session(exporter: Any) -> Any:
-    """The ``requests`` session the SDK OTLP/HTTP exporter posts through (1.40 and later:
-    its client's transport's; earlier: its own), or None."""
+    """The ``requests`` session the SDK OTLP/HTTP exporter posts through where it posts
+    through its client's transport (1.45 and later), or None."""
     transport = getattr(getattr(exporter, "_client", None), "_transport", None)
-    session = getattr(transport, "_session", None) or getattr(exporter, "_session", None)
+    session = getattr(transport, "_session", None)
     return session if hasattr(session, "merge_environment_settings") else None
 
 

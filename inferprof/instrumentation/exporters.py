@@ -9,6 +9,7 @@ private (the gRPC translation hook, the HTTP client) is reached through
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from inferprof.instrumentation import _otel_compat as compat
@@ -70,12 +71,26 @@ def http_span_exporter(**kwargs: Any) -> Any:
 
 
 def settle_exporter_environment(exporter: Any) -> None:
-    """:func:`settle_environment` for an SDK OTLP/HTTP exporter's session and endpoint
-    (nothing for one without them: gRPC, other releases)."""
-    session = compat.http_session(exporter)
-    url = compat.http_endpoint(exporter)
-    if session is not None and url:
-        settle_environment(session, url)
+    """:func:`settle_environment` for a session the SDK's OTLP/HTTP exporter made itself
+    (1.45 and later: its client's transport's) and its endpoint. Nothing for any other: a
+    gRPC exporter, an earlier release (whose posts pass ``verify`` per request, which the
+    environment's CA bundle must override), or a session a credential provider supplied
+    (``OTEL_PYTHON_EXPORTER_OTLP_*CREDENTIAL_PROVIDER``: it may be shared, with other
+    endpoints and with the application, and is not inferprof's to change). Never raises."""
+    try:
+        if any(name.startswith(_PROVIDER_PREFIX) and name.endswith(_PROVIDER_SUFFIX) and value
+               for name, value in os.environ.items()):
+            return
+        session = compat.http_session(exporter)
+        url = compat.http_endpoint(exporter)
+        if session is not None and url:
+            settle_environment(session, url)
+    except Exception:  # left as it was: read at each post
+        _logger.exception("inferprof could not read the exporter's environment settings")
+
+
+_PROVIDER_PREFIX = "OTEL_PYTHON_EXPORTER_OTLP_"
+_PROVIDER_SUFFIX = "CREDENTIAL_PROVIDER"
 
 
 def settle_environment(session: Any, url: str) -> None:
@@ -92,7 +107,7 @@ def settle_environment(session: Any, url: str) -> None:
         from requests.utils import get_netrc_auth
 
         settings = session.merge_environment_settings(url, {}, None, None, None)
-        auth = session.auth if session.auth is not None else get_netrc_auth(url)
+        auth = session.auth or get_netrc_auth(url)  # (requests: netrc when no auth)
     except Exception:  # left as it was: read at each post
         _logger.exception("inferprof could not read the exporter's environment settings")
         return

@@ -1,10 +1,10 @@
 """The summaries' export as an OTLP request message, built straight from their state.
 
-The SDK's path makes one ``ExponentialHistogramDataPoint`` object per data point, then its
-encoder makes a message of each and copies it into the request; filling the request in
-place costs a fraction of that (docs/overhead.md). The message is the one the SDK's encoder makes of the same data
-(``tests/instrumentation/test_summaries.py`` compares them); the resource and scope are
-encoded by the SDK, once per resource (:func:`frame`).
+The SDK's path makes one ``ExponentialHistogramDataPoint`` object per data point, then
+its encoder makes a message of each and copies it into the request; filling the request
+in place costs a fraction of that (docs/overhead.md). The message is the one the SDK's
+encoder makes of the same data (``tests/instrumentation/test_summaries.py`` compares
+them); the resource and scope are encoded by the SDK, once per resource (:func:`frame`).
 """
 
 from __future__ import annotations
@@ -65,21 +65,21 @@ def request(frame: ExportMetricsServiceRequest, series: list[Any], start: int, n
 
 
 def _attributes(out: Any, attrs: dict[str, Any]) -> None:
-    """The summaries' attributes (strings, booleans, floats, integers) into ``out``."""
+    """The summaries' attributes into ``out``, typed as the SDK's encoder types them
+    (a ``str`` or ``int`` subclass as its base: a ``str`` enum, ``numpy.str_``)."""
     for key, value in attrs.items():
         kv = out.add()
         kv.key = key
-        kind = value.__class__
-        if kind is str:
-            kv.value.string_value = value
-        elif kind is bool:
+        if isinstance(value, bool):
             kv.value.bool_value = value
-        elif kind is float:
-            kv.value.double_value = value
-        elif kind is int:
+        elif isinstance(value, str):
+            kv.value.string_value = value
+        elif isinstance(value, int):
             kv.value.int_value = value
+        elif isinstance(value, float):
+            kv.value.double_value = value
         else:
-            raise TypeError(f"a summary attribute of type {kind.__name__}: {key}")
+            raise TypeError(f"a summary attribute of type {type(value).__name__}: {key}")
 
 
 __all__ = ["frame", "request"]

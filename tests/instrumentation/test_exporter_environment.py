@@ -95,3 +95,23 @@ def test_a_ca_bundle_in_the_environment_wins_over_the_session_default(servers, m
     _post(exporter)  # (plain HTTP: the bundle is not used)
     assert collector.targets == ["/v1/traces"]
     exporter.shutdown()
+
+
+def test_a_session_from_a_credential_provider_is_left_as_it_is(servers, monkeypatch):
+    # Such a session may be shared (other endpoints, the application): not inferprof's to
+    # change, so requests keeps reading the environment at each post.
+    import requests
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    from inferprof.instrumentation.exporters import settle_exporter_environment
+
+    _, collector = servers
+    shared = requests.Session()
+    exporter = OTLPSpanExporter(endpoint=f"{collector.url}/v1/traces", session=shared)
+    monkeypatch.setenv("OTEL_PYTHON_EXPORTER_OTLP_HTTP_CREDENTIAL_PROVIDER", "mine")
+    settle_exporter_environment(exporter)
+    assert compat.http_session(exporter) is shared and shared.trust_env
+    monkeypatch.delenv("OTEL_PYTHON_EXPORTER_OTLP_HTTP_CREDENTIAL_PROVIDER")
+    settle_exporter_environment(exporter)  # (without one: the SDK's session, settled)
+    assert not shared.trust_env
+    exporter.shutdown()

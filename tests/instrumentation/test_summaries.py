@@ -618,6 +618,10 @@ def test_an_export_past_the_bucket_bound_is_downscaled_exactly(monkeypatch):
     assert point.positive.bucket_counts[0] and point.positive.bucket_counts[-1]
 
 
+class _Name(str):
+    """A model name of a ``str`` subclass (an enum's, ``numpy.str_``): a string on the wire."""
+
+
 @pytest.mark.parametrize("max_buckets", [8192, 48])
 def test_the_request_built_from_the_state_is_the_sdk_encoders(monkeypatch, max_buckets):
     # The OTLP/HTTP export's request message, built straight from the state, equals what
@@ -636,7 +640,7 @@ def test_the_request_built_from_the_state_is_the_sdk_encoders(monkeypatch, max_b
         start = 10**18 + i * MS
         ns = int(2_000 * 1.4 ** rng.uniform(0, 30))
         stage = ("compute" if i % 3 else "queue", start, start + (0 if i % 17 == 0 else ns))
-        s.add((start, start + 2 * ns + 1, i % 7 == 0, rng.choice(["a", "b", None]),
+        s.add((start, start + 2 * ns + 1, i % 7 == 0, rng.choice(["a", _Name("b"), None]),
                rng.choice([1.0, 4.0]), stage, i % 5 == 0))
         s.add_untimed((start, start + ns, i % 9 == 0, "a"))
         if i % 100 == 99:
