@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import operator
 import os
 import random
 import time
@@ -85,8 +84,6 @@ _GEN_AI_REQUEST_MODEL = semconv.ATTR_GEN_AI_REQUEST_MODEL
 _CHILDREN = semconv.BATCH_ENCODING_CHILDREN
 _LINKS = semconv.BATCH_ENCODING_LINKS
 _INTERNAL = SpanKind.INTERNAL
-_NAME_START_END = operator.attrgetter("name", "start", "end")
-_flatten = itertools.chain.from_iterable
 _span_name = semconv.span_name
 _new_record = object.__new__
 _init_record = RequestRecord.__init__
@@ -466,16 +463,12 @@ class Runtime:
         end_ns`` each, in the order a timed request's spans come in); False when it has no
         stage (then only counted). Summaries that are full or closed drop it (counted as
         dropped, once: it is not counted instead)."""
-        # (name, start, end) of each stage in one C-level pass; a stage never entered
-        # (start 0) or still open (end None) is rare: then the loop
-        flat = list(_flatten(map(_NAME_START_END, rec.stages)))
-        if None in flat or 0 in flat:
-            flat = []
-            for st in rec.stages:
-                s = st.start
-                if s:  # (0: a stage() never entered)
-                    e = st.end
-                    flat += (st.name, s, end if e is None else e)
+        flat: list[Any] = []
+        for st in rec.stages:
+            s = st.start
+            if s:  # (0: a stage() never entered)
+                e = st.end
+                flat += (st.name, s, end if e is None else e)
         batches = rec.batches
         if batches:
             for b in batches:
