@@ -38,7 +38,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from itertools import chain
 from operator import itemgetter
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -538,31 +538,29 @@ class Summaries:
         send = self._send_request
         if send is not None:
             try:
-                request = self._request(*tables, start, now)
+                request = self._request(tables, start, now)
             except Exception:  # (the SDK's objects and encoder, then: never lost)
                 _logger.exception("inferprof could not encode its summaries; the SDK will")
             else:
                 return send(request)
-        data = self._metrics_data(*tables, start, now)
+        data = self._metrics_data(tables, start, now)
         return _succeeded(self._exporter.export(
             data, timeout_millis=self._export_timeout_s * 1000))
 
-    def _series(self, tables: _Tables) -> tuple[int, list[Any]]:
-        """The export's scale, and per metric with data points ``(name, unit, points)``,
-        each point ``(attributes, offset, bucket counts, its _Buckets)`` at that scale."""
+    def _series(self, tables: _Tables) -> tuple[int, list[tuple[str, str, list[_Point]]]]:
+        """The export's scale, and ``(name, unit, points)`` for each metric with data
+        points, each point at that scale."""
         scale = self._export_scale(tables)
         shift = self.scale - scale
         series = []
         for (name, unit, extra), table in zip(_METRICS, tables, strict=True):
-            points = [(_attributes(key[0], key[1], extra(*key[2:])), *_dense(b, shift), b)
+            points = [_point_of(_attributes(key[0], key[1], extra(*key[2:])), b, shift)
                       for key, b in table.items()]
             if points:
                 series.append((name, unit, points))
         return scale, series
 
-    def _metrics_data(self, requests: dict[_Key, _Buckets], stages: dict[_Key, _Buckets],
-                      tail: dict[_Key, _Buckets], counted: dict[_Key, _Buckets],
-                      start: int, now: int) -> Any:
+    def _metrics_data(self, tables: _Tables, start: int, now: int) -> Any:
         """The export as the SDK's metric objects, for any ``MetricExporter``."""
         from opentelemetry.sdk.metrics.export import (
             AggregationTemporality,
@@ -573,11 +571,10 @@ class Summaries:
             ScopeMetrics,
         )
 
-        scale, series = self._series((requests, stages, tail, counted))
+        scale, series = self._series(tables)
         metrics = [
             Metric(name=name, description=None, unit=unit, data=ExponentialHistogram(
-                data_points=[_point(attrs, lo, dense, b, start, now, scale)
-                             for attrs, lo, dense, b in points],
+                data_points=[_sdk_point(p, start, now, scale) for p in points],
                 aggregation_temporality=AggregationTemporality.DELTA,
             ))
             for name, unit, points in series
@@ -588,9 +585,7 @@ class Summaries:
             schema_url="",
         )])
 
-    def _request(self, requests: dict[_Key, _Buckets], stages: dict[_Key, _Buckets],
-                 tail: dict[_Key, _Buckets], counted: dict[_Key, _Buckets],
-                 start: int, now: int) -> Any:
+    def _request(self, tables: _Tables, start: int, now: int) -> Any:
         """The export as the OTLP request message the SDK's encoder would make of
         :meth:`_metrics_data`, built straight from the state (``summary_otlp``), for the
         OTLP/HTTP exporter (``_send_request``): a fraction of the CPU."""
@@ -598,7 +593,7 @@ class Summaries:
         if frame is None or frame[0] is not self.resource:
             frame = self._frame = (self.resource, summary_otlp.frame(self.resource,
                                                                      self._scope))
-        scale, series = self._series((requests, stages, tail, counted))
+        scale, series = self._series(tables)
         return summary_otlp.request(frame[1], series, start, now, scale)
 
     def _export_scale(self, tables: Iterable[dict[_Key, _Buckets]]) -> int:
@@ -702,38 +697,55 @@ def _attributes(model: str | None, weight: float, extra: dict[str, Any]) -> dict
     return attrs
 
 
-def _dense(b: _Buckets, shift: int) -> tuple[int, list[int]]:
-    """``b``'s bucket offset and counts, downscaled by ``shift`` (OTLP's: bucket ``i`` to
-    ``i >> shift``); (0, []) for none."""
+class _Point(NamedTuple):
+    """One data point as exported: its attributes, bucket offset and counts (at the
+    export's scale), its count (``total``), zero count, sum, min and max (0 when it
+    holds no value)."""
+
+    attrs: dict[str, Any]
+    offset: int
+    counts: list[int]
+    total: int
+    zero: int
+    sum: float
+    min: float
+    max: float
+
+
+def _point_of(attrs: dict[str, Any], b: _Buckets, shift: int) -> _Point:
+    """``b`` as exported, its buckets downscaled by ``shift`` (OTLP's: bucket ``i`` to
+    ``i >> shift``)."""
     counts, lo = b.counts, b.lo
     if not len(counts):
-        return 0, []
-    if shift:
+        lo = 0
+    elif shift:
         at = np.arange(lo, lo + len(counts)) >> shift
         lo = lo >> shift
         merged = np.zeros(int(at[-1]) - lo + 1, np.int64)
         np.add.at(merged, at - lo, counts)
         counts = merged
-    return lo, counts.tolist()
+    dense = counts.tolist()
+    return _Point(attrs, lo, dense, sum(dense) + b.zero, b.zero, b.sum,
+                  b.min if b.min != math.inf else 0.0,
+                  b.max if b.max != -math.inf else 0.0)
 
 
-def _point(attrs: dict[str, Any], lo: int, dense: list[int], b: _Buckets, start: int,
-           now: int, scale: int) -> Any:
+def _sdk_point(p: _Point, start: int, now: int, scale: int) -> Any:
     from opentelemetry.sdk.metrics.export import Buckets, ExponentialHistogramDataPoint
 
     return ExponentialHistogramDataPoint(
-        attributes=attrs,
+        attributes=p.attrs,
         start_time_unix_nano=start,
         time_unix_nano=now,
-        count=sum(dense) + b.zero,
-        sum=b.sum,
+        count=p.total,
+        sum=p.sum,
         scale=scale,
-        zero_count=b.zero,
-        positive=Buckets(offset=lo, bucket_counts=dense),
+        zero_count=p.zero,
+        positive=Buckets(offset=p.offset, bucket_counts=p.counts),
         negative=Buckets(offset=0, bucket_counts=[]),
         flags=0,
-        min=b.min if b.min != math.inf else 0.0,
-        max=b.max if b.max != -math.inf else 0.0,
+        min=p.min,
+        max=p.max,
     )
 
 

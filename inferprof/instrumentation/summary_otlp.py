@@ -35,8 +35,7 @@ def frame(resource: Any, scope: Any) -> ExportMetricsServiceRequest:
 def request(frame: ExportMetricsServiceRequest, series: list[Any], start: int, now: int,
             scale: int) -> ExportMetricsServiceRequest:
     """``frame`` with the exponential histograms of ``series`` (``(name, unit, points)``,
-    each point ``(attributes, offset, bucket counts, state)``, the state's ``zero``,
-    ``sum``, ``min`` and ``max`` read) at ``scale``, DELTA over ``[start, now]``."""
+    each point a ``summaries._Point``) at ``scale``, DELTA over ``[start, now]``."""
     out = ExportMetricsServiceRequest()
     out.CopyFrom(frame)
     metrics = out.resource_metrics[0].scope_metrics[0].metrics
@@ -47,20 +46,20 @@ def request(frame: ExportMetricsServiceRequest, series: list[Any], start: int, n
         histogram = metric.exponential_histogram
         histogram.aggregation_temporality = _DELTA
         add = histogram.data_points.add
-        for attrs, lo, dense, b in points:
+        for p in points:
             point = add()
-            _attributes(point.attributes, attrs)
+            _attributes(point.attributes, p.attrs)
             point.start_time_unix_nano = start
             point.time_unix_nano = now
-            point.count = sum(dense) + b.zero
-            point.sum = b.sum
+            point.count = p.total
+            point.sum = p.sum
             point.scale = scale
-            point.zero_count = b.zero
-            if dense:
-                point.positive.offset = lo
-                point.positive.bucket_counts.extend(dense)
-            point.min = b.min if b.min != float("inf") else 0.0
-            point.max = b.max if b.max != float("-inf") else 0.0
+            point.zero_count = p.zero
+            if p.counts:
+                point.positive.offset = p.offset
+                point.positive.bucket_counts.extend(p.counts)
+            point.min = p.min
+            point.max = p.max
     return out
 
 

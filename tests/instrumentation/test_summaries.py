@@ -647,8 +647,8 @@ def test_the_request_built_from_the_state_is_the_sdk_encoders(monkeypatch, max_b
             s._fold()
     tables = (s._requests, s._stages, s._tail, s._counted)
     assert all(tables)
-    built = s._request(*tables, 5, 6)
-    assert built == encode_metrics(s._metrics_data(*tables, 5, 6))
+    built = s._request(tables, 5, 6)
+    assert built == encode_metrics(s._metrics_data(tables, 5, 6))
     assert max_buckets == 8192 or built.resource_metrics[0].scope_metrics[0].metrics[
         0].exponential_histogram.data_points[0].scale < DEFAULT_SUMMARY_SCALE
     s.close(10)
