@@ -187,7 +187,8 @@ class TailSampler:
 
 
 #: Seconds over which a key's request rate is counted for :class:`TimingBudget`. Short, so
-#: that a burst after an idle spell is timed in full for a tenth of a second, not a second.
+#: that its share follows a change of rate within a tenth of a second, not a second (and
+#: within the period, its cap bounds what a burst is timed at).
 _BUDGET_PERIOD_S = 0.1
 #: Keys (paths, request names) counted on their own per period; later keys are counted
 #: with the rare ones (:class:`TimingBudget`), so memory stays bounded.
@@ -228,7 +229,10 @@ class TimingBudget:
     """Caps the requests ``production`` mode times at ``rate`` per second per key (the
     HTTP path, or an ``inferprof.request()``'s name and model): above it, each request is
     timed with probability ``rate / (the key's requests per second)`` rounded down to a
-    power of two, counted over the previous tenth of a second. (Powers of two: the
+    power of two, counted over the previous tenth of a second, and within the current
+    tenth, once the key's requests in it pass its budget for a tenth (``rate`` x 0.1), at
+    most that budget over their count so far (:meth:`_capped`: the first tenth after an
+    idle spell and bursts above the last tenth's rate are not timed in full). (Powers of two: the
     weights ``1 / probability`` then take few distinct values, and the summaries split
     their data points by weight, contract §15.) A request not timed costs about what
     ``off`` costs; a timed one carries the inverse of that probability in its weight, so
@@ -257,9 +261,10 @@ class TimingBudget:
     ``rate``. At most ``_BUDGET_MAX_KEYS`` keys are marked; others keep ``rate``.
     """
 
-    __slots__ = ("__weakref__", "_clock", "_counts", "_cpu_clock", "_cpu_start", "_default",
-                 "_guard", "_lock", "_period_end", "_period_start", "_shares",
-                 "_summarised_keys", "max_cpu", "rate", "summarised_rate")
+    __slots__ = ("__weakref__", "_cap", "_clock", "_counts", "_cpu_clock", "_cpu_start",
+                 "_default", "_guard", "_lock", "_low_cap", "_low_keys", "_period_end",
+                 "_period_start", "_shares", "_summarised_keys", "max_cpu", "rate",
+                 "summarised_rate")
 
     def __init__(
         self,
@@ -295,6 +300,11 @@ class TimingBudget:
         self._summarised_keys: set[object] = set()
         #: share timed for any other key: the rare keys' budget over their requests
         self._default = 1.0
+        #: requests of a key timed in full per period (``rate`` over a period; none: inf),
+        #: the same for the keys marked summarised (``_low_keys``, from the last period)
+        self._cap = self._low_cap = (
+            self.rate * _BUDGET_PERIOD_S if self.rate is not None else math.inf)
+        self._low_keys: Any = ()
         self._clock = clock
         now = clock()
         self._period_start = now
@@ -312,17 +322,36 @@ class TimingBudget:
             counts = self._counts
             n = counts.get(key)
             if n is not None:
-                counts[key] = n + 1
+                n += 1
+                counts[key] = n
             elif len(counts) < _BUDGET_MAX_KEYS:
-                counts[key] = 1
+                counts[key] = n = 1
             else:  # unbounded keys must not grow memory: counted with the rare ones
-                counts[_RARE_KEY] = counts.get(_RARE_KEY, 0) + 1
-                return min(self._default, self._guard)
+                n = counts[_RARE_KEY] = counts.get(_RARE_KEY, 0) + 1
+                share = self._default
+                if share * n > self._cap:
+                    share = self._capped(share, n, self._cap)
+                return min(share, self._guard)
             share = self._shares.get(key, self._default)
+            if share * n > self._low_cap:  # maybe over its budget for this period already
+                share = self._capped(share, n, self._low_cap if key in self._low_keys
+                                     else self._cap)
             # both powers of two: the smaller is the probability of either cap's draw
             return share if share <= self._guard else self._guard
         except Exception:  # telemetry never fails a request
             return 1.0
+
+    @staticmethod
+    def _capped(share: float, n: int, cap: float) -> float:
+        """The share of the ``n``-th request of a key in this period, at most ``share``:
+        past ``cap`` (its budget for a period) requests, the cap over ``n``, rounded down
+        to a power of two. Known before the draw, so the weight stays exact. It bounds
+        what a period times when the key's rate jumps above the last period's (the first
+        period after an idle spell, a batcher's bursts) to about ``cap`` plus half of it
+        per doubling of ``n`` past it (``cap`` x (1 + log2(n / cap) / 2)) in expectation."""
+        if share * n <= cap:
+            return share
+        return _power_of_two_below(cap / n)
 
     def summarised(self, key: object, on: bool) -> None:
         """Mark ``key`` as a route whose untimed requests are summarised with their stages
@@ -368,9 +397,12 @@ class TimingBudget:
             low = self.summarised_rate
             marked: Any = ()
             low_budget = budget
+            self._low_cap = self._cap
             if low is not None and low < self.rate and self._summarised_keys:
                 marked = self._summarised_keys
                 low_budget = low * (now - self._period_start)
+                self._low_cap = low * _BUDGET_PERIOD_S
+            self._low_keys = marked
             for key, n in own.items():
                 b = low_budget if key in marked else budget
                 if n > b:

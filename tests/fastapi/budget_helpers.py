@@ -13,10 +13,15 @@ from tests.instrumentation.helpers import captured
 
 
 class BudgetClock:
+    """Moved by the test, and by ``step`` at each reading: the budget reads it once a
+    request, so ``step`` sets a steady request rate (1 / step a second; 0: frozen)."""
+
     def __init__(self) -> None:
         self.now = 100.0
+        self.step = 0.0
 
     def __call__(self) -> float:
+        self.now += self.step
         return self.now
 
 

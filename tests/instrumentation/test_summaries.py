@@ -337,11 +337,14 @@ def test_weights_of_the_timing_budget_split_the_data_points(clock):
                   summary_interval_s=3600) as cap:
         rt = inferprof._config.active_runtime()
         rt.timing_budget = TimingBudget(100, clock=lambda: budget_clock[0])
-        for _ in range(300):  # 300 a second: a share of 1/3, rounded down to 1/4
+        # 300 a second, steady: a share of 1/3, rounded down to 1/4 (30 requests a tenth of
+        # a second, within a period's budget of 10 at that share)
+        for _ in range(60):
             rt.timing_budget.share((semconv.REQUEST_SPAN_NAME, "m"))
-        budget_clock[0] += 1.0
+            budget_clock[0] += 1 / 300
         timed = 0
         for i in range(400):
+            budget_clock[0] += 1 / 300
             with inferprof.request(model="m") as req:
                 timed += req is not None
                 with inferprof.stage("compute"):

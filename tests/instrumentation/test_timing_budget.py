@@ -22,27 +22,35 @@ from tests.instrumentation.helpers import captured
 
 
 class Clock:
+    """Moved by the test, and by ``step`` at each reading: the budget reads it once a
+    request, so ``step`` sets a steady request rate (1 / step a second; 0: frozen)."""
+
     def __init__(self) -> None:
         self.now = 100.0
+        self.step = 0.0
 
     def __call__(self) -> float:
+        self.now += self.step
         return self.now
 
 
-def _over_budget(clock: Clock, key: object, seen: int) -> None:
-    """Give the active runtime a budget of 100 a second on ``clock`` that has just seen
-    ``seen`` requests of ``key`` in a second: the next ones are timed at 100 / ``seen``."""
+def _over_budget(clock: Clock, key: object, rate: int) -> None:
+    """Give the active runtime a budget of 100 a second on ``clock``, from now on moving
+    at ``rate`` requests a second, steady, and run two tenths of a second of ``key``'s: its
+    next requests are timed at 100 / ``rate`` rounded down to a power of two (a steady
+    rate: within each period's cap at that share)."""
     rt = inferprof._config.active_runtime()
     rt.timing_budget = TimingBudget(100, clock=clock)
-    for _ in range(seen):
+    clock.step = 1 / rate
+    for _ in range(rate // 5):
         rt.timing_budget.share(key)
-    clock.now += 1.0
 
 
 def test_share_is_the_budget_over_the_previous_periods_rate():
     clock = Clock()
     budget = TimingBudget(100, clock=clock)
-    assert [budget.share("/a") for _ in range(400)] == [1.0] * 400  # first period: all
+    for _ in range(400):
+        budget.share("/a")
     for _ in range(50):
         budget.share("/b")
     clock.now += 1.0
@@ -51,6 +59,41 @@ def test_share_is_the_budget_over_the_previous_periods_rate():
     assert budget.share("/new") == 1.0
     clock.now += 1.0  # a quiet second for /a (one request): back to every request
     assert budget.share("/a") == 1.0
+
+
+def test_within_a_period_requests_past_its_budget_are_timed_at_the_budget_over_the_count():
+    # The first period, or a burst above the last period's rate: the share drawn is known
+    # before each draw (so the weights stay exact), and a period times about its budget
+    # (rate x 0.1 s) plus half of it per doubling of the requests past it.
+    clock = Clock()
+    budget = TimingBudget(100, clock=clock)
+    shares = [budget.share("/a") for _ in range(400)]
+    assert shares[:10] == [1.0] * 10  # the period's budget: 10, timed in full
+    for n, share in enumerate(shares[10:], start=11):
+        assert share <= 10 / n < 2 * share  # the cap over the count, a power of two
+        assert math.log2(share) == int(math.log2(share))
+    assert 36 <= sum(shares) <= 38  # 10 + 5 x log2(40): timed in expectation, not 400
+    # a route marked summarised, capped at its own rate (10 a second: 1 a period)
+    budget = TimingBudget(100, clock=clock, summarised_rate=10)
+    budget.summarised("/s", True)
+    clock.now += 1.0
+    budget.share("/s")  # a new period: the mark applies
+    clock.now += 1.0
+    shares = [budget.share("/s") for _ in range(64)]
+    assert shares[0] == 1.0 and shares[1:3] == [0.5, 0.25] and shares[63] == 2.0**-6
+    assert sum(shares) < 1 + 0.5 * 6 + 0.01
+    # a steady rate is not capped: each period's count times its share stays in budget
+    clock.step = 1 / 300
+    shares = [budget.share("/a") for _ in range(600)]
+    assert set(shares[60:]) == {0.25}
+    # keys past the first _BUDGET_MAX_KEYS share the rare keys' budget, capped alike
+    clock.step = 0.0
+    clock.now += 1.0
+    busy = TimingBudget(100, clock=clock)
+    for i in range(sampling._BUDGET_MAX_KEYS):
+        busy.share(f"/k{i}")
+    rare = [busy.share(f"/id/{i}") for i in range(100)]
+    assert rare[:10] == [1.0] * 10 and rare[99] == 2.0**-4
 
 
 def test_the_rate_is_the_mean_over_an_idle_spell():
@@ -178,15 +221,9 @@ def test_requests_over_budget_are_timed_at_the_share_and_weighted_by_its_inverse
     app = _app(record)
     # sample_rate 1: every timed request is kept, so the kept traces are the timed ones
     with captured(mode="production", sample_rate=1.0) as cap:
-        rt = inferprof._config.active_runtime()
-        rt.timing_budget = TimingBudget(100, clock=clock)
         with caplog.at_level(logging.WARNING, logger="inferprof"):
-            asyncio.run(_post(app, 400))  # the first second: every request timed
-            assert len(cap.requests()) == 400 and rt.stats.untimed == 0
-            cap.clear()
-            record.clear()
-            clock.now += 1.0
-            asyncio.run(_post(app, 400))  # 400 a second before: a quarter timed
+            _over_budget(clock, "/v1/run", 300)  # 300 a second: a quarter timed
+            asyncio.run(_post(app, 400))
         requests = cap.requests()
         spans = cap.spans()
         snap = inferprof.instrumentation.stats()
@@ -239,7 +276,7 @@ def test_untimed_members_of_a_batch_are_counted_in_its_size_and_copy_nothing():
         await batcher.stop()
 
     with captured(mode="production", sample_rate=1.0) as cap:
-        _over_budget(clock, "/v1/run", 400)  # a quarter of the 80 requests timed
+        _over_budget(clock, "/v1/run", 300)  # a quarter of the 80 requests timed
         asyncio.run(burst())
         requests = cap.requests()
         assemblies = cap.stages(semconv.STAGE_BATCH_ASSEMBLY)
@@ -269,7 +306,7 @@ def test_a_context_value_does_not_bypass_the_budget_but_another_request_span_doe
     app = _app(record)
     with captured(mode="production", sample_rate=1.0) as cap:
         rt = inferprof._config.active_runtime()
-        _over_budget(clock, "/v1/run", 400)
+        _over_budget(clock, "/v1/run", 300)
         # baggage set for the whole process (no span): requests are still budgeted
         token = context_api.attach(baggage.set_baggage("tenant", "a"))
         try:
@@ -306,7 +343,7 @@ def test_top_level_requests_are_budgeted_by_name_and_model_and_stay_unbiased(cap
     clock = Clock()
     inferprof.configure(tracer_provider=cap.provider, mode="production", sample_rate=0.05,
                         tail_quantile=0.9)
-    _over_budget(clock, (semconv.REQUEST_SPAN_NAME, "m"), 400)  # a quarter timed
+    _over_budget(clock, (semconv.REQUEST_SPAN_NAME, "m"), 300)  # a quarter timed
     n, untimed = 4000, 0
     for _ in range(n):
         with inferprof.request(model="m") as req:
