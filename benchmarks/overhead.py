@@ -5,7 +5,9 @@
                                    [--out docs/overhead.md]
 
 The demo service (FastAPI + dynamic batcher + real tokenizer + numpy model, see
-docs/demo.md) runs under uvicorn on 127.0.0.1, one long-lived process per configuration:
+docs/demo.md) runs under uvicorn on 127.0.0.1, one process per configuration (fresh each
+round), importing this checkout's inferprof (first on its ``PYTHONPATH``, whichever one
+the interpreter has installed):
 
   (a) none        uninstrumented: no telemetry code at all; the same batching algorithm
                   as inferprof's DynamicBatcher (inferprof/demo/plain_batcher.py)
@@ -110,6 +112,14 @@ from inferprof.demo.settings import (
 )
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
+#: This checkout: the services import its inferprof (and its demo), first on their path,
+#: whichever one the interpreter has installed (an editable install of another worktree)
+ROOT = str(Path(__file__).resolve().parents[1])
+#: Timed requests an inferprof service has served before it is measured: past the 64 of
+#: the tail sampler's warm-up (``sampling._DEFAULT_WARMUP``), during which it keeps every
+#: trace; ``WARM_MAX_S`` seconds of load at most
+WARM_TIMED = 80
+WARM_MAX_S = 30.0
 
 
 # --- a null OTLP sink ---------------------------------------------------------------------
@@ -244,6 +254,11 @@ class Config:
     env: dict = field(default_factory=dict)
 
 
+def _service_path() -> str:
+    """The services' ``PYTHONPATH``: this checkout, then the caller's."""
+    return os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+
+
 def configs(endpoint_down: bool, compare_with: str | None = None) -> list[Config]:
     out = [
         Config("a", "uninstrumented", INSTRUMENTATION_NONE, "-"),
@@ -261,7 +276,7 @@ def configs(endpoint_down: bool, compare_with: str | None = None) -> list[Config
         Config("e", "inferprof off", semconv.MODE_OFF, "-"),
     ]
     if compare_with:
-        path = os.pathsep.join(p for p in (compare_with, os.environ.get("PYTHONPATH")) if p)
+        path = os.pathsep.join(p for p in (compare_with, _service_path()) if p)
         out.append(Config("dx", f"inferprof production, the code at {compare_with}",
                           semconv.MODE_PRODUCTION, "sink", env={"PYTHONPATH": path}))
     if endpoint_down:
@@ -570,7 +585,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             # Nothing but the endpoint we chose: no OTLP env from the caller's shell.
             extra = {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint or down,
-                     "OTEL_EXPORTER_OTLP_PROTOCOL": protocol, **c.env}
+                     "OTEL_EXPORTER_OTLP_PROTOCOL": protocol, "PYTHONPATH": _service_path(),
+                     **c.env}
             # The child (and every thread it ever starts) inherits the affinity it is
             # started with, so the service is pinned from its first instruction.
             _pin(server_cpu)
@@ -586,6 +602,16 @@ def main(argv: list[str] | None = None) -> int:
         def warm(c: Config) -> None:
             assert c.service is not None
             run_loadgen(c.service.url, duration_s=args.warmup, concurrency=args.concurrency)
+            # An inferprof service is measured in its steady state: past its tail
+            # sampler's warm-up, which keeps every timed request's trace until it has seen
+            # 64 (at saturation the timing budget times some 8-10 a second, so a fresh
+            # process needs about 8 s of load for that)
+            deadline = time.monotonic() + WARM_MAX_S
+            while c.instrumentation == semconv.MODE_PRODUCTION and time.monotonic() < deadline:
+                tel = health(c.service.base_url).get("telemetry")
+                if not tel or tel["traces_kept"] + tel["traces_discarded"] >= WARM_TIMED:
+                    break
+                run_loadgen(c.service.url, duration_s=1.0, concurrency=args.concurrency)
 
         with ExitStack() as long_lived:
             if args.same_processes:
