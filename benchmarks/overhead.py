@@ -609,7 +609,7 @@ def main(argv: list[str] | None = None) -> int:
             deadline = time.monotonic() + WARM_MAX_S
             while c.instrumentation == semconv.MODE_PRODUCTION and time.monotonic() < deadline:
                 tel = health(c.service.base_url).get("telemetry")
-                if not tel or tel["traces_kept"] + tel["traces_discarded"] >= WARM_TIMED:
+                if not tel or tel.get("traces_kept", 0) + tel.get("traces_discarded", 0) >= WARM_TIMED:
                     break
                 run_loadgen(c.service.url, duration_s=1.0, concurrency=args.concurrency)
 

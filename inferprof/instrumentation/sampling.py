@@ -197,6 +197,12 @@ _BUDGET_MAX_KEYS = 64
 _RARE_KEY = ("<rare>",)
 
 
+def _period_cap(rate: float) -> float:
+    """Requests of a key a period times in full, at ``rate`` a second (at least one: a
+    route under its budget, sparse traffic included, is timed in full whatever the rate)."""
+    return max(1.0, rate * _BUDGET_PERIOD_S)
+
+
 def _power_of_two_below(share: float) -> float:
     """The largest power of two at most ``share`` (0 < share < 1)."""
     _, exponent = math.frexp(share)
@@ -303,7 +309,7 @@ class TimingBudget:
         #: requests of a key timed in full per period (``rate`` over a period; none: inf),
         #: the same for the keys marked summarised (``_low_keys``, from the last period)
         self._cap = self._low_cap = (
-            self.rate * _BUDGET_PERIOD_S if self.rate is not None else math.inf)
+            _period_cap(self.rate) if self.rate is not None else math.inf)
         self._low_keys: Any = ()
         self._clock = clock
         now = clock()
@@ -334,8 +340,9 @@ class TimingBudget:
                 return min(share, self._guard)
             share = self._shares.get(key, self._default)
             if share * n > self._low_cap:  # maybe over its budget for this period already
-                share = self._capped(share, n, self._low_cap if key in self._low_keys
-                                     else self._cap)
+                cap = self._low_cap if key in self._low_keys else self._cap
+                if share * n > cap:  # (_capped, inline)
+                    share = _power_of_two_below(cap / n)
             # both powers of two: the smaller is the probability of either cap's draw
             return share if share <= self._guard else self._guard
         except Exception:  # telemetry never fails a request
@@ -401,8 +408,8 @@ class TimingBudget:
             if low is not None and low < self.rate and self._summarised_keys:
                 marked = self._summarised_keys
                 low_budget = low * (now - self._period_start)
-                self._low_cap = low * _BUDGET_PERIOD_S
-            self._low_keys = marked
+                self._low_cap = _period_cap(low)
+            self._low_keys = frozenset(marked)
             for key, n in own.items():
                 b = low_budget if key in marked else budget
                 if n > b:

@@ -96,6 +96,22 @@ def test_within_a_period_requests_past_its_budget_are_timed_at_the_budget_over_t
     assert rare[:10] == [1.0] * 10 and rare[99] == 2.0**-4
 
 
+def test_a_route_under_a_rate_below_ten_a_second_is_timed_in_full():
+    # Under 10 a second, a tenth's budget is under one request: each tenth still times its
+    # first request in full, so a route under its rate is timed in full, as it was before
+    # the cap within the tenth (sparse traffic included).
+    clock = Clock()
+    for rate, summarised, per_second in ((1, None, 1), (2, None, 1), (5, None, 2), (100, 2, 1)):
+        budget = TimingBudget(rate, clock=clock, summarised_rate=summarised)
+        budget.summarised("/a", True)
+        clock.step = 1 / per_second
+        assert [budget.share("/a") for _ in range(20)] == [1.0] * 20, (rate, summarised)
+    clock.step = 0.0
+    clock.now += 1.0
+    burst = [budget.share("/a") for _ in range(8)]  # 8 at once: capped from the second
+    assert burst == [1.0, 0.5, 0.25, 0.25, 0.125, 0.125, 0.125, 0.125]
+
+
 def test_the_rate_is_the_mean_over_an_idle_spell():
     clock = Clock()
     budget = TimingBudget(10, clock=clock)
@@ -132,8 +148,9 @@ def test_paths_with_ids_are_capped_like_one_route():
             clock.now = start + i / rate
             n += random.random() < budget.share(f"/v1/jobs/{rate}-{i}")
         timed[rate] = n / 2
-    # every request timed in the first tenth of a second of each rate, then 50 to 100 a
-    # second (the share rounded down to a power of two)
+    # in the first tenth of a second of each rate, the first 64 paths timed in full (each
+    # a key of its own, seen once) and the others at the rare keys' budget over their
+    # count so far; then 50 to 100 a second (the share rounded down to a power of two)
     assert timed[300] <= 0.7 * 300
     assert 40 <= timed[1000] <= 160
     assert 40 <= timed[5000] <= 400
