@@ -237,8 +237,8 @@ class TimingBudget:
     timed with probability ``rate / (the key's requests per second)`` rounded down to a
     power of two, counted over the previous tenth of a second, and within the current
     tenth, once the key's requests in it pass its budget for a tenth (``rate`` x 0.1), at
-    most that budget over their count so far (:meth:`_capped`: the first tenth after an
-    idle spell and bursts above the last tenth's rate are not timed in full). (Powers of two: the
+    most that budget over their count so far (so the first tenth after an idle
+    spell and bursts above the last tenth's rate are not timed in full). (Powers of two: the
     weights ``1 / probability`` then take few distinct values, and the summaries split
     their data points by weight, contract §15.) A request not timed costs about what
     ``off`` costs; a timed one carries the inverse of that probability in its weight, so
@@ -335,30 +335,23 @@ class TimingBudget:
             else:  # unbounded keys must not grow memory: counted with the rare ones
                 n = counts[_RARE_KEY] = counts.get(_RARE_KEY, 0) + 1
                 share = self._default
-                if share * n > self._cap:
-                    share = self._capped(share, n, self._cap)
+                if share * n > self._cap:  # past the period's budget (below)
+                    share = _power_of_two_below(self._cap / n)
                 return min(share, self._guard)
             share = self._shares.get(key, self._default)
-            if share * n > self._low_cap:  # maybe over its budget for this period already
+            # Past the key's budget for this period (a burst, the first period after an
+            # idle spell): at most that budget over the count so far, known before the
+            # draw, so the weight stays exact; a period then times about
+            # cap x (1 + log2(n / cap) / 2) in expectation. (The smaller cap first: one
+            # comparison for most requests.)
+            if share * n > self._low_cap:
                 cap = self._low_cap if key in self._low_keys else self._cap
-                if share * n > cap:  # (_capped, inline)
+                if share * n > cap:
                     share = _power_of_two_below(cap / n)
             # both powers of two: the smaller is the probability of either cap's draw
             return share if share <= self._guard else self._guard
         except Exception:  # telemetry never fails a request
             return 1.0
-
-    @staticmethod
-    def _capped(share: float, n: int, cap: float) -> float:
-        """The share of the ``n``-th request of a key in this period, at most ``share``:
-        past ``cap`` (its budget for a period) requests, the cap over ``n``, rounded down
-        to a power of two. Known before the draw, so the weight stays exact. It bounds
-        what a period times when the key's rate jumps above the last period's (the first
-        period after an idle spell, a batcher's bursts) to about ``cap`` plus half of it
-        per doubling of ``n`` past it (``cap`` x (1 + log2(n / cap) / 2)) in expectation."""
-        if share * n <= cap:
-            return share
-        return _power_of_two_below(cap / n)
 
     def summarised(self, key: object, on: bool) -> None:
         """Mark ``key`` as a route whose untimed requests are summarised with their stages
